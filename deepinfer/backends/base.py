@@ -1,0 +1,161 @@
+"""The accelerator interface: identity, capabilities and the complete op set.
+
+`core/` talks to hardware only through an `Accelerator`. Every numeric kernel
+the model graph and the sampler call is a method here, documented once: shapes,
+dtypes and semantics. The cpu backend (`backends/cpu`) is the reference that
+every other backend is tested against (`tests/conformance/`).
+
+Conventions for all ops:
+- T is the number of tokens in the step (all sequences flattened), H heads,
+  D a feature size. Activations are float32 on the cpu reference; other
+  backends may store bf16 but accumulate in float32.
+- Index tensors are int64; -1 marks "no entry" and must be ignored.
+- Weights are whatever `prepare_weight` returned for the backend (the cpu
+  backend keeps float32 tensors).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+
+class Accelerator(ABC):
+    # identity
+    name: str = "base"
+    device: torch.device = torch.device("cpu")
+    dist_backend: str = "gloo"
+
+    # capabilities (core gates features on these, never on `name`)
+    batch_invariant: bool = False  # results independent of batch composition when enabled
+    deterministic_sampling: bool = False  # seq_seed + batch invariance => identical reruns
+    fp8_weights: bool = False  # can run FP8 block-scaled GEMMs natively
+
+    # -------------------------------------------------------------- weights
+    def prepare_weight(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Move a loaded float32 (or int64) checkpoint tensor to the device, in the
+        layout and dtype this backend computes with. Called once per tensor at load."""
+        return tensor.to(self.device)
+
+    # -------------------------------------------------------------- dense
+    @abstractmethod
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """y = x @ weight.T. x [..., K], weight [N, K] -> [..., N]."""
+
+    @abstractmethod
+    def grouped_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Block-diagonal projection. x [T, G, K], weight [G*N, K] viewed as G blocks of
+        [N, K] -> [T, G, N]; group g only sees x[:, g]."""
+
+    @abstractmethod
+    def embedding(self, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """ids [T] int64, weight [V, D] -> [T, D] float32."""
+
+    @abstractmethod
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+        """x * rsqrt(mean(x^2, -1) + eps) (* weight) over the last dim, in float32.
+        weight None = the unweighted norm (per-head q norm, mHC input norm)."""
+
+    @abstractmethod
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        """Interleaved RoPE on the trailing rope slice of x. x [T, H, D] (or [T, D]),
+        cos/sin [T, R/2] (one angle per channel pair) rotate channels D-R..D pairwise
+        ((x0, x1) -> (x0 c - x1 s, x1 c + x0 s)); the leading D-R channels pass through.
+        inverse=True rotates by -angle (undoes the rope on attention outputs)."""
+
+    @abstractmethod
+    def swiglu(self, gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+        """silu(min(gate, limit)) * clamp(up, -limit, limit), elementwise."""
+
+    # -------------------------------------------------------------- mHC
+    @abstractmethod
+    def hc_pre(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+               norm_eps: float, hc_eps: float, sinkhorn_iters: int
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Manifold-constrained hyper-connection, entering a block.
+        streams [T, N, D]; fn [(2+N)*N, N*D]; base [(2+N)*N]; scale [3].
+        mix = unweighted_rms_norm(flatten(streams)) @ fn.T split into pre N, post N, comb N*N;
+        pre = sigmoid(mix_pre*scale0 + b) + hc_eps; post = 2 sigmoid(mix_post*scale1 + b);
+        comb = softmax(mix_comb*scale2 + b, -1) + hc_eps, then Sinkhorn: one column
+        normalisation, then (iters-1) x (row, column) normalisations, each dividing by sum + hc_eps.
+        Returns (collapsed [T, D] = sum_n pre_n stream_n, post [T, N], comb [T, N, N])."""
+
+    @abstractmethod
+    def hc_post(self, block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
+                comb: torch.Tensor) -> torch.Tensor:
+        """Leaving a block: out[t, m] = post[t, m] * block_out[t] + sum_n comb[t, n, m] * streams[t, n].
+        block_out [T, D], streams [T, N, D], post [T, N], comb [T, N, N] -> [T, N, D]."""
+
+    @abstractmethod
+    def hc_head(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+                norm_eps: float, hc_eps: float) -> torch.Tensor:
+        """Final collapse: pre = sigmoid(unweighted_rms_norm(flatten(streams)) @ fn.T * scale + base) + hc_eps;
+        streams [T, N, D], fn [N, N*D], base [N], scale [1] -> sum_n pre_n stream_n [T, D]."""
+
+    # -------------------------------------------------------------- attention
+    @abstractmethod
+    def compress_windows(self, kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """Compressor reduction: out[w] = sum_j softmax_j(gate[w, j]) * kv[w, j] per channel.
+        kv, gate [W, L, D] (gate already includes the position bias; -inf slots get weight 0)
+        -> [W, D] float32."""
+
+    @abstractmethod
+    def indexer_topk(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
+                     candidates: torch.Tensor, topk: int, scale: float) -> torch.Tensor:
+        """Lightning Indexer selection. q [T, H, Di], weights [T, H], keys [P, Di] (a pool),
+        candidates [T, M] rows of `keys` each token may use (-1 = none).
+        score(t, c) = sum_h weights[t, h] * relu(q[t, h] . keys[c]) * scale.
+        Returns [T, min(topk, M)] the rows of the highest-scoring candidates, -1 where a token
+        has fewer valid candidates. Order within a row is unspecified."""
+
+    @abstractmethod
+    def sparse_attention(self, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
+                         sinks: torch.Tensor, scale: float) -> torch.Tensor:
+        """Shared-KV MQA over an index list (K == V): q [T, H, D], kv [P, D] pool,
+        indices [T, K] rows of kv each token attends to (-1 = masked), sinks [H] logits
+        that join every softmax but carry no value.
+        out[t, h] = sum_k p[t, h, k] kv[indices[t, k]], p = softmax over (q.kv * scale, sink).
+        A token with no valid index gets zeros. -> [T, H, D]."""
+
+    # -------------------------------------------------------------- MoE
+    @abstractmethod
+    def route_topk(self, x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k: int,
+                   scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Score-based routing. x [T, D], gate [E, D], bias [E] (selection only).
+        s = sqrt(softplus(x @ gate.T)); ids = topk(s + bias); w = s[ids] / sum * scaling.
+        Returns (weights [T, k] float32, ids [T, k] int64)."""
+
+    @abstractmethod
+    def route_hash(self, x: torch.Tensor, gate: torch.Tensor, ids: torch.Tensor,
+                   scaling: float) -> torch.Tensor:
+        """Hash routing: experts given (ids [T, k] from the tid2eid table); weights as route_topk."""
+
+    @abstractmethod
+    def moe_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                    gate_up: torch.Tensor, down: torch.Tensor, limit: float) -> torch.Tensor:
+        """Routed experts: out[t] = sum_k weights[t, k] * E_ids[t,k](x[t]) with
+        E_e(x) = down[e] @ swiglu(gate, up, limit), (gate, up) = split(gate_up[e] @ x).
+        x [T, D], gate_up [E, 2I, D], down [E, D, I] -> [T, D]."""
+
+    # -------------------------------------------------------------- sampling
+    @abstractmethod
+    def sample(self, logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+               top_p: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """One token per row. logits [B, V] float32; temperature [B] (< 1e-5 = greedy argmax);
+        top_k [B] int64 (<= 0 = off); top_p [B] (1.0 = off); seeds [B] int64 (uint64 bit pattern),
+        positions [B] int64. Noise is counter-based: row b draws from hash(seeds[b], positions[b])
+        only, so a row's token never depends on other rows. -> [B] int64."""
+
+    @abstractmethod
+    def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+        """In place: logits[b, v] = -inf where bit v of bitmask[b] is 0. bitmask [B, ceil(V/32)]
+        int32, little-endian bits within each word (xgrammar's layout)."""
+
+    # -------------------------------------------------------------- device
+    def synchronize(self) -> None:
+        """Wait for all queued work on the device."""
+
+    def memory_available(self) -> int:
+        """Bytes this backend may use for the state cache."""
+        raise NotImplementedError

@@ -1,0 +1,50 @@
+"""The reference backend: plain float32 torch on the CPU."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from deepinfer.backends.base import Accelerator
+from deepinfer.backends.cpu import ops
+
+
+class CpuAccelerator(Accelerator):
+    name = "cpu"
+    device = torch.device("cpu")
+    dist_backend = "gloo"
+    batch_invariant = True  # every op reduces in a fixed order per row, whatever the batch
+    deterministic_sampling = True
+    fp8_weights = False
+
+    def prepare_weight(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        # bf16 matmuls run ~100x slower than fp32 on these CPUs: compute in float32.
+        if tensor.is_floating_point():
+            tensor = tensor.float()
+        return tensor.contiguous()
+
+    linear = staticmethod(ops.linear)
+    grouped_linear = staticmethod(ops.grouped_linear)
+    embedding = staticmethod(ops.embedding)
+    rms_norm = staticmethod(ops.rms_norm)
+    rope = staticmethod(ops.rope)
+    swiglu = staticmethod(ops.swiglu)
+    hc_pre = staticmethod(ops.hc_pre)
+    hc_post = staticmethod(ops.hc_post)
+    hc_head = staticmethod(ops.hc_head)
+    compress_windows = staticmethod(ops.compress_windows)
+    indexer_topk = staticmethod(ops.indexer_topk)
+    sparse_attention = staticmethod(ops.sparse_attention)
+    route_topk = staticmethod(ops.route_topk)
+    route_hash = staticmethod(ops.route_hash)
+    moe_experts = staticmethod(ops.moe_experts)
+    sample = staticmethod(ops.sample)
+    apply_token_bitmask = staticmethod(ops.apply_token_bitmask)
+
+    def memory_available(self) -> int:
+        try:
+            pages = os.sysconf("SC_AVPHYS_PAGES")
+            return int(pages * os.sysconf("SC_PAGE_SIZE"))
+        except (ValueError, OSError):
+            return 4 << 30

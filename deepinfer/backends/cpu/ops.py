@@ -1,0 +1,229 @@
+"""Reference implementations of every Accelerator op, in plain float32 torch.
+
+These define the numerics the other backends are tested against. They are
+also the cpu backend's hot path, so they are batched: no Python loop over
+tokens, and MoE loops only over the experts that were hit.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# Queries per block in sparse_attention / indexer_topk: bounds the gathered
+# [block, K, D] tensor so long prefills do not allocate T*K*D at once.
+_QUERY_BLOCK = 256
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, weight)
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    groups, k = x.shape[-2], x.shape[-1]
+    w = weight.view(groups, -1, k)  # [G, N, K]
+    return torch.einsum("tgk,gnk->tgn", x, w)
+
+
+def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return F.embedding(ids, weight).float()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    x = x.float()
+    y = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+    return y if weight is None else y * weight
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    rope_dim = 2 * cos.shape[-1]
+    if x.dim() == 3:
+        cos, sin = cos[:, None], sin[:, None]
+    if inverse:
+        sin = -sin
+    nope, r = x[..., :-rope_dim], x[..., -rope_dim:].float()
+    x0, x1 = r[..., 0::2], r[..., 1::2]
+    rotated = torch.stack((x0 * cos - x1 * sin, x1 * cos + x0 * sin), dim=-1).flatten(-2)
+    return torch.cat([nope, rotated], dim=-1)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+def _hc_mix(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
+    flat = rms_norm(streams.flatten(-2), None, norm_eps)
+    return F.linear(flat, fn)
+
+
+def hc_pre(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters):
+    n = streams.shape[-2]
+    mix = _hc_mix(streams, fn, norm_eps)
+    pre_w, post_w, comb_w = mix.split([n, n, n * n], dim=-1)
+    pre_b, post_b, comb_b = base.split([n, n, n * n])
+    pre = torch.sigmoid(pre_w * scale[0] + pre_b) + hc_eps
+    post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
+    comb = torch.softmax(comb_w.view(-1, n, n) * scale[2] + comb_b.view(n, n), dim=-1) + hc_eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    for _ in range(sinkhorn_iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    collapsed = (pre.unsqueeze(-1) * streams).sum(dim=-2)
+    return collapsed, post, comb
+
+
+def hc_post(block_out, streams, post, comb):
+    return post.unsqueeze(-1) * block_out.unsqueeze(-2) + torch.matmul(comb.transpose(-1, -2), streams)
+
+
+def hc_head(streams, fn, base, scale, norm_eps, hc_eps):
+    mix = _hc_mix(streams, fn, norm_eps)
+    pre = torch.sigmoid(mix * scale + base) + hc_eps
+    return (pre.unsqueeze(-1) * streams).sum(dim=-2)
+
+
+def compress_windows(kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    return (kv.float() * gate.float().softmax(dim=1)).sum(dim=1)
+
+
+def indexer_topk(q, weights, keys, candidates, topk, scale):
+    num_tokens, num_cand = candidates.shape
+    k = min(topk, num_cand)
+    out = torch.full((num_tokens, k), -1, dtype=torch.int64, device=q.device)
+    if k == 0 or num_tokens == 0:
+        return out
+    for start in range(0, num_tokens, _QUERY_BLOCK):
+        sl = slice(start, start + _QUERY_BLOCK)
+        cand = candidates[sl]
+        valid = cand >= 0
+        gathered = keys[cand.clamp(min=0)].float()  # [t, M, Di]
+        scores = torch.relu(torch.einsum("thd,tmd->thm", q[sl].float(), gathered)) * scale
+        scores = (scores * weights[sl].float().unsqueeze(-1)).sum(dim=1)  # [t, M]
+        scores = scores.masked_fill(~valid, float("-inf"))
+        top = scores.topk(k, dim=-1)
+        picked = cand.gather(1, top.indices)
+        out[sl] = torch.where(torch.isfinite(top.values), picked, torch.full_like(picked, -1))
+    return out
+
+
+def sparse_attention(q, kv, indices, sinks, scale):
+    num_tokens, num_heads, head_dim = q.shape
+    out = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float32, device=q.device)
+    for start in range(0, num_tokens, _QUERY_BLOCK):
+        sl = slice(start, start + _QUERY_BLOCK)
+        idx = indices[sl]
+        valid = idx >= 0
+        keys = kv[idx.clamp(min=0)].float()  # [t, K, D]
+        logits = torch.einsum("thd,tkd->thk", q[sl].float(), keys) * scale
+        logits = logits.masked_fill(~valid.unsqueeze(1), float("-inf"))
+        sink = sinks.float().view(1, -1, 1).expand(logits.shape[0], -1, 1)
+        combined = torch.cat([logits, sink], dim=-1)
+        probs = torch.softmax(combined, dim=-1)[..., :-1]
+        out[sl] = torch.einsum("thk,tkd->thd", probs, keys)
+    return out
+
+
+def _normalize_weights(scores: torch.Tensor, ids: torch.Tensor, scaling: float) -> torch.Tensor:
+    weights = scores.gather(1, ids)
+    return weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * scaling
+
+
+def route_topk(x, gate, bias, top_k, scaling):
+    scores = F.softplus(F.linear(x.float(), gate)).sqrt()
+    ids = torch.topk(scores + bias, top_k, dim=-1, sorted=False).indices
+    return _normalize_weights(scores, ids, scaling), ids
+
+
+def route_hash(x, gate, ids, scaling):
+    scores = F.softplus(F.linear(x.float(), gate)).sqrt()
+    return _normalize_weights(scores, ids, scaling)
+
+
+def moe_experts(x, weights, ids, gate_up, down, limit):
+    num_tokens, top_k = ids.shape
+    flat_ids = ids.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)  # deterministic grouping by expert
+    hit, counts = torch.unique_consecutive(flat_ids[order], return_counts=True)
+    token_of = order // top_k
+    out = torch.zeros_like(x, dtype=torch.float32)
+    rows = torch.empty(num_tokens * top_k, x.shape[-1], dtype=torch.float32, device=x.device)
+    begin = 0
+    for expert, count in zip(hit.tolist(), counts.tolist()):  # only experts that were hit
+        sel = token_of[begin:begin + count]
+        g, u = F.linear(x[sel], gate_up[expert]).chunk(2, dim=-1)
+        rows[begin:begin + count] = F.linear(swiglu(g, u, limit), down[expert])
+        begin += count
+    scaled = rows * weights.reshape(-1)[order].unsqueeze(-1)
+    out.index_add_(0, token_of, scaled)
+    return out
+
+
+# ---------------------------------------------------------------- sampling
+_MASK64 = (1 << 64) - 1
+
+
+def _to_signed(value: int) -> int:
+    value &= _MASK64
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+_GOLDEN = _to_signed(0x9E3779B97F4A7C15)
+_MIX1 = _to_signed(0xBF58476D1CE4E5B9)
+_MIX2 = _to_signed(0x94D049BB133111EB)
+
+
+def _srl(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns (torch's >> is arithmetic)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def splitmix64(x: torch.Tensor) -> torch.Tensor:
+    """SplitMix64 finaliser on int64 tensors holding uint64 bit patterns (wrapping arithmetic)."""
+    z = x + _GOLDEN
+    z = (z ^ _srl(z, 30)) * _MIX1
+    z = (z ^ _srl(z, 27)) * _MIX2
+    return z ^ _srl(z, 31)
+
+
+def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, width: int) -> torch.Tensor:
+    """[B, width] uniforms in (0, 1), a pure function of (seed, position, column):
+    the counter-based generator that makes a row's draws independent of the batch."""
+    row_key = splitmix64(splitmix64(seeds) ^ positions)
+    cols = torch.arange(width, dtype=torch.int64, device=seeds.device)
+    bits = splitmix64(row_key.unsqueeze(1) + cols * _GOLDEN)
+    return (_srl(bits, 40).float() + 0.5) * (1.0 / (1 << 24))
+
+
+def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) what top-k / top-p exclude; rows with top_k <= 0 and top_p >= 1 pass through."""
+    vocab = logits.shape[-1]
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
+    ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
+    drop = ranks >= k.unsqueeze(1)
+    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop |= (mass_before >= top_p.unsqueeze(1)) & (ranks > 0)
+    masked_sorted = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, sorted_idx, masked_sorted)
+
+
+def sample(logits, temperature, top_k, top_p, seeds, positions):
+    logits = logits.float()
+    greedy = temperature < 1e-5
+    tokens = logits.argmax(dim=-1)
+    if bool(greedy.all()):
+        return tokens
+    rows = (~greedy).nonzero().squeeze(1)
+    scaled = logits[rows] / temperature[rows].unsqueeze(1)
+    scaled = filter_logits(scaled, top_k[rows], top_p[rows])
+    gumbel = -torch.log(-torch.log(uniform_noise(seeds[rows], positions[rows], logits.shape[-1])))
+    tokens[rows] = (scaled + gumbel).argmax(dim=-1)
+    return tokens
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    vocab = logits.shape[-1]
+    bits = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).flatten(-2)[..., :vocab].bool()
+    logits.masked_fill_(~allowed, float("-inf"))

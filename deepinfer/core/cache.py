@@ -1,0 +1,168 @@
+"""The decode-state cache of DeepSeek-V4: what a sequence needs between steps, and no more.
+
+Per sequence slot and layer:
+- a sliding-window ring of KV: `window + margin` rows (margin = rollback room for drafts);
+- on CSA/HCA layers, a compressor ring holding the raw (kv, gate) projections of the
+  tokens whose window is not finished (CSA keeps two windows for the overlap);
+- on CSA layers the same for the indexer's compressor.
+Compressed entries (and CSA indexer keys) grow with the sequence; they live in pages.
+One page covers `page_tokens` positions of a sequence (a multiple of every compress
+rate), i.e. page_tokens/rate entries on each compressing layer, so a single block
+table per sequence serves every layer.
+
+Each layer's KV lives in one tensor `[ring rows | step scratch | compressed entries]` so
+attention takes one pool and one index list. The scratch holds the step's new tokens:
+a prefill chunk longer than the ring must not overwrite keys its own earlier tokens still
+need, so new tokens are staged there and copied into the ring after the layer ran.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer.core.config import CSA, HCA, ModelConfig
+
+
+class CacheFull(RuntimeError):
+    """Not enough free pages or slots; the scheduler should preempt or wait."""
+
+
+@dataclass(slots=True)
+class LayerState:
+    kind: str
+    rate: int  # 0 for sliding-only layers
+    kv: torch.Tensor  # [ring_rows + scratch + entry_rows, head_dim]
+    comp_ring: torch.Tensor | None = None  # [slots*ring + scratch, 2*C] raw kv|gate per token
+    index_ring: torch.Tensor | None = None  # CSA: [slots*ring + scratch, 2*2*Di]
+    index_keys: torch.Tensor | None = None  # CSA: [entry_rows, Di]
+
+    @property
+    def comp_ring_size(self) -> int:
+        return 2 * self.rate if self.kind == CSA else self.rate
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class StateCache:
+    """Preallocated pools for `max_seqs` sequence slots and `num_pages` pages of compressed state."""
+
+    def __init__(self, config: ModelConfig, *, max_seqs: int, num_pages: int, max_step_tokens: int,
+                 max_model_len: int, margin: int = 0, page_tokens: int = 128,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        rates = [config.compress_rate(i) for i in range(config.num_hidden_layers)]
+        for rate in set(rates) - {0}:
+            if page_tokens % rate:
+                raise ValueError(f"page_tokens ({page_tokens}) must be a multiple of every compress rate ({rate})")
+        self.config = config
+        self.max_seqs = max_seqs
+        self.num_pages = num_pages
+        self.page_tokens = page_tokens
+        self.max_step_tokens = max_step_tokens
+        self.max_model_len = max_model_len
+        self.ring = config.sliding_window + margin
+        self.ring_rows = max_seqs * self.ring
+        self.max_pages_per_seq = _cdiv(max_model_len, page_tokens)
+        self.dtype, self.device = dtype, torch.device(device)
+        d, di = config.head_dim, config.index_head_dim
+
+        def empty(rows: int, width: int) -> torch.Tensor:
+            return torch.zeros(rows, width, dtype=dtype, device=self.device)
+
+        self.layers: list[LayerState] = []
+        for i, rate in enumerate(rates):
+            kind = config.layer_types[i]
+            entry_rows = num_pages * (page_tokens // rate) if rate else 0
+            state = LayerState(kind, rate, empty(self.ring_rows + max_step_tokens + entry_rows, d))
+            if rate:
+                width = 2 * d if kind == CSA else d
+                state.comp_ring = empty(max_seqs * state.comp_ring_size + max_step_tokens, 2 * width)
+            if kind == CSA:
+                state.index_ring = empty(max_seqs * state.comp_ring_size + max_step_tokens, 2 * 2 * di)
+                state.index_keys = empty(entry_rows, di)
+            self.layers.append(state)
+
+        self.block_table = torch.zeros(max_seqs, self.max_pages_per_seq, dtype=torch.int64, device=self.device)
+        self.free_slots = list(range(max_seqs - 1, -1, -1))
+        self.free_pages = list(range(num_pages - 1, -1, -1))
+        self.slot_pages: dict[int, list[int]] = {}
+
+    # ------------------------------------------------------------ accounting
+    @property
+    def has_compressed_layers(self) -> bool:
+        return any(layer.rate for layer in self.layers)
+
+    def pages_for(self, num_tokens: int) -> int:
+        """Pages a sequence of `num_tokens` positions holds (0 for sliding-only models)."""
+        return _cdiv(num_tokens, self.page_tokens) if self.has_compressed_layers else 0
+
+    def bytes_per_page(self) -> int:
+        per = 0
+        for layer in self.layers:
+            if layer.rate:
+                rows = self.page_tokens // layer.rate
+                per += rows * layer.kv.shape[1]
+                if layer.index_keys is not None:
+                    per += rows * layer.index_keys.shape[1]
+        return per * self.layers[0].kv.element_size()
+
+    def bytes_per_slot(self) -> int:
+        per = 0
+        for layer in self.layers:
+            per += self.ring * layer.kv.shape[1]
+            for ring in (layer.comp_ring, layer.index_ring):
+                if ring is not None:
+                    per += layer.comp_ring_size * ring.shape[1]
+        return per * self.layers[0].kv.element_size()
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self.free_pages)
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self.free_slots)
+
+    def allocate_slot(self) -> int:
+        if not self.free_slots:
+            raise CacheFull("no free sequence slot")
+        slot = self.free_slots.pop()
+        self.slot_pages[slot] = []
+        return slot
+
+    def can_grow(self, slot: int, num_tokens: int) -> bool:
+        return self.pages_for(num_tokens) - len(self.slot_pages[slot]) <= len(self.free_pages)
+
+    def grow(self, slot: int, num_tokens: int) -> None:
+        """Make the slot hold state for positions [0, num_tokens)."""
+        if num_tokens > self.max_model_len:
+            raise CacheFull(f"{num_tokens} positions exceed max_model_len={self.max_model_len}")
+        pages = self.slot_pages[slot]
+        need = self.pages_for(num_tokens) - len(pages)
+        if need > len(self.free_pages):
+            raise CacheFull(f"slot {slot} needs {need} pages, {len(self.free_pages)} free")
+        for _ in range(max(need, 0)):
+            page = self.free_pages.pop()
+            self.block_table[slot, len(pages)] = page
+            pages.append(page)
+
+    def release(self, slot: int) -> None:
+        """Return the slot and its pages. Ring contents need no clearing: a new sequence
+        only reads positions it has written."""
+        pages = self.slot_pages.pop(slot)
+        self.free_pages.extend(reversed(pages))
+        self.free_slots.append(slot)
+
+    # ------------------------------------------------------------ row maps
+    def entry_rows(self, layer: LayerState, slots: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
+        """Rows (relative to the compressed region) of compressed entries `entries` of `slots`."""
+        per_page = self.page_tokens // layer.rate
+        pages = self.block_table[slots, torch.div(entries, per_page, rounding_mode="floor")]
+        return pages * per_page + entries % per_page
+
+    def entry_base(self) -> int:
+        """First row of the compressed-entry region inside a layer's kv tensor."""
+        return self.ring_rows + self.max_step_tokens

@@ -1,0 +1,313 @@
+"""DeepSeek-V4, written only against Accelerator ops.
+
+One forward runs a step: many sequences at once, each contributing a chunk of new
+tokens (a whole prompt, a prefill chunk, or decode tokens) at its own positions,
+reading and updating its decode state in a `StateCache`. Tokens of all sequences are
+flattened into one [T, ...] batch; every layer sees them together, and per-sequence
+structure lives only in index tensors (which rows of a pool each token reads).
+
+Per layer (hidden D, N = hc_mult residual streams):
+  streams -> mHC pre -> RMSNorm -> attention -> mHC post
+          -> mHC pre -> RMSNorm -> MoE (hash or top-k routed + shared expert) -> mHC post
+Attention is shared-KV MQA with partial RoPE over [sliding window keys + compressed
+entries] (all entries on HCA layers, the Lightning Indexer's top-k on CSA layers),
+with per-head sinks and the RoPE undone on the output before the grouped projection.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer.backends.base import Accelerator
+from deepinfer.core.cache import LayerState, StateCache
+from deepinfer.core.config import CSA, HCA, SLIDING, ModelConfig
+
+
+@dataclass(slots=True)
+class StepInput:
+    """What the scheduler hands the model for one step."""
+
+    ids: torch.Tensor  # [T] token ids, sequences back to back
+    slots: torch.Tensor  # [B] cache slot of each sequence
+    starts: torch.Tensor  # [B] position of each sequence's first new token
+    lens: torch.Tensor  # [B] new tokens per sequence (>= 1)
+
+
+def _arange_within(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For groups of sizes `counts`: (group index of each element, index within its group)."""
+    group = torch.repeat_interleave(torch.arange(len(counts), device=counts.device), counts)
+    first = torch.cumsum(counts, 0) - counts
+    return group, torch.arange(int(counts.sum()), device=counts.device) - first[group]
+
+
+class StepMeta:
+    """Index tensors of one step, shared by every layer of the same kind."""
+
+    def __init__(self, inp: StepInput, cache: StateCache, config: ModelConfig):
+        self.inp, self.cache, self.config = inp, cache, config
+        self.seq, within = _arange_within(inp.lens)
+        self.first = torch.cumsum(inp.lens, 0) - inp.lens  # flat index of each sequence's first token
+        self.positions = inp.starts[self.seq] + within
+        self.ends = inp.starts + inp.lens
+        self.num_tokens = int(inp.lens.sum())
+        if self.num_tokens > cache.max_step_tokens:
+            raise ValueError(f"step has {self.num_tokens} tokens, cache scratch holds {cache.max_step_tokens}")
+        self.rope = {"main": self._cos_sin(config.rope_main.inv_freq(), self.positions),
+                     "compress": self._cos_sin(config.rope_compress.inv_freq(), self.positions)}
+        self._compress_inv_freq = config.rope_compress.inv_freq()
+        window = config.sliding_window
+        key_pos = self.positions[:, None] + torch.arange(-(window - 1), 1)
+        self.window_rows = self.rows(key_pos, self.seq[:, None].expand_as(key_pos), cache.ring, 0)
+        self.window_commit = self._commit(cache.ring, 0)
+        self._by_rate: dict[tuple[str, int], dict] = {}
+
+    @staticmethod
+    def _cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[:, None].float() * inv_freq
+        return freqs.cos(), freqs.sin()
+
+    def rows(self, pos: torch.Tensor, seq: torch.Tensor, ring: int, ring_base: int) -> torch.Tensor:
+        """Row of token `pos` of batch sequence `seq` in a [ring rows | scratch] tensor whose
+        scratch starts at slots*ring: the step's own tokens are read from the scratch,
+        older ones from the ring; negative positions give -1."""
+        start = self.inp.starts[seq]
+        scratch = self.cache.max_seqs * ring + self.first[seq] + (pos - start)
+        ringed = ring_base + self.inp.slots[seq] * ring + pos.remainder(ring)
+        rows = torch.where(pos >= start, scratch, ringed)
+        return torch.where(pos >= 0, rows, torch.full_like(rows, -1))
+
+    def _commit(self, ring: int, ring_base: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scratch rows, ring rows) of the tokens a ring of `ring` rows keeps after the step."""
+        keep = self.positions >= (self.ends[self.seq] - ring)
+        tokens = keep.nonzero().squeeze(1)
+        pos, seq = self.positions[tokens], self.seq[tokens]
+        src = self.cache.max_seqs * ring + tokens
+        dst = ring_base + self.inp.slots[seq] * ring + pos.remainder(ring)
+        return src, dst
+
+    def compressed(self, layer: LayerState) -> dict:
+        """Windows finished in this step and the entries each token may see, for a layer kind."""
+        key = (layer.kind, layer.rate)
+        if key in self._by_rate:
+            return self._by_rate[key]
+        rate, ring, cache, inp = layer.rate, layer.comp_ring_size, self.cache, self.inp
+        # windows w whose last token arrives in this step: starts//rate <= w < ends//rate
+        w_lo = torch.div(inp.starts, rate, rounding_mode="floor")
+        counts = torch.div(self.ends, rate, rounding_mode="floor") - w_lo
+        win_seq, within = _arange_within(counts)
+        win = w_lo[win_seq] + within
+        # CSA entries mix the previous window (first half) with their own (second half)
+        span = 2 * rate if layer.kind == CSA else rate
+        tok_pos = (win[:, None] + 1) * rate - span + torch.arange(span)
+        tok_rows = self.rows(tok_pos, win_seq[:, None].expand_as(tok_pos), ring, 0)
+        out_rows = cache.entry_rows(layer, inp.slots[win_seq], win)
+        entry_cos_sin = self._cos_sin(self._compress_inv_freq, win * rate)
+        # entries visible to token at p: w < (p + 1) // rate
+        visible = torch.div(self.positions + 1, rate, rounding_mode="floor")
+        width = int(visible.max()) if self.num_tokens else 0
+        entries = torch.arange(width).expand(self.num_tokens, width)
+        cand = cache.entry_rows(layer, inp.slots[self.seq][:, None].expand_as(entries), entries)
+        cand = torch.where(entries < visible[:, None], cand, torch.full_like(cand, -1))
+        info = dict(tok_rows=tok_rows, out_rows=out_rows, cos_sin=entry_cos_sin, candidates=cand,
+                    commit=self._commit(ring, 0))
+        self._by_rate[key] = info
+        return info
+
+
+class DeepseekV4Model:
+    """The model: weights (prepared by the accelerator) + the forward of one step."""
+
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], accel: Accelerator):
+        self.config, self.accel = config, accel
+        self.w = {name: accel.prepare_weight(name, t) for name, t in weights.items()}
+        if config.tie_word_embeddings and "lm_head.weight" not in self.w:
+            self.w["lm_head.weight"] = self.w["model.embed_tokens.weight"]
+
+    # ------------------------------------------------------------ forward
+    @torch.inference_mode()
+    def forward(self, inp: StepInput, cache: StateCache, logit_rows: torch.Tensor) -> torch.Tensor:
+        """Run one step, update `cache`, return logits [len(logit_rows), V] for the given flat
+        token indices (e.g. each sequence's last token, or every prompt token for logprobs)."""
+        cfg, ops, w = self.config, self.accel, self.w
+        meta = StepMeta(inp, cache, cfg)
+        x = ops.embedding(inp.ids, w["model.embed_tokens.weight"])
+        streams = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}."
+            streams = self._residual(streams, p + "attn_hc.", p + "input_layernorm.weight",
+                                     lambda h: self._attention(i, h, meta, cache))
+            streams = self._residual(streams, p + "ffn_hc.", p + "post_attention_layernorm.weight",
+                                     lambda h: self._moe(i, h, inp.ids))
+        streams = streams[logit_rows]
+        h = ops.hc_head(streams, w["model.hc_head.hc_fn"], w["model.hc_head.hc_base"],
+                        w["model.hc_head.hc_scale"], cfg.rms_norm_eps, cfg.hc_eps)
+        h = ops.rms_norm(h, w["model.norm.weight"], cfg.rms_norm_eps)
+        return ops.linear(h, w["lm_head.weight"])
+
+    def _residual(self, streams, hc: str, norm: str, block) -> torch.Tensor:
+        cfg, ops, w = self.config, self.accel, self.w
+        collapsed, post, comb = ops.hc_pre(streams, w[hc + "fn"], w[hc + "base"], w[hc + "scale"],
+                                           cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
+        out = block(ops.rms_norm(collapsed, w[norm], cfg.rms_norm_eps))
+        return ops.hc_post(out, streams, post, comb)
+
+    # ------------------------------------------------------------ attention
+    def _attention(self, i: int, h: torch.Tensor, meta: StepMeta, cache: StateCache) -> torch.Tensor:
+        cfg, ops, w = self.config, self.accel, self.w
+        p = f"model.layers.{i}.self_attn."
+        layer = cache.layers[i]
+        cos, sin = meta.rope["main" if layer.kind == SLIDING else "compress"]
+        num_tokens, heads, head_dim = h.shape[0], cfg.num_attention_heads, cfg.head_dim
+
+        q_lora = ops.rms_norm(ops.linear(h, w[p + "q_a_proj.weight"]), w[p + "q_a_norm.weight"], cfg.rms_norm_eps)
+        q = ops.linear(q_lora, w[p + "q_b_proj.weight"]).view(num_tokens, heads, head_dim)
+        q = ops.rope(ops.rms_norm(q, None, cfg.rms_norm_eps), cos, sin)
+        kv = ops.rms_norm(ops.linear(h, w[p + "kv_proj.weight"]), w[p + "kv_norm.weight"], cfg.rms_norm_eps)
+        kv = ops.rope(kv, cos, sin)
+        scratch = cache.ring_rows
+        layer.kv[scratch:scratch + num_tokens] = kv.to(layer.kv.dtype)
+
+        indices = meta.window_rows
+        if layer.rate:
+            info = meta.compressed(layer)
+            base = cache.entry_base()
+            self._compress(layer, h, info, p + "compressor.", layer.kv[base:], head_dim, layer.comp_ring, cache)
+            if layer.kind == CSA:
+                ip = p + "compressor.indexer."
+                self._compress(layer, h, info, ip, layer.index_keys, cfg.index_head_dim, layer.index_ring, cache)
+                ccos, csin = meta.rope["compress"]
+                q_idx = ops.linear(q_lora, w[ip + "q_b_proj.weight"]).view(num_tokens, cfg.index_n_heads, -1)
+                q_idx = ops.rope(q_idx, ccos, csin)
+                weights = ops.linear(h, w[ip + "scorer.weights_proj.weight"]) * cfg.index_n_heads ** -0.5
+                picked = ops.indexer_topk(q_idx, weights, layer.index_keys, info["candidates"], cfg.index_topk,
+                                          cfg.index_head_dim ** -0.5)
+            else:
+                picked = info["candidates"]
+            picked = torch.where(picked >= 0, picked + base, picked)
+            indices = torch.cat([indices, picked], dim=1)
+
+        out = ops.sparse_attention(q, layer.kv, indices, w[p + "sinks"], head_dim ** -0.5)
+        out = ops.rope(out, cos, sin, inverse=True)
+        src, dst = meta.window_commit
+        layer.kv[dst] = layer.kv[src]
+        out = ops.grouped_linear(out.reshape(num_tokens, cfg.o_groups, -1), w[p + "o_a_proj.weight"])
+        return ops.linear(out.flatten(1), w[p + "o_b_proj.weight"])
+
+    def _compress(self, layer: LayerState, h: torch.Tensor, info: dict, p: str, entries_out: torch.Tensor,
+                  dim: int, ring: torch.Tensor, cache: StateCache) -> None:
+        """Stage this step's (kv, gate) projections, turn every finished window into an entry
+        (softmax-gated sum, RMSNorm, RoPE at the window's first position) and write it to its page."""
+        cfg, ops, w = self.config, self.accel, self.w
+        num_tokens = h.shape[0]
+        kv = ops.linear(h, w[p + "kv_proj.weight"])
+        gate = ops.linear(h, w[p + "gate_proj.weight"])
+        scratch = cache.max_seqs * layer.comp_ring_size
+        ring[scratch:scratch + num_tokens] = torch.cat([kv, gate], dim=-1).to(ring.dtype)
+        rows = info["tok_rows"]
+        if rows.shape[0]:
+            raw = ring[rows.clamp(min=0)].float()  # [W, span, 2C]
+            width = raw.shape[-1] // 2
+            win_kv, win_gate = raw[..., :width], raw[..., width:]
+            rate = layer.rate
+            bias = w[p + "position_bias"]  # [rate, C]
+            if layer.kind == CSA:  # first half: previous window's Ca; second half: own Cb
+                win_gate = win_gate + bias.repeat(2, 1)
+                win_kv = torch.cat([win_kv[:, :rate, :dim], win_kv[:, rate:, dim:]], dim=1)
+                win_gate = torch.cat([win_gate[:, :rate, :dim], win_gate[:, rate:, dim:]], dim=1)
+            else:
+                win_gate = win_gate + bias
+            win_gate = win_gate.masked_fill((rows < 0).unsqueeze(-1), float("-inf"))
+            win_kv = win_kv.masked_fill((rows < 0).unsqueeze(-1), 0.0)
+            entry = ops.compress_windows(win_kv, win_gate)
+            entry = ops.rms_norm(entry, w[p + "kv_norm.weight"], cfg.rms_norm_eps)
+            entry = ops.rope(entry, *info["cos_sin"])
+            entries_out[info["out_rows"]] = entry.to(entries_out.dtype)
+        src, dst = info["commit"]
+        ring[dst] = ring[src]
+
+    # ------------------------------------------------------------ MoE
+    def _moe(self, i: int, h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        cfg, ops, w = self.config, self.accel, self.w
+        p = f"model.layers.{i}.mlp."
+        if cfg.mlp_layer_types[i] == "hash_moe":
+            expert_ids = w[p + "gate.tid2eid"][ids]
+            weights = ops.route_hash(h, w[p + "gate.weight"], expert_ids, cfg.routed_scaling_factor)
+        else:
+            weights, expert_ids = ops.route_topk(h, w[p + "gate.weight"], w[p + "gate.e_score_correction_bias"],
+                                                 cfg.num_experts_per_tok, cfg.routed_scaling_factor)
+        routed = ops.moe_experts(h, weights, expert_ids, w[p + "experts.gate_up_proj"],
+                                 w[p + "experts.down_proj"], cfg.swiglu_limit)
+        s = p + "shared_experts."
+        shared = ops.swiglu(ops.linear(h, w[s + "gate_proj.weight"]), ops.linear(h, w[s + "up_proj.weight"]),
+                            cfg.swiglu_limit)
+        return routed + ops.linear(shared, w[s + "down_proj.weight"])
+
+
+def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Every checkpoint tensor the model reads (HF names), with shape and dtype."""
+    f32, i64 = torch.float32, torch.int64
+    d, hd, n, e = cfg.hidden_size, cfg.head_dim, cfg.hc_mult, cfg.n_routed_experts
+    inter, di = cfg.moe_intermediate_size, cfg.index_head_dim
+    out = {
+        "model.embed_tokens.weight": ((cfg.vocab_size, d), f32),
+        "model.norm.weight": ((d,), f32),
+        "model.hc_head.hc_fn": ((n, n * d), f32),
+        "model.hc_head.hc_base": ((n,), f32),
+        "model.hc_head.hc_scale": ((1,), f32),
+    }
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = ((cfg.vocab_size, d), f32)
+    mix = (2 + n) * n
+    for i, kind in enumerate(cfg.layer_types):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        out.update({
+            p + "input_layernorm.weight": ((d,), f32),
+            p + "post_attention_layernorm.weight": ((d,), f32),
+            a + "sinks": ((cfg.num_attention_heads,), f32),
+            a + "q_a_proj.weight": ((cfg.q_lora_rank, d), f32),
+            a + "q_a_norm.weight": ((cfg.q_lora_rank,), f32),
+            a + "q_b_proj.weight": ((cfg.num_attention_heads * hd, cfg.q_lora_rank), f32),
+            a + "kv_proj.weight": ((hd, d), f32),
+            a + "kv_norm.weight": ((hd,), f32),
+            a + "o_a_proj.weight": ((cfg.o_groups * cfg.o_lora_rank, cfg.num_attention_heads * hd // cfg.o_groups), f32),
+            a + "o_b_proj.weight": ((d, cfg.o_groups * cfg.o_lora_rank), f32),
+        })
+        for hc in ("attn_hc.", "ffn_hc."):
+            out.update({p + hc + "fn": ((mix, n * d), f32), p + hc + "base": ((mix,), f32), p + hc + "scale": ((3,), f32)})
+        if kind != SLIDING:
+            c = a + "compressor."
+            width = 2 * hd if kind == CSA else hd
+            rate = cfg.compress_rate(i)
+            out.update({
+                c + "position_bias": ((rate, width), f32),
+                c + "kv_proj.weight": ((width, d), f32),
+                c + "gate_proj.weight": ((width, d), f32),
+                c + "kv_norm.weight": ((hd,), f32),
+            })
+            if kind == CSA:
+                x = c + "indexer."
+                out.update({
+                    x + "position_bias": ((rate, 2 * di), f32),
+                    x + "kv_proj.weight": ((2 * di, d), f32),
+                    x + "gate_proj.weight": ((2 * di, d), f32),
+                    x + "kv_norm.weight": ((di,), f32),
+                    x + "q_b_proj.weight": ((cfg.index_n_heads * di, cfg.q_lora_rank), f32),
+                    x + "scorer.weights_proj.weight": ((cfg.index_n_heads, d), f32),
+                })
+        m = p + "mlp."
+        out[m + "gate.weight"] = ((e, d), f32)
+        if cfg.mlp_layer_types[i] == "hash_moe":
+            out[m + "gate.tid2eid"] = ((cfg.vocab_size, cfg.num_experts_per_tok), i64)
+        else:
+            out[m + "gate.e_score_correction_bias"] = ((e,), f32)
+        out.update({
+            m + "experts.gate_up_proj": ((e, 2 * inter, d), f32),
+            m + "experts.down_proj": ((e, d, inter), f32),
+            m + "shared_experts.gate_proj.weight": ((inter, d), f32),
+            m + "shared_experts.up_proj.weight": ((inter, d), f32),
+            m + "shared_experts.down_proj.weight": ((d, inter), f32),
+        })
+    return out

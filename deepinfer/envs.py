@@ -1,0 +1,129 @@
+"""Every DEEPINFER_* environment variable: name, default, parser and validation.
+
+This is the only module that reads the environment. Values are read at call
+time (not import time) so tests and long-lived processes can change them.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+class EnvError(ValueError):
+    """An environment variable holds a value that cannot be used."""
+
+
+def _bool(name: str, raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise EnvError(f"{name}={raw!r} is not a boolean; set it to 1 or 0")
+
+
+def _int(name: str, raw: str) -> int:
+    try:
+        return int(raw)
+    except ValueError:
+        raise EnvError(f"{name}={raw!r} is not an integer") from None
+
+
+def _float(name: str, raw: str) -> float:
+    try:
+        return float(raw)
+    except ValueError:
+        raise EnvError(f"{name}={raw!r} is not a number") from None
+
+
+def _choice(*choices: str) -> Callable[[str, str], str]:
+    def parse(name: str, raw: str) -> str:
+        value = raw.strip().lower()
+        if value not in choices:
+            raise EnvError(f"{name}={raw!r} is not one of {', '.join(choices)}")
+        return value
+
+    return parse
+
+
+def _str(name: str, raw: str) -> str:
+    return raw
+
+
+@dataclass(frozen=True, slots=True)
+class EnvVar:
+    name: str
+    default: Any
+    parse: Callable[[str, str], Any]
+    doc: str
+
+    def get(self) -> Any:
+        raw = os.environ.get(self.name)
+        if raw is None or raw == "":
+            return self.default
+        return self.parse(self.name, raw)
+
+
+_VARS = [
+    EnvVar("DEEPINFER_ACCELERATOR", "auto", _choice("auto", "cpu", "nvidia", "ascend"),
+           "cpu, nvidia or ascend; unset = auto (nvidia if CUDA is usable, else ascend, else cpu)"),
+    EnvVar("DEEPINFER_BATCH_INVARIANT", False, _bool,
+           "1: batch-invariant kernels (results independent of batch composition); not on ascend"),
+    EnvVar("DEEPINFER_ZERO_OVERHEAD_SCHEDULING", True, _bool,
+           "overlap CPU scheduling with device execution"),
+    EnvVar("DEEPINFER_USE_NEXTN_DECODE", 5, _int,
+           "maximum draft length; 0 disables speculative decoding"),
+    EnvVar("DEEPINFER_ENABLE_MTP_VARLEN", True, _bool,
+           "DSpark confidence-scheduled (variable) verification length; 0 = fixed"),
+    EnvVar("DEEPINFER_MAX_BACKTRACKING_TOKENS", 0, _int,
+           "rollback margin kept in the window rings (effective value: max(this, NEXTN+1))"),
+    EnvVar("DEEPINFER_DECODE_PERF_CACHE_DIR", "", _str,
+           "where the verify-length planner keeps its step-cost profile"),
+    EnvVar("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE", "compact", _choice("off", "mask", "compact"),
+           "off (exact), mask (slow check), compact (bounded replay)"),
+    EnvVar("DEEPINFER_YOCO_PREFILL_KEEP_TOKENS", 140, _int,
+           "replayed suffix; must be >= sliding window + max backtracking"),
+    EnvVar("DEEPINFER_XGRAMMAR_TIMEOUT", 30.0, _float, "grammar compile timeout in seconds"),
+    EnvVar("DEEPINFER_XGRAMMAR_CACHE_LIMIT_BYTES", 512 * 1024 * 1024, _int, "grammar compile cache size"),
+    EnvVar("DEEPINFER_XGRAMMAR_DISABLE_CACHE", False, _bool, "disable the grammar compile cache"),
+    EnvVar("DEEPINFER_HF_MODEL_DIR", "", _str, "local checkpoint used when LLM(model=None)"),
+]
+VARS: dict[str, EnvVar] = {v.name: v for v in _VARS}
+
+
+def get(name: str) -> Any:
+    """Parsed value of a DEEPINFER_* variable (its default when unset)."""
+    return VARS[name].get()
+
+
+def accelerator() -> str:
+    return get("DEEPINFER_ACCELERATOR")
+
+
+def batch_invariant() -> bool:
+    return get("DEEPINFER_BATCH_INVARIANT")
+
+
+def zero_overhead_scheduling() -> bool:
+    return get("DEEPINFER_ZERO_OVERHEAD_SCHEDULING")
+
+
+def nextn_decode() -> int:
+    value = get("DEEPINFER_USE_NEXTN_DECODE")
+    if value < 0:
+        raise EnvError(f"DEEPINFER_USE_NEXTN_DECODE={value} must be >= 0 (0 disables drafting)")
+    return value
+
+
+def mtp_varlen() -> bool:
+    return get("DEEPINFER_ENABLE_MTP_VARLEN")
+
+
+def max_backtracking_tokens() -> int:
+    """Tokens the window rings keep beyond the sliding window so drafts can be rolled back."""
+    value = get("DEEPINFER_MAX_BACKTRACKING_TOKENS")
+    if value < 0:
+        raise EnvError(f"DEEPINFER_MAX_BACKTRACKING_TOKENS={value} must be >= 0")
+    return max(value, nextn_decode() + 1)

@@ -1,0 +1,52 @@
+"""Tiny random DeepSeek-V4 models for tests: transformers builds them (it is our oracle)."""
+
+from __future__ import annotations
+
+import torch
+
+# Three configs that together cover: all three layer types, hash and top-k MoE, hc_mult 2 and 4,
+# yarn on and off, index_topk smaller than the number of compressed entries, window 16/32 and
+# HCA rate 32/64 so 300-600 token sequences cross the window and several HCA windows.
+BASE = dict(vocab_size=512, hidden_size=64, head_dim=32, qk_rope_head_dim=8, num_attention_heads=4,
+            q_lora_rank=32, o_groups=2, o_lora_rank=16, n_routed_experts=8, num_experts_per_tok=2,
+            moe_intermediate_size=32, index_n_heads=8, index_head_dim=16, max_position_embeddings=4096,
+            bos_token_id=0, eos_token_id=1)
+CONFIGS = {
+    "mixed_hc4_yarn": dict(BASE, num_hidden_layers=4, compress_ratios=[0, 4, 128, 4], num_hash_layers=2,
+                           compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 64},
+                           hc_mult=4, sliding_window=32, index_topk=8,
+                           rope_scaling={"type": "yarn", "factor": 16, "original_max_position_embeddings": 256}),
+    "csa_hc2": dict(BASE, num_hidden_layers=3, compress_ratios=[4, 4, 0], num_hash_layers=1,
+                    hc_mult=2, sliding_window=16, index_topk=16),
+    "hca_topk_only": dict(BASE, num_hidden_layers=3, compress_ratios=[128, 0, 128], num_hash_layers=0,
+                          compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 32},
+                          hc_mult=4, sliding_window=16, index_topk=4, n_routed_experts=16, num_experts_per_tok=4),
+}
+
+
+def make_hf_model(name: str, seed: int = 0):
+    """(hf model in float32 eval mode, its config) with every zero-initialised buffer randomised,
+    so tests exercise sinks, position biases, routing biases and the hash table."""
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+    torch.manual_seed(seed)
+    config = DeepseekV4Config(**CONFIGS[name])
+    model = DeepseekV4ForCausalLM(config).float().eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for key, tensor in model.state_dict().items():
+            if key.endswith("tid2eid"):
+                table = torch.stack([torch.randperm(config.n_routed_experts, generator=gen)[:config.num_experts_per_tok]
+                                     for _ in range(config.vocab_size)])
+                tensor.copy_(table)
+            elif key.endswith(("sinks", "position_bias", "e_score_correction_bias")):
+                tensor.copy_(torch.randn(tensor.shape, generator=gen) * 0.5)
+            elif key.endswith(("hc_base", ".base")):
+                tensor.copy_(torch.randn(tensor.shape, generator=gen) * 0.2)
+            elif tensor.is_floating_point() and tensor.dim() >= 2:
+                tensor.copy_(torch.randn(tensor.shape, generator=gen) * 0.08)
+    return model, config
+
+
+def save_hf_model(model, path) -> None:
+    model.save_pretrained(path, safe_serialization=True)
