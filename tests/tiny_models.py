@@ -7,9 +7,12 @@ import torch
 # Three configs that together cover: all three layer types, hash and top-k MoE, hc_mult 2 and 4,
 # yarn on and off, index_topk smaller than the number of compressed entries, window 16/32 and
 # HCA rate 32/64 so 300-600 token sequences cross the window and several HCA windows.
+# index_n_heads is 16 because an indexer score is exactly 0 when every head's relu is 0
+# (probability 2^-heads); such exact ties at the top-k boundary are resolved differently by
+# transformers' topk and ours, which would be a disagreement about ties, not a bug.
 BASE = dict(vocab_size=512, hidden_size=64, head_dim=32, qk_rope_head_dim=8, num_attention_heads=4,
             q_lora_rank=32, o_groups=2, o_lora_rank=16, n_routed_experts=8, num_experts_per_tok=2,
-            moe_intermediate_size=32, index_n_heads=8, index_head_dim=16, max_position_embeddings=4096,
+            moe_intermediate_size=32, index_n_heads=16, index_head_dim=16, max_position_embeddings=4096,
             bos_token_id=0, eos_token_id=1)
 CONFIGS = {
     "mixed_hc4_yarn": dict(BASE, num_hidden_layers=4, compress_ratios=[0, 4, 128, 4], num_hash_layers=2,

@@ -107,7 +107,9 @@ class Accelerator(ABC):
         candidates [T, M] rows of `keys` each token may use (-1 = none).
         score(t, c) = sum_h weights[t, h] * relu(q[t, h] . keys[c]) * scale.
         Returns [T, min(topk, M)] the rows of the highest-scoring candidates, -1 where a token
-        has fewer valid candidates. Order within a row is unspecified."""
+        has fewer valid candidates. Equal scores are broken towards the earlier candidate column,
+        so the selection does not depend on how far `candidates` is padded. Order within a row
+        is unspecified."""
 
     @abstractmethod
     def sparse_attention(self, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,

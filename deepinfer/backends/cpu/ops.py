@@ -100,9 +100,10 @@ def indexer_topk(q, weights, keys, candidates, topk, scale):
         scores = torch.relu(torch.einsum("thd,tmd->thm", q[sl].float(), gathered)) * scale
         scores = (scores * weights[sl].float().unsqueeze(-1)).sum(dim=1)  # [t, M]
         scores = scores.masked_fill(~valid, float("-inf"))
-        top = scores.topk(k, dim=-1)
-        picked = cand.gather(1, top.indices)
-        out[sl] = torch.where(torch.isfinite(top.values), picked, torch.full_like(picked, -1))
+        # stable sort: equal scores keep candidate order, so the pick never depends on padding width
+        values, order = scores.sort(dim=-1, descending=True, stable=True)
+        picked = cand.gather(1, order[:, :k])
+        out[sl] = torch.where(torch.isfinite(values[:, :k]), picked, torch.full_like(picked, -1))
     return out
 
 

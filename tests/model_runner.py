@@ -1,0 +1,48 @@
+"""Drive deepinfer's model step by step for tests, without the engine."""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer.backends import get_accelerator
+from deepinfer.core.cache import StateCache
+from deepinfer.core.config import ModelConfig
+from deepinfer.core.models.deepseek_v4 import DeepseekV4Model, StepInput, expected_tensors
+
+
+def build_model(hf_model, hf_config, accelerator: str = "cpu") -> DeepseekV4Model:
+    cfg = ModelConfig.from_dict(hf_config.to_dict())
+    state = hf_model.state_dict()
+    return DeepseekV4Model(cfg, {k: state[k] for k in expected_tensors(cfg)}, get_accelerator(accelerator))
+
+
+def new_cache(model: DeepseekV4Model, max_seqs: int = 8, max_step_tokens: int = 2048,
+              max_model_len: int = 2048, num_pages: int = 256) -> StateCache:
+    return StateCache(model.config, max_seqs=max_seqs, num_pages=num_pages, max_step_tokens=max_step_tokens,
+                      max_model_len=max_model_len)
+
+
+def run_schedule(model: DeepseekV4Model, cache: StateCache, prompts: list[torch.Tensor],
+                 steps: list[list[tuple[int, int]]]) -> list[torch.Tensor]:
+    """Feed `prompts` to the model as `steps` prescribes: each step lists (sequence, n new tokens).
+    Returns, per sequence, the logits of every fed position [len, V]."""
+    slots = [cache.allocate_slot() for _ in prompts]
+    fed = [0] * len(prompts)
+    logits: list[list[torch.Tensor]] = [[] for _ in prompts]
+    for step in steps:
+        ids, starts, lens, order = [], [], [], []
+        for seq, n in step:
+            cache.grow(slots[seq], fed[seq] + n)
+            ids.append(prompts[seq][fed[seq]:fed[seq] + n])
+            starts.append(fed[seq])
+            lens.append(n)
+            order.append(seq)
+            fed[seq] += n
+        inp = StepInput(torch.cat(ids), torch.tensor([slots[s] for s in order]), torch.tensor(starts),
+                        torch.tensor(lens))
+        out = model.forward(inp, cache, torch.arange(int(inp.lens.sum())))
+        for seq, chunk in zip(order, out.split(lens)):
+            logits[seq].append(chunk)
+    for slot in slots:
+        cache.release(slot)
+    return [torch.cat(chunks) if chunks else None for chunks in logits]
