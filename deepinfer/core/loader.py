@@ -1,7 +1,10 @@
-"""Safetensors checkpoint loading for DeepSeek-V4: HF or upstream naming, FP8/FP4 dequant.
+"""Safetensors checkpoint loading for DeepSeek-V4: any naming, FP8/FP4 dequantized to float32.
 
-Returns float32 tensors in HF naming (as `DeepseekV4ForCausalLM.state_dict()` names them);
-the model graph casts/quantizes for its backend afterwards.
+Three spellings of the same tensors reach us: HF state_dict names (what the model graph uses),
+DeepSeek's original names, and what transformers 5.x `save_pretrained` writes -- the conversion
+mapping run backwards, i.e. original inner names under a `model.` prefix
+(`model.layers.0.attn.wq_a.weight`, per-expert w1/w2/w3) beside `model.embed_tokens.weight` and
+`head.weight`. So each name is resolved on its own (`_resolve`) rather than per checkpoint.
 """
 from __future__ import annotations
 
@@ -25,10 +28,6 @@ class CheckpointError(ValueError):
 # `conversion_mapping.py` ("deepseek_v4" entry), written out per tensor. Layer entries are
 # relative to `layers.{i}.` / `model.layers.{i}.`. Note the HF module tree nests the indexer
 # inside the compressor (`attn.indexer.*` -> `self_attn.compressor.indexer.*`).
-# Three spellings reach us: HF state_dict names, upstream names, and what transformers 5.x
-# `save_pretrained` writes: the conversion run backwards, i.e. upstream inner names under a
-# `model.` prefix (`model.layers.0.attn.wq_a.weight`) next to `model.embed_tokens.weight`
-# and `head.weight`. Each name is therefore resolved on its own (`_resolve`).
 _TOP_RENAMES = {
     "embed.weight": "model.embed_tokens.weight",
     "head.weight": "lm_head.weight",
@@ -168,8 +167,8 @@ def _to_float32(name: str, t: torch.Tensor, scale: torch.Tensor | None, block: t
 
 def _convert(name: str, t: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype,
              block: tuple[int, int]) -> torch.Tensor:
-    if dtype == torch.float32:
-        return _to_float32(name, t, scale, block)
+    if dtype.is_floating_point:
+        return _to_float32(name, t, scale, block).to(dtype)
     if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool or scale is not None:
         raise CheckpointError(f"{name}: expected an integer table ({dtype}), found dtype {t.dtype}")
     return t.to(dtype)
@@ -303,7 +302,7 @@ def _check_shape(name: str, found: tuple[int, ...], want: tuple[int, ...]) -> No
 def _check_complete(expected, weights, source) -> None:
     for hf, (shape, _) in expected.items():
         if hf not in weights:
-            up = _hf_to_upstream(hf)
+            up = hf_to_upstream(hf)
             raise CheckpointError(f"missing tensor {hf}" + (f" (upstream name {up})" if up else ""))
         if (hf, None, None) in source:
             continue
@@ -314,7 +313,7 @@ def _check_complete(expected, weights, source) -> None:
                     raise CheckpointError(f"missing tensor layers.{layer}.ffn.experts.{j}.{w}.weight (for {hf})")
 
 
-def _hf_to_upstream(hf: str) -> str | None:
+def hf_to_upstream(hf: str) -> str | None:
     """Inverse of `upstream_to_hf` for whole tensors (fused experts have no single upstream name)."""
     if up := next((u for u, h in _TOP_RENAMES.items() if h == hf), None):
         return up

@@ -1,0 +1,259 @@
+"""The step loop: schedule -> model forward -> sample -> post-process."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer.backends.base import Accelerator
+from deepinfer.core.cache import StateCache
+from deepinfer.core.config import CSA, ModelConfig
+from deepinfer.core.loader import load_checkpoint
+from deepinfer.core.models.deepseek_v4 import DeepseekV4Model, StepInput, expected_tensors
+from deepinfer.core.request import Request, Status
+from deepinfer.core.sampler import Sampler, top_logprobs
+from deepinfer.core.scheduler import ScheduledChunk, Scheduler
+from deepinfer.core.tokenizer import IncrementalDetokenizer, Tokenizer
+
+PAGE_TOKENS = 128  # positions per page: a multiple of every V4 compress rate
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # default: min(max_position_embeddings, 8192)
+    cache_bytes: int | None = None  # budget for the decode state (slots + pages)
+    num_cache_pages: int | None = None  # or an explicit page count
+    dtype: str = "auto"  # storage dtype of the decode state: auto | float32 | bfloat16
+    seed: int = 0
+
+    def validate(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        for name in ("max_model_len", "cache_bytes", "num_cache_pages"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be None or an int >= 1, got {value!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16', got {self.dtype!r}")
+
+
+def page_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    per = 0
+    for i, kind in enumerate(cfg.layer_types):
+        rate = cfg.compress_rate(i)
+        if rate:
+            per += PAGE_TOKENS // rate * (cfg.head_dim + (cfg.index_head_dim if kind == CSA else 0))
+    return per * torch.tensor([], dtype=dtype).element_size()
+
+
+@dataclass(slots=True)
+class StepStats:
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    seconds: float = 0.0
+
+
+class LLMEngine:
+    def __init__(self, model_dir: str | os.PathLike, accel: Accelerator, config: EngineConfig,
+                 tokenizer: str | os.PathLike | None = None):
+        config.validate()
+        self.accel = accel
+        self.engine_config = config
+        self.model_config = cfg = ModelConfig.from_dir(model_dir)
+        weights, self.extra_weights = load_checkpoint(model_dir, expected_tensors(cfg))
+        self.model = DeepseekV4Model(cfg, weights, accel)
+        del weights
+        self.tokenizer = Tokenizer(tokenizer or model_dir, bos_token_id=cfg.bos_token_id) \
+            if tokenizer is not None or os.path.isfile(os.path.join(model_dir, "tokenizer.json")) else None
+        self.max_model_len = min(config.max_model_len or min(cfg.max_position_embeddings, 8192),
+                                 cfg.max_position_embeddings)
+        dtype = torch.bfloat16 if config.dtype == "bfloat16" else torch.float32
+        self.cache = self._make_cache(dtype)
+        self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens)
+        self.sampler = Sampler(accel)
+        self.requests: dict[str, Request] = {}
+        self.last_step = StepStats()
+
+    def _make_cache(self, dtype: torch.dtype) -> StateCache:
+        cfg, ec = self.model_config, self.engine_config
+        def build(pages: int) -> StateCache:
+            return StateCache(cfg, max_seqs=ec.max_num_seqs, num_pages=pages,
+                              max_step_tokens=ec.max_num_batched_tokens, max_model_len=self.max_model_len,
+                              page_tokens=PAGE_TOKENS, dtype=dtype, device=self.accel.device)
+        if ec.num_cache_pages is not None:
+            return build(ec.num_cache_pages)
+        per_page = page_bytes(cfg, dtype)
+        full = ec.max_num_seqs * -(-self.max_model_len // PAGE_TOKENS)  # every slot at max length
+        if per_page == 0:
+            return build(0)
+        probe = build(0)
+        budget = ec.cache_bytes if ec.cache_bytes is not None else min(
+            2 << 30, int(0.3 * self.accel.memory_available()))
+        pages = (budget - probe.bytes_per_slot() * ec.max_num_seqs) // per_page
+        if pages < 1:
+            raise ValueError(f"cache_bytes={budget} cannot hold {ec.max_num_seqs} sequence slots "
+                             f"({probe.bytes_per_slot()} bytes each) and one page ({per_page} bytes); "
+                             "raise cache_bytes or lower max_num_seqs")
+        return build(int(min(pages, full)))
+
+    # ------------------------------------------------------------ requests
+    def validate_request(self, prompt_token_ids: list[int], params, what: str = "prompt") -> None:
+        """Raise a clear ValueError for a request the engine could never serve."""
+        if not prompt_token_ids:
+            raise ValueError(f"{what} is empty: give at least one token (or non-empty text)")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"{what} has token ids outside [0, vocab_size={vocab}): {bad[:5]}")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(f"{what} has {len(prompt_token_ids)} tokens; max_model_len={self.max_model_len} "
+                             "leaves no room to generate: shorten the prompt or raise max_model_len")
+        longest = min(len(prompt_token_ids) + params.max_tokens, self.max_model_len)
+        if self.cache.pages_for(longest) > self.cache.num_pages:
+            raise ValueError(f"a request of {longest} tokens needs {self.cache.pages_for(longest)} cache pages, "
+                             f"the cache has {self.cache.num_pages}: raise cache_bytes or lower max_tokens")
+
+    def add_request(self, prompt_token_ids: list[int], params, prompt: str | None = None,
+                    request_id: str | None = None) -> Request:
+        self.validate_request(prompt_token_ids, params)
+        req = Request(prompt_token_ids, params, prompt, request_id)
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id {req.request_id!r} is already in use")
+        if self.tokenizer is not None:
+            req.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids)
+        self.requests[req.request_id] = req
+        self.scheduler.add(req)
+        return req
+
+    def abort_request(self, request_id: str) -> None:
+        req = self.requests.get(request_id)
+        if req is None or req.is_finished:
+            return
+        self.scheduler.finish(req)
+        req.finish("abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def pop_finished(self) -> list[Request]:
+        done = [r for r in self.requests.values() if r.is_finished]
+        for r in done:
+            del self.requests[r.request_id]
+        return done
+
+    # ------------------------------------------------------------ step
+    def step(self) -> list[Request]:
+        """Run one scheduled step; returns the requests that finished in it."""
+        t0 = time.perf_counter()
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return []
+        inp, logit_rows, sample_rows = self._prepare(chunks)
+        logits = self.model.forward(inp, self.cache, torch.tensor(logit_rows, dtype=torch.int64))
+        finished = self._postprocess(chunks, logits, sample_rows)
+        stats = StepStats(seconds=time.perf_counter() - t0)
+        for c in chunks:
+            if c.request.num_computed - c.num_tokens < c.request.num_prompt_tokens:
+                stats.prefill_tokens += c.num_tokens
+            else:
+                stats.decode_tokens += c.num_tokens
+        self.last_step = stats
+        return finished
+
+    def _prepare(self, chunks: list[ScheduledChunk]):
+        ids, slots, starts, lens = [], [], [], []
+        logit_rows: list[int] = []
+        sample_rows: list[int | None] = []  # per chunk: index into logit rows of its sampling row
+        offset = 0
+        now = time.perf_counter()
+        for c in chunks:
+            req = c.request
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = now
+            start = req.num_computed
+            ids.extend(req.tokens(start, start + c.num_tokens))
+            slots.append(req.slot)
+            starts.append(start)
+            lens.append(c.num_tokens)
+            if req.wants_prompt_logprobs and start < req.num_prompt_tokens - 1:
+                last = min(start + c.num_tokens, req.num_prompt_tokens - 1)
+                logit_rows.extend(range(offset, offset + last - start))
+            if c.completes:
+                sample_rows.append(len(logit_rows))
+                logit_rows.append(offset + c.num_tokens - 1)
+            else:
+                sample_rows.append(None)
+            offset += c.num_tokens
+        t = lambda xs: torch.tensor(xs, dtype=torch.int64, device=self.accel.device)  # noqa: E731
+        return StepInput(t(ids), t(slots), t(starts), t(lens)), logit_rows, sample_rows
+
+    def _postprocess(self, chunks, logits, sample_rows) -> list[Request]:
+        rows = [r for r in sample_rows if r is not None]
+        sampling = [c.request for c, r in zip(chunks, sample_rows) if r is not None]
+        tokens = self.sampler(logits[rows], sampling) if rows else None
+        logprob_rows = {}
+        if rows and any(r.params.top_logprobs for r in sampling):
+            k = max(r.params.top_logprobs for r in sampling)
+            for req, lp in zip(sampling, top_logprobs(logits[rows], tokens, k)):
+                logprob_rows[req.request_id] = lp
+        row_cursor = 0
+        for c, srow in zip(chunks, sample_rows):
+            req = c.request
+            start = req.num_computed
+            if req.wants_prompt_logprobs and start < req.num_prompt_tokens - 1:
+                n = min(start + c.num_tokens, req.num_prompt_tokens - 1) - start
+                self._record_prompt_logprobs(req, start, logits[row_cursor:row_cursor + n])
+                row_cursor += n
+            if srow is not None:
+                row_cursor += 1
+            req.num_computed += c.num_tokens
+        finished = []
+        for i, req in enumerate(sampling):
+            token = int(tokens[i])
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = time.perf_counter()
+            req.output_token_ids.append(token)
+            if req.output_logprobs is not None:
+                lp = logprob_rows[req.request_id]
+                req.output_logprobs.append({t: v for j, (t, v) in enumerate(lp.items())
+                                            if j <= req.params.top_logprobs})
+            self._check_stop(req, token)
+            if req.is_finished:
+                if req.detok is not None and not isinstance(req.stop_reason, str):
+                    req.text += req.detok.flush()
+                self.scheduler.finish(req)
+                finished.append(req)
+        return finished
+
+    def _record_prompt_logprobs(self, req: Request, start: int, logits: torch.Tensor) -> None:
+        if req.prompt_logprobs is None:
+            req.prompt_logprobs = [None]
+        if len(req.prompt_logprobs) > start + 1:  # already recorded before a preemption
+            return
+        targets = torch.tensor(req.prompt_token_ids[start + 1:start + 1 + logits.shape[0]], dtype=torch.int64)
+        req.prompt_logprobs.extend(top_logprobs(logits, targets, req.params.prompt_logprobs))
+
+    def _check_stop(self, req: Request, token: int) -> None:
+        params = req.params
+        is_eos = token in self.model_config.eos_token_ids
+        if req.detok is not None and not is_eos:
+            req.text += req.detok.step(token)
+        if is_eos and not params.ignore_eos:
+            return req.finish("stop", token)
+        if params.stop_token_ids and token in params.stop_token_ids:
+            return req.finish("stop", token)
+        for stop in params.stop_strings:
+            # only the tail can hold a new match: the last token added at most len(token text) chars
+            at = req.text.find(stop, max(0, len(req.text) - len(stop) - 64))
+            if at >= 0:
+                req.text = req.text[:at]
+                return req.finish("stop", stop)
+        if len(req.output_token_ids) >= params.max_tokens or req.num_tokens >= self.max_model_len:
+            return req.finish("length")

@@ -1,0 +1,76 @@
+"""A request and its sequence state as the scheduler and engine see it."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+
+from deepinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from deepinfer.sampling_params import SamplingParams
+
+_ids = itertools.count()
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Request:
+    def __init__(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
+                 request_id: str | None = None):
+        self.request_id = request_id if request_id is not None else str(next(_ids))
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.seed = params.resolved_seed()
+        self.output_token_ids: list[int] = []
+        self.output_logprobs: list[dict[int, float]] | None = [] if params.top_logprobs else None
+        self.prompt_logprobs: list[dict[int, float] | None] | None = None
+        self.status = Status.WAITING
+        self.slot: int | None = None
+        self.num_computed = 0  # positions whose decode state is in the cache
+        self.text = ""
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.error: str | None = None
+        self.metrics = RequestMetrics(arrival_time=time.perf_counter())
+        self.detok = None  # incremental detokenizer state, owned by the engine
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    def token(self, position: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.params.prompt_logprobs is not None
+
+    def finish(self, reason: str, stop_reason: str | int | None = None, error: str | None = None) -> None:
+        self.status = Status.FINISHED
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+        self.error = error
+        self.metrics.finished_time = time.perf_counter()
+
+    def to_output(self) -> RequestOutput:
+        completion = CompletionOutput(0, self.text, list(self.output_token_ids), self.output_logprobs,
+                                      self.finish_reason, self.stop_reason, self.error)
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, self.prompt_logprobs,
+                             [completion], self.is_finished, self.metrics)

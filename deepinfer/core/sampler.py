@@ -1,0 +1,46 @@
+"""Sampling policy on top of the accelerator's `sample` op: per-row parameters, counter-based
+noise keyed by (seq_seed, position), and the logprobs users asked for."""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer.backends.base import Accelerator
+from deepinfer.core.request import Request
+
+_UINT63 = 1 << 63
+
+
+def _as_int64(seed: int) -> int:
+    """The uint64 seed's bit pattern as a signed int64 (what a torch.int64 tensor holds)."""
+    return seed - (1 << 64) if seed >= _UINT63 else seed
+
+
+class Sampler:
+    def __init__(self, accel: Accelerator):
+        self.accel = accel
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """One token per row; row r samples request r's token at position `requests[r].num_tokens`."""
+        dev = logits.device
+        params = [r.params for r in requests]
+        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
+        top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64, device=dev)
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
+        seeds = torch.tensor([_as_int64(r.seed) for r in requests], dtype=torch.int64, device=dev)
+        positions = torch.tensor([r.num_tokens for r in requests], dtype=torch.int64, device=dev)
+        return self.accel.sample(logits, temperature, top_k, top_p, seeds, positions)
+
+
+def top_logprobs(logits: torch.Tensor, chosen: torch.Tensor, k: int) -> list[dict[int, float]]:
+    """Per row: {chosen token: logprob} plus the k most likely tokens, from the model's
+    unmodified distribution."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    picked = logprobs.gather(1, chosen.view(-1, 1)).squeeze(1).tolist()
+    out = [{int(t): float(lp)} for t, lp in zip(chosen.tolist(), picked)]
+    if k > 0:
+        values, ids = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
+        for row, (vs, ts) in enumerate(zip(values.tolist(), ids.tolist())):
+            for v, t in zip(vs, ts):
+                out[row].setdefault(t, v)
+    return out

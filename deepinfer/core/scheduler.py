@@ -1,0 +1,92 @@
+"""Continuous batching: chunked prefill under a token budget mixed with decodes,
+admission by free slots and pages, preemption by recompute, oldest first."""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass
+
+from deepinfer.core.cache import StateCache
+from deepinfer.core.request import Request, Status
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    request: Request
+    num_tokens: int  # positions fed this step, from request.num_computed
+
+    @property
+    def completes(self) -> bool:
+        """The chunk reaches the newest token: the step samples the request's next token."""
+        return self.request.num_computed + self.num_tokens == self.request.num_tokens
+
+
+class Scheduler:
+    def __init__(self, cache: StateCache, max_num_seqs: int, max_num_batched_tokens: int):
+        self.cache = cache
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # sorted by arrival: the oldest is served first
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[ScheduledChunk]:
+        budget = self.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed, budget)
+            while not self.cache.can_grow(req.slot, req.num_computed + n):
+                self._preempt(self.running[-1])  # the newest request gives way
+                if req.status is not Status.RUNNING:
+                    break
+            if req.status is not Status.RUNNING:
+                break
+            self.cache.grow(req.slot, req.num_computed + n)
+            chunks.append(ScheduledChunk(req, n))
+            budget -= n
+            i += 1
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and self.cache.num_free_slots:
+            req = self.waiting[0]
+            n = min(req.num_tokens - req.num_computed, budget)
+            if self.cache.pages_for(req.num_computed + n) > self.cache.num_free_pages:
+                break
+            self.waiting.popleft()
+            req.slot = self.cache.allocate_slot()
+            req.status = Status.RUNNING
+            self.cache.grow(req.slot, req.num_computed + n)
+            bisect.insort(self.running, req, key=lambda r: r.metrics.arrival_time)
+            chunks.append(ScheduledChunk(req, n))
+            budget -= n
+        return chunks
+
+    def _preempt(self, req: Request) -> None:
+        """Drop the request's state; it recomputes its prompt and output so far when readmitted."""
+        self.running.remove(req)
+        self._release(req)
+        req.status = Status.WAITING
+        req.num_computed = 0
+        req.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _release(self, req: Request) -> None:
+        if req.slot is not None:
+            self.cache.release(req.slot)
+            req.slot = None
+
+    def finish(self, req: Request) -> None:
+        """Free a finished or aborted request's slot and pages."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self._release(req)

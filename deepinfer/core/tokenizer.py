@@ -1,0 +1,66 @@
+"""Tokenizer from a model directory (tokenizer.json through the `tokenizers` library)
+and incremental detokenization."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from tokenizers import Tokenizer as _HFTokenizer
+
+
+class TokenizerError(ValueError):
+    pass
+
+
+class Tokenizer:
+    def __init__(self, path: str | os.PathLike, bos_token_id: int | None = None):
+        path = os.fspath(path)
+        file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+        if not os.path.isfile(file):
+            raise TokenizerError(f"no tokenizer.json at {path!r}; pass tokenizer=<dir with tokenizer.json>")
+        self._tok = _HFTokenizer.from_file(file)
+        config = {}
+        config_file = os.path.join(os.path.dirname(file), "tokenizer_config.json")
+        if os.path.isfile(config_file):
+            with open(config_file) as f:
+                config = json.load(f)
+        self.bos_token_id = bos_token_id
+        self.add_bos = bool(config.get("add_bos_token", bos_token_id is not None))
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=True).ids
+        if self.add_bos and self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id):
+            ids = [self.bos_token_id] + ids
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True)
+
+
+class IncrementalDetokenizer:
+    """Text grows token by token without re-decoding everything: decode a short window
+    of recent tokens and emit what it adds, holding back incomplete UTF-8 ("\ufffd")."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int]):
+        self.tokenizer = tokenizer
+        self.ids = list(prompt_ids[-6:])  # context so merges at the boundary decode correctly
+        self.prefix = 0
+        self.read = len(self.ids)
+
+    def step(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        before = self.tokenizer.decode(self.ids[self.prefix:self.read])
+        after = self.tokenizer.decode(self.ids[self.prefix:])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.prefix, self.read = self.read, len(self.ids)
+            return after[len(before):]
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is held back (an incomplete character at the end of generation)."""
+        before = self.tokenizer.decode(self.ids[self.prefix:self.read])
+        after = self.tokenizer.decode(self.ids[self.prefix:])
+        self.prefix = self.read = len(self.ids)
+        return after[len(before):]

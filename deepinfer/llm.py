@@ -1,0 +1,112 @@
+"""Offline API: `LLM(model=...).generate(prompts, sampling_params)`."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from deepinfer.backends import get_accelerator
+from deepinfer.core.engine import EngineConfig, LLMEngine
+from deepinfer.outputs import RequestOutput
+from deepinfer.sampling_params import SamplingParams
+
+DEFAULT_MODEL_DIR = os.path.join(os.path.dirname(__file__), "assets", "tiny-dsv4")
+
+
+def default_model() -> str:
+    """The model used when none is given: DEEPINFER_HF_MODEL_DIR, else the shipped tiny model."""
+    from deepinfer import envs
+
+    return envs.get("DEEPINFER_HF_MODEL_DIR") or DEFAULT_MODEL_DIR
+
+
+class LLM:
+    def __init__(self, model: str | os.PathLike | None = None, tokenizer: str | os.PathLike | None = None, *,
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
+                 dtype: str = "auto", cache_bytes: int | None = None, num_cache_pages: int | None = None,
+                 seed: int = 0, accelerator: str | None = None):
+        model = os.fspath(model) if model is not None else default_model()
+        self.accel = get_accelerator(accelerator)
+        torch.manual_seed(seed)
+        config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                              max_model_len=max_model_len, cache_bytes=cache_bytes,
+                              num_cache_pages=num_cache_pages, dtype=dtype, seed=seed)
+        self.engine = LLMEngine(model, self.accel, config, tokenizer)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: str | Sequence[str] | None = None,
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 prompt_token_ids: Sequence[Sequence[int]] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in input order. Invalid input raises
+        before any request is queued, so the engine stays ready for the next call."""
+        token_lists, texts = self._inputs(prompts, prompt_token_ids)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(token_lists)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(token_lists):
+                raise ValueError(f"sampling_params has {len(params)} entries for {len(token_lists)} prompts; "
+                                 "give one SamplingParams or one per prompt")
+            for i, p in enumerate(params):
+                if not isinstance(p, SamplingParams):
+                    raise TypeError(f"sampling_params[{i}] is {type(p).__name__}, expected SamplingParams")
+        self._check_requests(token_lists, params)
+        requests = [self.engine.add_request(ids, p, text) for ids, p, text in zip(token_lists, params, texts)]
+        try:
+            self._run(len(requests), use_tqdm)
+        except BaseException:
+            for req in requests:  # leave nothing queued behind a failed call
+                self.engine.abort_request(req.request_id)
+            self.engine.pop_finished()
+            raise
+        self.engine.pop_finished()
+        return [req.to_output() for req in requests]
+
+    def _inputs(self, prompts, prompt_token_ids):
+        if prompts is not None and prompt_token_ids is not None:
+            raise ValueError("give prompts or prompt_token_ids, not both")
+        if prompt_token_ids is not None:
+            lists = [list(ids) for ids in prompt_token_ids]
+            return lists, [None] * len(lists)
+        if prompts is None:
+            raise ValueError("generate() needs prompts (strings) or prompt_token_ids")
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if self.tokenizer is None:
+            raise ValueError("this model directory has no tokenizer.json: pass prompt_token_ids, or tokenizer=...")
+        for i, p in enumerate(prompts):
+            if not isinstance(p, str):
+                raise TypeError(f"prompts[{i}] is {type(p).__name__}, expected str")
+            if not p:
+                raise ValueError(f"prompts[{i}] is empty")
+        return [self.tokenizer.encode(p) for p in prompts], list(prompts)
+
+    def _check_requests(self, token_lists, params) -> None:
+        """Validate every request before queueing any, so a bad one leaves nothing behind."""
+        for i, (ids, p) in enumerate(zip(token_lists, params)):
+            self.engine.validate_request(ids, p, what=f"prompt {i}")
+
+    def _run(self, total: int, use_tqdm: bool) -> None:
+        bar = tqdm(total=total, desc="generate", unit="req", dynamic_ncols=True) if use_tqdm else None
+        prefill = decode = 0
+        seconds = 0.0
+        start = time.perf_counter()
+        while self.engine.has_unfinished():
+            done = self.engine.step()
+            st = self.engine.last_step
+            prefill += st.prefill_tokens
+            decode += st.decode_tokens
+            seconds = time.perf_counter() - start
+            if bar is not None:
+                bar.set_postfix_str(f"prefill {prefill / max(seconds, 1e-9):.0f} tok/s, "
+                                    f"decode {decode / max(seconds, 1e-9):.0f} tok/s", refresh=False)
+                bar.update(len(done))
+        if bar is not None:
+            bar.close()

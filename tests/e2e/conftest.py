@@ -1,0 +1,45 @@
+"""Tiny random V4 models saved as real model directories (config.json, safetensors, tokenizer.json)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tiny_models import make_hf_model
+
+
+def _write_tokenizer(path, vocab_size: int) -> None:
+    """A byte-level BPE trained on a little text, padded to the model's vocab, with bos/eos."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|bos|>", "<|eos|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    text = ["def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n",
+            "the quick brown fox jumps over the lazy dog. " * 3, "import os\nimport sys\nprint('hello world')\n"]
+    tok.train_from_iterator(text * 20, trainer)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text('{"add_bos_token": true, "bos_token": "<|bos|>", '
+                                                '"eos_token": "<|eos|>"}')
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """(model dir, hf model) for the 'mixed_hc4_yarn' config: all three layer types."""
+    hf, _ = make_hf_model("mixed_hc4_yarn", seed=11)
+    path = tmp_path_factory.mktemp("tiny_v4")
+    hf.save_pretrained(path, safe_serialization=True)
+    _write_tokenizer(path, hf.config.vocab_size)
+    return path, hf
+
+
+def hf_greedy(hf, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy generate with no stopping (eos suppression would bias it)."""
+    from transformers import GenerationConfig
+
+    gc = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), generation_config=gc)
+    return out[0, len(prompt):].tolist()
