@@ -1,0 +1,132 @@
+"""Attention-side kernels: compressor window reduction, sparse MQA with sinks, indexer scores."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer.backends.nvidia import alloc
+
+# Fixed block sizes: a token's reduction order never depends on the batch it is in.
+_ATTN_BLOCK_K = 32
+_ATTN_BLOCK_H = 16  # tl.dot needs >= 16 rows on GPU; padded heads are masked
+_INDEX_BLOCK_M = 32
+
+
+@triton.jit
+def _compress_kernel(kv_ptr, gate_ptr, out_ptr, L, D, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr):
+    w, pid = tl.program_id(0), tl.program_id(1)
+    j = tl.arange(0, BLOCK_L)
+    d = pid * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask = (j[:, None] < L) & (d[None, :] < D)
+    offs = (w * L + j[:, None]) * D + d[None, :]
+    g = tl.load(gate_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32)
+    g = tl.where(d[None, :] < D, g, 0.0)  # padded channels: finite, never stored
+    e = tl.exp(g - tl.max(g, axis=0)[None, :])
+    p = e / tl.sum(e, axis=0)[None, :]
+    kv = tl.load(kv_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + w * D + d, tl.sum(kv * p, axis=0), mask=d < D)
+
+
+def compress_windows(kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    w, length, d = kv.shape
+    out = alloc.empty(w, d, dtype=torch.float32, device=kv.device)
+    if w and length:
+        block_l = triton.next_power_of_2(length)
+        block_d = max(16, min(triton.next_power_of_2(d), 8192 // block_l))
+        _compress_kernel[(w, triton.cdiv(d, block_d))](kv.contiguous(), gate.contiguous(), out, length, d,
+                                                       BLOCK_L=block_l, BLOCK_D=block_d)
+    elif w:
+        out.fill_(float("nan"))  # softmax over no slots, as the reference
+    return out
+
+
+@triton.jit
+def _sparse_attention_kernel(q_ptr, kv_ptr, idx_ptr, sinks_ptr, out_ptr, H, D, K, scale,
+                             BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One program per (token, head group): online softmax over the index list in fixed BLOCK_K
+    chunks, seeded with the sink (max = sink, denominator = 1, no value)."""
+    t, hg = tl.program_id(0), tl.program_id(1)
+    h = hg * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = h < H
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    q = tl.load(q_ptr + (t * H + h[:, None]) * D + d[None, :], mask=hmask[:, None] & dmask[None, :],
+                other=0.0).to(tl.float32)
+    m = tl.load(sinks_ptr + h, mask=hmask, other=0.0).to(tl.float32)
+    denom = tl.full((BLOCK_H,), 1.0, dtype=tl.float32)
+    acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        idx = tl.load(idx_ptr + t * K + kk, mask=kk < K, other=-1)
+        valid = idx >= 0
+        kv = tl.load(kv_ptr + idx[:, None] * D + d[None, :], mask=valid[:, None] & dmask[None, :],
+                     other=0.0).to(tl.float32)
+        s = tl.dot(q, tl.trans(kv), input_precision="ieee") * scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        denom = denom * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p, kv, input_precision="ieee")
+        m = m_new
+    out = acc / denom[:, None]
+    tl.store(out_ptr + (t * H + h[:, None]) * D + d[None, :], out, mask=hmask[:, None] & dmask[None, :])
+
+
+def sparse_attention(q, kv, indices, sinks, scale):
+    t, h, d = q.shape
+    out = alloc.empty(t, h, d, dtype=torch.float32, device=q.device)
+    if t:
+        _sparse_attention_kernel[(t, triton.cdiv(h, _ATTN_BLOCK_H))](
+            q.contiguous(), kv.contiguous(), indices.contiguous(), sinks.float().contiguous(), out,
+            h, d, indices.shape[1], float(scale),
+            BLOCK_H=_ATTN_BLOCK_H, BLOCK_K=_ATTN_BLOCK_K, BLOCK_D=max(16, triton.next_power_of_2(d)))
+    return out
+
+
+@triton.jit
+def _indexer_scores_kernel(q_ptr, w_ptr, keys_ptr, cand_ptr, out_ptr, H, D, M, scale,
+                           BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """score[t, c] = sum_h w[t, h] * relu(q[t, h] . keys[cand[t, c]]) * scale; -inf where cand < 0."""
+    t, pid = tl.program_id(0), tl.program_id(1)
+    h = tl.arange(0, BLOCK_H)
+    hmask = h < H
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    q = tl.load(q_ptr + (t * H + h[:, None]) * D + d[None, :], mask=hmask[:, None] & dmask[None, :],
+                other=0.0).to(tl.float32)
+    c = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    cand = tl.load(cand_ptr + t * M + c, mask=c < M, other=-1)
+    valid = cand >= 0
+    keys = tl.load(keys_ptr + cand[:, None] * D + d[None, :], mask=valid[:, None] & dmask[None, :],
+                   other=0.0).to(tl.float32)
+    s = tl.maximum(tl.dot(q, tl.trans(keys), input_precision="ieee"), 0.0) * scale  # [H, M]
+    w = tl.load(w_ptr + t * H + h, mask=hmask, other=0.0).to(tl.float32)
+    score = tl.sum(s * w[:, None], axis=0)
+    tl.store(out_ptr + t * M + c, tl.where(valid, score, float("-inf")), mask=c < M)
+
+
+def indexer_scores(q, weights, keys, candidates, scale) -> torch.Tensor:
+    t, h, d = q.shape
+    m = candidates.shape[1]
+    scores = alloc.empty(t, m, dtype=torch.float32, device=q.device)
+    if t and m:
+        _indexer_scores_kernel[(t, triton.cdiv(m, _INDEX_BLOCK_M))](
+            q.contiguous(), weights.contiguous(), keys.contiguous(), candidates.contiguous(), scores,
+            h, d, m, float(scale), BLOCK_H=max(16, triton.next_power_of_2(h)), BLOCK_M=_INDEX_BLOCK_M,
+            BLOCK_D=max(16, triton.next_power_of_2(d)))
+    return scores
+
+
+def indexer_topk(q, weights, keys, candidates, topk, scale):
+    num_tokens, num_cand = candidates.shape
+    k = min(topk, num_cand)
+    if k == 0 or num_tokens == 0:
+        return torch.full((num_tokens, k), -1, dtype=torch.int64, device=q.device)
+    scores = indexer_scores(q, weights, keys, candidates, scale)
+    # selection exactly as the reference: stable sort keeps the earlier column on ties
+    values, order = scores.sort(dim=-1, descending=True, stable=True)
+    picked = candidates.gather(1, order[:, :k])
+    return torch.where(torch.isfinite(values[:, :k]), picked, torch.full_like(picked, -1))

@@ -1,0 +1,204 @@
+"""Tiled fp32-accumulate matmuls: linear, grouped_linear and the MoE grouped GEMM.
+
+Batch invariance: tile sizes come from `tiles(n, k)`, a table keyed on the weight shape
+only, never on the token count, so every output element is reduced over K in the same
+BLOCK_K chunks in the same order whatever the batch it is computed in.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer.backends.nvidia import alloc
+
+
+def tiles(n: int, k: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K) for a weight of shape [n, k]. Fixed per weight shape."""
+    block_n = 64 if n >= 64 else max(16, triton.next_power_of_2(n))
+    block_k = 64 if k >= 256 else 32 if k >= 32 else 16
+    return 32, block_n, block_k
+
+
+@triton.jit
+def _matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K,
+                   stride_ag, stride_am, stride_ak,
+                   stride_bg, stride_bn, stride_bk,
+                   stride_cg, stride_cm, stride_cn,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """c[g] = a[g] @ b[g].T; grid (m tiles, n tiles, groups)."""
+    pid_m, pid_n, g = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    a_base = a_ptr + g * stride_ag + rm[:, None] * stride_am
+    b_base = b_ptr + g * stride_bg + rn[None, :] * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        a = tl.load(a_base + kk[None, :] * stride_ak, mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+        b = tl.load(b_base + kk[:, None] * stride_bk, mask=(kk[:, None] < K) & (rn[None, :] < N), other=0.0)
+        acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    c = c_ptr + g * stride_cg + rm[:, None] * stride_cm + rn[None, :] * stride_cn
+    tl.store(c, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def _batched(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """a [G, M, K], b [G, N, K], out [G, M, N] (any strides)."""
+    groups, m, k = a.shape
+    n = b.shape[1]
+    if m == 0 or n == 0:
+        return out
+    bm, bn, bk = tiles(n, k)
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), groups)
+    _matmul_kernel[grid](a, b, out, m, n, k, *a.stride(), *b.stride(), *out.stride(),
+                         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+    return out
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)
+    out = alloc.empty(x2.shape[0], weight.shape[0], dtype=torch.float32, device=x.device)
+    _batched(x2.unsqueeze(0), weight.unsqueeze(0), out.unsqueeze(0))
+    return out.view(*lead, weight.shape[0])
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    t, groups, k = x.shape
+    w = weight.view(groups, -1, k)
+    out = alloc.empty(t, groups, w.shape[1], dtype=torch.float32, device=x.device)
+    _batched(x.transpose(0, 1), w, out.transpose(0, 1))
+    return out
+
+
+# ------------------------------------------------------------------ MoE
+
+
+@triton.jit
+def _moe_gate_up_kernel(x_ptr, w_ptr, act_ptr, rows_ptr, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
+                        I, K, limit, stride_xm, stride_we, stride_wn, stride_am,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """act[p] = swiglu(x[rows[p]] @ w[e, :I].T, x[rows[p]] @ w[e, I:].T) for the sorted slots p of
+    one (expert, row tile); grid (row tiles, I tiles)."""
+    tile, pid_n = tl.program_id(0), tl.program_id(1)
+    e = tl.load(tile_expert_ptr + tile)
+    start = tl.load(tile_start_ptr + tile)
+    end = tl.load(tile_end_ptr + tile)
+    rp = start + tl.arange(0, BLOCK_M)
+    rmask = rp < end
+    rows = tl.load(rows_ptr + rp, mask=rmask, other=0)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = rn < I
+    rk = tl.arange(0, BLOCK_K)
+    w_base = w_ptr + e * stride_we
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        kmask = kk < K
+        a = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        a = a.to(tl.float32)
+        wmask = kmask[:, None] & nmask[None, :]
+        wg = tl.load(w_base + rn[None, :] * stride_wn + kk[:, None], mask=wmask, other=0.0)
+        wu = tl.load(w_base + (rn[None, :] + I) * stride_wn + kk[:, None], mask=wmask, other=0.0)
+        acc_g += tl.dot(a, wg.to(tl.float32), input_precision="ieee")
+        acc_u += tl.dot(a, wu.to(tl.float32), input_precision="ieee")
+    g = tl.minimum(acc_g, limit)
+    u = tl.minimum(tl.maximum(acc_u, -limit), limit)
+    act = g / (1.0 + tl.exp(-g)) * u
+    tl.store(act_ptr + rp[:, None] * stride_am + rn[None, :], act, mask=rmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _moe_down_kernel(act_ptr, w_ptr, out_ptr, scale_ptr, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
+                     N, K, stride_am, stride_we, stride_wn, stride_om,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[p] = scale[p] * (act[p] @ w[e].T) for the sorted slots p of one (expert, row tile)."""
+    tile, pid_n = tl.program_id(0), tl.program_id(1)
+    e = tl.load(tile_expert_ptr + tile)
+    start = tl.load(tile_start_ptr + tile)
+    end = tl.load(tile_end_ptr + tile)
+    rp = start + tl.arange(0, BLOCK_M)
+    rmask = rp < end
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = rn < N
+    rk = tl.arange(0, BLOCK_K)
+    w_base = w_ptr + e * stride_we
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        kmask = kk < K
+        a = tl.load(act_ptr + rp[:, None] * stride_am + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        w = tl.load(w_base + rn[None, :] * stride_wn + kk[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
+        acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+    scale = tl.load(scale_ptr + rp, mask=rmask, other=0.0)
+    tl.store(out_ptr + rp[:, None] * stride_om + rn[None, :], acc * scale[:, None],
+             mask=rmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _moe_combine_kernel(rows_ptr, slot_ptr, out_ptr, D, TOP_K: tl.constexpr, BLOCK_D: tl.constexpr):
+    """out[t] = sum_j rows[slot[t, j]], j in order: a fixed reduction order per token, no atomics."""
+    t, pid_d = tl.program_id(0), tl.program_id(1)
+    d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    dmask = d < D
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for j in range(TOP_K):
+        p = tl.load(slot_ptr + t * TOP_K + j)
+        acc += tl.load(rows_ptr + p * D + d, mask=dmask, other=0.0)
+    tl.store(out_ptr + t * D + d, acc, mask=dmask)
+
+
+def _tile_schedule(sorted_ids: torch.Tensor, block_m: int):
+    """Per row tile of the expert-sorted slots: (expert, first slot, end slot)."""
+    hit, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
+    ends = counts.cumsum(0)
+    starts = ends - counts
+    per = (counts + block_m - 1) // block_m
+    tile_expert = hit.repeat_interleave(per)
+    first_tile = (per.cumsum(0) - per).repeat_interleave(per)
+    local = torch.arange(tile_expert.numel(), device=sorted_ids.device) - first_tile
+    tile_start = starts.repeat_interleave(per) + local * block_m
+    return tile_expert, tile_start, ends.repeat_interleave(per)
+
+
+def moe_experts(x, weights, ids, gate_up, down, limit):
+    num_tokens, top_k = ids.shape
+    d = x.shape[-1]
+    num_experts, two_i, _ = gate_up.shape
+    inter = two_i // 2
+    x = x.contiguous()
+    out = alloc.empty(num_tokens, d, dtype=torch.float32, device=x.device)
+    if num_tokens == 0:
+        return out
+    flat_ids = ids.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)  # the reference's grouping by expert
+    rows = order // top_k  # token of each sorted slot
+    slot_of = torch.empty_like(order)
+    slot_of[order] = torch.arange(order.numel(), device=x.device)
+    scale = weights.reshape(-1)[order].float().contiguous()
+    gate_up, down = gate_up.contiguous(), down.contiguous()
+
+    bm, bn, bk = tiles(inter, d)  # keyed on the expert weight shape, like linear
+    tile_expert, tile_start, tile_end = _tile_schedule(flat_ids[order], bm)
+    act = alloc.empty(order.numel(), inter, dtype=torch.float32, device=x.device)
+    _moe_gate_up_kernel[(tile_expert.numel(), triton.cdiv(inter, bn))](
+        x, gate_up, act, rows, tile_expert, tile_start, tile_end, inter, d, float(limit),
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+
+    bm2, bn2, bk2 = tiles(d, inter)
+    if bm2 != bm:
+        tile_expert, tile_start, tile_end = _tile_schedule(flat_ids[order], bm2)
+    expert_rows = alloc.empty(order.numel(), d, dtype=torch.float32, device=x.device)
+    _moe_down_kernel[(tile_expert.numel(), triton.cdiv(d, bn2))](
+        act, down, expert_rows, scale, tile_expert, tile_start, tile_end, d, inter,
+        act.stride(0), down.stride(0), down.stride(1), expert_rows.stride(0),
+        BLOCK_M=bm2, BLOCK_N=bn2, BLOCK_K=bk2)
+
+    block_d = min(1024, triton.next_power_of_2(d))
+    _moe_combine_kernel[(num_tokens, triton.cdiv(d, block_d))](
+        expert_rows, slot_of.view(num_tokens, top_k).contiguous(), out, d, TOP_K=top_k, BLOCK_D=block_d)
+    return out

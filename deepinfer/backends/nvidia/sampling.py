@@ -1,0 +1,162 @@
+"""MoE routing scores, token sampling (counter-based SplitMix64 Gumbel noise) and bitmask apply."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer.backends.nvidia import alloc
+
+from deepinfer.backends.cpu.ops import filter_logits
+from deepinfer.backends.nvidia.gemm import linear
+
+_GOLDEN = 0x9E3779B97F4A7C15
+_MIX1 = 0xBF58476D1CE4E5B9
+_MIX2 = 0x94D049BB133111EB
+_VOCAB_BLOCK = 1024
+
+
+# ------------------------------------------------------------------ routing
+
+
+@triton.jit
+def _sqrt_softplus_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < n
+    x = tl.load(x_ptr + i, mask=mask, other=0.0).to(tl.float32)
+    y = tl.exp(tl.minimum(x, 20.0))
+    u = 1.0 + y
+    log1p = tl.where(u == 1.0, y, tl.log(u) * (y / tl.where(u == 1.0, 1.0, u - 1.0)))  # accurate for small y
+    tl.store(out_ptr + i, tl.sqrt(tl.where(x > 20.0, x, log1p)), mask=mask)  # torch's softplus threshold
+
+
+@triton.jit
+def _route_weights_kernel(scores_ptr, ids_ptr, out_ptr, E, scaling, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    t = tl.program_id(0)
+    j = tl.arange(0, BLOCK_K)
+    mask = j < TOP_K
+    ids = tl.load(ids_ptr + t * TOP_K + j, mask=mask, other=0)
+    w = tl.load(scores_ptr + t * E + ids, mask=mask, other=0.0)
+    tl.store(out_ptr + t * TOP_K + j, w / (tl.sum(w, axis=0) + 1e-20) * scaling, mask=mask)
+
+
+def route_scores(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    logits = linear(x.float(), gate)
+    scores = alloc.empty(*logits.shape, device=logits.device)
+    n = logits.numel()
+    if n:
+        _sqrt_softplus_kernel[(triton.cdiv(n, 1024),)](logits, scores, n, BLOCK=1024)
+    return scores
+
+
+def _normalize(scores: torch.Tensor, ids: torch.Tensor, scaling: float) -> torch.Tensor:
+    t, k = ids.shape
+    out = alloc.empty(t, k, dtype=torch.float32, device=scores.device)
+    if t and k:
+        _route_weights_kernel[(t,)](scores, ids.contiguous(), out, scores.shape[1], float(scaling),
+                                    TOP_K=k, BLOCK_K=triton.next_power_of_2(k))
+    return out
+
+
+def route_topk(x, gate, bias, top_k, scaling):
+    scores = route_scores(x, gate)
+    ids = torch.topk(scores + bias, top_k, dim=-1, sorted=False).indices  # the reference's selection
+    return _normalize(scores, ids, scaling), ids
+
+
+def route_hash(x, gate, ids, scaling):
+    return _normalize(route_scores(x, gate), ids, scaling)
+
+
+# ------------------------------------------------------------------ sampling
+
+
+@triton.jit
+def _splitmix64(x, G: tl.constexpr, M1: tl.constexpr, M2: tl.constexpr):
+    z = x + G
+    z = (z ^ (z >> 30)) * M1
+    z = (z ^ (z >> 27)) * M2
+    return z ^ (z >> 31)
+
+
+@triton.jit
+def _argmax_kernel(x_ptr, div_ptr, seed_ptr, pos_ptr, out_ptr, V, stride,
+                   NOISE: tl.constexpr, G: tl.constexpr, M1: tl.constexpr, M2: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    """out[b] = argmax_v(x[b, v] / div[b] (+ Gumbel noise of (seed, position, v))), first index on ties."""
+    b = tl.program_id(0)
+    div = tl.load(div_ptr + b)
+    if NOISE:
+        seed = tl.load(seed_ptr + b).to(tl.uint64, bitcast=True)
+        pos = tl.load(pos_ptr + b).to(tl.uint64, bitcast=True)
+        row_key = _splitmix64(_splitmix64(seed, G, M1, M2) ^ pos, G, M1, M2)
+    best_val = float("-inf")
+    best_idx = 0
+    for v0 in range(0, V, BLOCK):
+        v = v0 + tl.arange(0, BLOCK)
+        # correctly rounded division, as torch's (GPU `/` is approximate)
+        x = tl.math.div_rn(tl.load(x_ptr + b * stride + v, mask=v < V, other=float("-inf")).to(tl.float32), div)
+        if NOISE:
+            bits = _splitmix64(row_key + v.to(tl.uint64) * G, G, M1, M2)
+            u = ((bits >> 40).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+            x = x + -tl.log(-tl.log(u))
+        x = tl.where(v < V, x, float("-inf"))
+        blk_val = tl.max(x, axis=0)
+        blk_idx = tl.min(tl.where(x == blk_val, v, V), axis=0)  # first maximum in the block
+        take = blk_val > best_val
+        best_idx = tl.where(take, blk_idx, best_idx)
+        best_val = tl.where(take, blk_val, best_val)
+    tl.store(out_ptr + b, best_idx.to(tl.int64))
+
+
+def _argmax(values, divisor, seeds, positions, noise: bool) -> torch.Tensor:
+    rows, vocab = values.shape
+    out = alloc.empty(rows, dtype=torch.int64, device=values.device)
+    if rows:
+        _argmax_kernel[(rows,)](values, divisor, seeds, positions, out, vocab, values.stride(0), NOISE=noise,
+                                G=_GOLDEN, M1=_MIX1, M2=_MIX2, BLOCK=_VOCAB_BLOCK)
+    return out
+
+
+def sample(logits, temperature, top_k, top_p, seeds, positions):
+    logits = logits.float().contiguous()
+    greedy = temperature < 1e-5
+    ones = torch.ones(logits.shape[0], dtype=torch.float32, device=logits.device)
+    tokens = _argmax(logits, ones, seeds, positions, noise=False)
+    if bool(greedy.all()):
+        return tokens
+    rows = (~greedy).nonzero().squeeze(1)
+    temp = temperature[rows].float()
+    values, divisor = logits[rows], temp.contiguous()
+    filtered = (top_k[rows] > 0) | (top_p[rows] < 1.0)
+    if bool(filtered.any()):
+        # top-k / top-p need a sort: the reference's torch filter, on the tempered logits
+        scaled = values / temp.unsqueeze(1)
+        values = torch.where(filtered.unsqueeze(1), filter_logits(scaled, top_k[rows], top_p[rows]), values)
+        divisor = torch.where(filtered, torch.ones_like(temp), temp)
+    tokens[rows] = _argmax(values.contiguous(), divisor.contiguous(), seeds[rows].contiguous(),
+                           positions[rows].contiguous(), noise=True)
+    return tokens
+
+
+@triton.jit
+def _bitmask_kernel(logits_ptr, mask_ptr, V, W, stride, BLOCK: tl.constexpr):
+    b, pid = tl.program_id(0), tl.program_id(1)
+    v = pid * BLOCK + tl.arange(0, BLOCK)
+    inb = v < V
+    word = tl.load(mask_ptr + b * W + v // 32, mask=inb, other=-1)
+    allowed = ((word >> (v % 32)) & 1) != 0
+    tl.store(logits_ptr + b * stride + v, tl.full((BLOCK,), float("-inf"), tl.float32), mask=inb & ~allowed)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    rows, vocab = logits.shape
+    if rows == 0 or vocab == 0:
+        return
+    target = logits if logits.stride(-1) == 1 else logits.contiguous()
+    bitmask = bitmask.to(torch.int32).contiguous()
+    _bitmask_kernel[(rows, triton.cdiv(vocab, _VOCAB_BLOCK))](target, bitmask, vocab, bitmask.shape[1],
+                                                             target.stride(0), BLOCK=_VOCAB_BLOCK)
+    if target is not logits:
+        logits.copy_(target)
