@@ -40,6 +40,7 @@ def hf_greedy(hf, prompt: list[int], max_new_tokens: int) -> list[int]:
     from transformers import GenerationConfig
 
     gc = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    hf.generation_config.eos_token_id = None  # else generate() falls back to the model's eos and stops
     with torch.no_grad():
         out = hf.generate(torch.tensor([prompt]), generation_config=gc)
     return out[0, len(prompt):].tolist()

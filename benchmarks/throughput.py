@@ -1,0 +1,114 @@
+"""Offline batch throughput: deepinfer vs transformers' generate, same model, prompts and
+greedy settings, in one run. Prints a table and writes JSON.
+
+    python benchmarks/throughput.py                      # tiny random V4 from the tests
+    python benchmarks/throughput.py --model deepinfer/assets/tiny-dsv4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+
+
+def _model_dir(args) -> str:
+    if args.model:
+        return args.model
+    from tiny_models import make_hf_model
+
+    hf, _ = make_hf_model(args.tiny_config, seed=0)
+    path = tempfile.mkdtemp(prefix="deepinfer_bench_")
+    hf.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def _prompts(vocab: int, batch: int, length: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(0)
+    return torch.randint(2, vocab, (batch, length), generator=gen).tolist()
+
+
+def run_deepinfer(model_dir: str, prompts, new_tokens: int) -> dict:
+    from deepinfer import LLM, SamplingParams
+
+    llm = LLM(model_dir, max_num_seqs=max(len(prompts), 1), max_num_batched_tokens=4096)
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    llm.generate(prompt_token_ids=prompts[:1], sampling_params=SamplingParams(temperature=0.0, max_tokens=2),
+                 use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    n = sum(len(o.outputs[0].token_ids) for o in outs)
+    ttft = sum(o.time_to_first_token for o in outs) / len(outs)
+    tpot = [o.time_per_output_token for o in outs if o.time_per_output_token is not None]
+    return dict(seconds=seconds, output_tokens=n, tok_s=n / seconds, ttft_s=ttft,
+                tpot_s=sum(tpot) / max(len(tpot), 1), tokens=[o.outputs[0].token_ids for o in outs])
+
+
+def run_transformers(model_dir: str, prompts, new_tokens: int) -> dict:
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # ignore eos like deepinfer's ignore_eos=True
+    gc = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    ids = torch.tensor(prompts)  # equal lengths: no padding, so both engines see the same inputs
+    with torch.no_grad():
+        model.generate(ids[:1], generation_config=GenerationConfig(max_new_tokens=2, do_sample=False,
+                                                                      eos_token_id=None, pad_token_id=0))
+        start = time.perf_counter()
+        first = time.perf_counter()
+        model(ids)  # time to first token ~ one prefill forward
+        ttft = time.perf_counter() - first
+        start = time.perf_counter()
+        out = model.generate(ids, generation_config=gc)
+        seconds = time.perf_counter() - start
+    gen = out[:, ids.shape[1]:]
+    n = gen.numel()
+    return dict(seconds=seconds, output_tokens=n, tok_s=n / seconds, ttft_s=ttft,
+                tpot_s=(seconds - ttft) / max(new_tokens - 1, 1), tokens=gen.tolist())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="model dir (default: a tiny random V4 of the tests)")
+    parser.add_argument("--tiny-config", default="mixed_hc4_yarn")
+    parser.add_argument("--batches", default="1,32")
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--json", default="benchmarks/results/throughput.json")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    model_dir = _model_dir(args)
+    vocab = json.load(open(os.path.join(model_dir, "config.json")))["vocab_size"]
+    rows = []
+    for batch in [int(b) for b in args.batches.split(",")]:
+        prompts = _prompts(vocab, batch, args.prompt_len)
+        ours = run_deepinfer(model_dir, prompts, args.new_tokens)
+        ref = run_transformers(model_dir, prompts, args.new_tokens)
+        same = sum(a == b for a, b in zip(ours.pop("tokens"), ref.pop("tokens")))
+        rows.append(dict(batch=batch, deepinfer=ours, transformers=ref, speedup=ours["tok_s"] / ref["tok_s"],
+                         identical_outputs=f"{same}/{batch}"))
+    print(f"model: {model_dir}  prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, greedy, "
+          f"{torch.get_num_threads()} threads")
+    print("| batch | engine | output tok/s | TTFT (s) | TPOT (ms) | speedup | identical outputs |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        for name in ("deepinfer", "transformers"):
+            m = r[name]
+            extra = (f"{r['speedup']:.1f}x", r["identical_outputs"]) if name == "deepinfer" else ("1.0x", "")
+            print(f"| {r['batch']} | {name} | {m['tok_s']:.1f} | {m['ttft_s']:.3f} | {m['tpot_s'] * 1e3:.1f} | "
+                  f"{extra[0]} | {extra[1]} |")
+    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump(dict(model=model_dir, prompt_len=args.prompt_len, new_tokens=args.new_tokens, rows=rows), f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
