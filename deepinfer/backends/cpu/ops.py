@@ -146,7 +146,6 @@ def moe_experts(x, weights, ids, gate_up, down, limit):
     order = torch.argsort(flat_ids, stable=True)  # deterministic grouping by expert
     hit, counts = torch.unique_consecutive(flat_ids[order], return_counts=True)
     token_of = order // top_k
-    out = torch.zeros_like(x, dtype=torch.float32)
     rows = torch.empty(num_tokens * top_k, x.shape[-1], dtype=torch.float32, device=x.device)
     begin = 0
     for expert, count in zip(hit.tolist(), counts.tolist()):  # only experts that were hit
@@ -154,9 +153,11 @@ def moe_experts(x, weights, ids, gate_up, down, limit):
         g, u = F.linear(x[sel], gate_up[expert]).chunk(2, dim=-1)
         rows[begin:begin + count] = F.linear(swiglu(g, u, limit), down[expert])
         begin += count
-    scaled = rows * weights.reshape(-1)[order].unsqueeze(-1)
-    out.index_add_(0, token_of, scaled)
-    return out
+    # back to token-major order, then a fixed-order sum over each token's k experts
+    # (deterministic, unlike scattered index_add_ accumulation)
+    per_slot = torch.empty_like(rows)
+    per_slot[order] = rows
+    return (per_slot.view(num_tokens, top_k, -1) * weights.unsqueeze(-1)).sum(dim=1)
 
 
 # ---------------------------------------------------------------- sampling

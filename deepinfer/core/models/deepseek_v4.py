@@ -121,9 +121,33 @@ class DeepseekV4Model:
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], accel: Accelerator):
         self.config, self.accel = config, accel
+        weights = dict(weights)
+        self.input_proj_splits = [self._fuse_input_projections(weights, i) for i in range(config.num_hidden_layers)]
         self.w = {name: accel.prepare_weight(name, t) for name, t in weights.items()}
         if config.tie_word_embeddings and "lm_head.weight" not in self.w:
             self.w["lm_head.weight"] = self.w["model.embed_tokens.weight"]
+
+    @staticmethod
+    def _fuse_input_projections(weights: dict[str, torch.Tensor], i: int) -> dict[str, tuple[int, int]]:
+        """Every projection of a layer's attention input (q_a, kv, compressor and indexer kv/gate,
+        indexer head weights) becomes one GEMM: a decode step is dominated by per-op overhead, so
+        one [T, D] x [D, sum N] beats seven small ones. Returns name -> (start, end) columns."""
+        p = f"model.layers.{i}.self_attn."
+        names = ["q_a_proj", "kv_proj", "compressor.kv_proj", "compressor.gate_proj", "compressor.indexer.kv_proj",
+                 "compressor.indexer.gate_proj", "compressor.indexer.scorer.weights_proj"]
+        parts, splits, start = [], {}, 0
+        for name in names:
+            key = p + name + ".weight"
+            if key in weights:
+                tensor = weights.pop(key)
+                parts.append(tensor.float())
+                splits[name] = (start, start + tensor.shape[0])
+                start += tensor.shape[0]
+        weights[p + "input_proj.weight"] = torch.cat(parts)
+        s = f"model.layers.{i}.mlp.shared_experts."
+        weights[s + "gate_up_proj.weight"] = torch.cat([weights.pop(s + "gate_proj.weight").float(),
+                                                         weights.pop(s + "up_proj.weight").float()])
+        return splits
 
     # ------------------------------------------------------------ forward
     @torch.inference_mode()
@@ -161,10 +185,12 @@ class DeepseekV4Model:
         cos, sin = meta.rope["main" if layer.kind == SLIDING else "compress"]
         num_tokens, heads, head_dim = h.shape[0], cfg.num_attention_heads, cfg.head_dim
 
-        q_lora = ops.rms_norm(ops.linear(h, w[p + "q_a_proj.weight"]), w[p + "q_a_norm.weight"], cfg.rms_norm_eps)
+        fused = ops.linear(h, w[p + "input_proj.weight"])
+        proj = {name: fused[:, a:b] for name, (a, b) in self.input_proj_splits[i].items()}
+        q_lora = ops.rms_norm(proj["q_a_proj"], w[p + "q_a_norm.weight"], cfg.rms_norm_eps)
         q = ops.linear(q_lora, w[p + "q_b_proj.weight"]).view(num_tokens, heads, head_dim)
         q = ops.rope(ops.rms_norm(q, None, cfg.rms_norm_eps), cos, sin)
-        kv = ops.rms_norm(ops.linear(h, w[p + "kv_proj.weight"]), w[p + "kv_norm.weight"], cfg.rms_norm_eps)
+        kv = ops.rms_norm(proj["kv_proj"], w[p + "kv_norm.weight"], cfg.rms_norm_eps)
         kv = ops.rope(kv, cos, sin)
         scratch = cache.ring_rows
         layer.kv[scratch:scratch + num_tokens] = kv.to(layer.kv.dtype)
@@ -173,14 +199,16 @@ class DeepseekV4Model:
         if layer.rate:
             info = meta.compressed(layer)
             base = cache.entry_base()
-            self._compress(layer, h, info, p + "compressor.", layer.kv[base:], head_dim, layer.comp_ring, cache)
+            self._compress(layer, proj["compressor.kv_proj"], proj["compressor.gate_proj"], info, p + "compressor.",
+                           layer.kv[base:], head_dim, layer.comp_ring, cache)
             if layer.kind == CSA:
                 ip = p + "compressor.indexer."
-                self._compress(layer, h, info, ip, layer.index_keys, cfg.index_head_dim, layer.index_ring, cache)
+                self._compress(layer, proj["compressor.indexer.kv_proj"], proj["compressor.indexer.gate_proj"], info,
+                               ip, layer.index_keys, cfg.index_head_dim, layer.index_ring, cache)
                 ccos, csin = meta.rope["compress"]
                 q_idx = ops.linear(q_lora, w[ip + "q_b_proj.weight"]).view(num_tokens, cfg.index_n_heads, -1)
                 q_idx = ops.rope(q_idx, ccos, csin)
-                weights = ops.linear(h, w[ip + "scorer.weights_proj.weight"]) * cfg.index_n_heads ** -0.5
+                weights = proj["compressor.indexer.scorer.weights_proj"] * cfg.index_n_heads ** -0.5
                 picked = ops.indexer_topk(q_idx, weights, layer.index_keys, info["candidates"], cfg.index_topk,
                                           cfg.index_head_dim ** -0.5)
             else:
@@ -195,14 +223,12 @@ class DeepseekV4Model:
         out = ops.grouped_linear(out.reshape(num_tokens, cfg.o_groups, -1), w[p + "o_a_proj.weight"])
         return ops.linear(out.flatten(1), w[p + "o_b_proj.weight"])
 
-    def _compress(self, layer: LayerState, h: torch.Tensor, info: dict, p: str, entries_out: torch.Tensor,
-                  dim: int, ring: torch.Tensor, cache: StateCache) -> None:
+    def _compress(self, layer: LayerState, kv: torch.Tensor, gate: torch.Tensor, info: dict, p: str,
+                  entries_out: torch.Tensor, dim: int, ring: torch.Tensor, cache: StateCache) -> None:
         """Stage this step's (kv, gate) projections, turn every finished window into an entry
         (softmax-gated sum, RMSNorm, RoPE at the window's first position) and write it to its page."""
         cfg, ops, w = self.config, self.accel, self.w
-        num_tokens = h.shape[0]
-        kv = ops.linear(h, w[p + "kv_proj.weight"])
-        gate = ops.linear(h, w[p + "gate_proj.weight"])
+        num_tokens = kv.shape[0]
         scratch = cache.max_seqs * layer.comp_ring_size
         ring[scratch:scratch + num_tokens] = torch.cat([kv, gate], dim=-1).to(ring.dtype)
         rows = info["tok_rows"]
@@ -240,8 +266,8 @@ class DeepseekV4Model:
         routed = ops.moe_experts(h, weights, expert_ids, w[p + "experts.gate_up_proj"],
                                  w[p + "experts.down_proj"], cfg.swiglu_limit)
         s = p + "shared_experts."
-        shared = ops.swiglu(ops.linear(h, w[s + "gate_proj.weight"]), ops.linear(h, w[s + "up_proj.weight"]),
-                            cfg.swiglu_limit)
+        gate, up = ops.linear(h, w[s + "gate_up_proj.weight"]).chunk(2, dim=-1)
+        shared = ops.swiglu(gate, up, cfg.swiglu_limit)
         return routed + ops.linear(shared, w[s + "down_proj.weight"])
 
 
