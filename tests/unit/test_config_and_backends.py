@@ -1,0 +1,84 @@
+"""Config parsing (modern and legacy keys) and backend selection errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer.backends import AcceleratorUnavailable, get_accelerator
+from deepinfer.core.config import CSA, HCA, SLIDING, ConfigError, ModelConfig
+
+LEGACY = dict(model_type="deepseek_v4", vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+              head_dim=32, qk_rope_head_dim=8, q_lora_rank=32, o_groups=2, o_lora_rank=16, n_routed_experts=8,
+              num_experts_per_tok=2, moe_intermediate_size=32, index_n_heads=4, index_head_dim=16, index_topk=4,
+              compress_ratios=[0, 4, 128, 4], num_hash_layers=2, dspark_block_size=5, dspark_markov_rank=256,
+              rope_scaling={"type": "yarn", "factor": 16, "original_max_position_embeddings": 256})
+
+
+def test_legacy_keys_parse_like_transformers():
+    from transformers import DeepseekV4Config
+
+    legacy = ModelConfig.from_dict(LEGACY)
+    assert legacy.layer_types == [SLIDING, CSA, HCA, CSA]
+    assert legacy.mlp_layer_types == ["hash_moe", "hash_moe", "moe", "moe"]
+    assert legacy.rope_dim == 8
+    assert legacy.dspark == {"dspark_block_size": 5, "dspark_markov_rank": 256}
+    # yarn scales only the compress rope; sliding layers keep plain theta
+    assert legacy.rope_compress.yarn is not None and legacy.rope_main.yarn is None
+    hf = DeepseekV4Config(**{k: v for k, v in LEGACY.items() if k != "model_type"})
+    modern = ModelConfig.from_dict(hf.to_dict())
+    assert modern.layer_types == legacy.layer_types and modern.mlp_layer_types == legacy.mlp_layer_types
+    for ours in (legacy, modern):
+        # the exact float32 frequencies transformers' rotary embedding computes
+        from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RotaryEmbedding
+
+        rotary = DeepseekV4RotaryEmbedding(hf)
+        assert torch.equal(ours.rope_compress.inv_freq(), rotary.compress_inv_freq)
+        assert torch.equal(ours.rope_main.inv_freq(), rotary.main_inv_freq)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(model_type="llama"), "model_type"),
+    (dict(hidden_size=None), "hidden_size"),
+    (dict(num_hidden_layers="4"), "num_hidden_layers"),
+    (dict(compress_ratios=[0, 4, 64, 4]), "compress_ratios"),
+    (dict(num_experts_per_tok=9), "num_experts_per_tok"),
+    (dict(o_groups=3), "o_groups"),
+    (dict(qk_rope_head_dim=7), "rope dim"),
+    (dict(scoring_func="softmax"), "scoring_func"),
+    (dict(rope_scaling={"type": "yarn", "factor": 4}), "original_max_position_embeddings"),
+    (dict(eos_token_id=9999), "eos_token_id"),
+])
+def test_broken_configs_name_the_key(change, message):
+    data = {**LEGACY, **change}
+    data = {k: v for k, v in data.items() if v is not None}
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_dict(data)
+
+
+def test_unknown_accelerator_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("DEEPINFER_ACCELERATOR", "tpu")
+    with pytest.raises(AcceleratorUnavailable, match="tpu.*cpu, nvidia, ascend"):
+        get_accelerator()
+
+
+def test_nvidia_without_gpu_or_interpreter_is_a_clear_error(monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    monkeypatch.setenv("DEEPINFER_ACCELERATOR", "nvidia")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(AcceleratorUnavailable, match="TRITON_INTERPRET=1"):
+        get_accelerator()
+
+
+def test_ascend_refuses_clearly_without_torch_npu(monkeypatch):
+    monkeypatch.setenv("DEEPINFER_ACCELERATOR", "ascend")
+    with pytest.raises((AcceleratorUnavailable, NotImplementedError), match="ascend|DEEPINFER_ACCELERATOR"):
+        get_accelerator()
+
+
+def test_auto_picks_cpu_here(monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    monkeypatch.delenv("DEEPINFER_ACCELERATOR", raising=False)
+    assert get_accelerator().name == "cpu"
