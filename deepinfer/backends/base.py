@@ -158,6 +158,9 @@ class Accelerator(ABC):
     def synchronize(self) -> None:
         """Wait for all queued work on the device."""
 
+    def tune_for_model(self, hidden_size: int) -> None:
+        """Adjust process-wide execution settings to the model once it is known (no-op by default)."""
+
     def memory_available(self) -> int:
         """Bytes this backend may use for the state cache."""
         raise NotImplementedError
