@@ -68,6 +68,7 @@ class LLMEngine:
         self.engine_config = config
         self.model_config = cfg = ModelConfig.from_dir(model_dir)
         weights, self.extra_weights = load_checkpoint(model_dir, expected_tensors(cfg))
+        accel.tune_for_model(cfg.hidden_size)
         self.model = DeepseekV4Model(cfg, weights, accel)
         del weights
         self.tokenizer = Tokenizer(tokenizer or model_dir, bos_token_id=cfg.bos_token_id) \
@@ -80,6 +81,7 @@ class LLMEngine:
         self.sampler = Sampler(accel)
         self.requests: dict[str, Request] = {}
         self.last_step = StepStats()
+        self.structured = None  # structured outputs (core/structured.py), built on the first so_args request
 
     def _make_cache(self, dtype: torch.dtype) -> StateCache:
         cfg, ec = self.model_config, self.engine_config
@@ -119,6 +121,15 @@ class LLMEngine:
         if self.cache.pages_for(longest) > self.cache.num_pages:
             raise ValueError(f"a request of {longest} tokens needs {self.cache.pages_for(longest)} cache pages, "
                              f"the cache has {self.cache.num_pages}: raise cache_bytes or lower max_tokens")
+        if params.so_args is not None:  # structured outputs: starts the compile, rejects what fails fast
+            self._structured().check(params.so_args)
+
+    def _structured(self):
+        if self.structured is None:
+            from deepinfer.core.structured import StructuredOutputs
+            self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size,
+                                                self.model_config.eos_token_ids, self.accel)
+        return self.structured
 
     def add_request(self, prompt_token_ids: list[int], params, prompt: str | None = None,
                     request_id: str | None = None) -> Request:
@@ -129,18 +140,23 @@ class LLMEngine:
         if self.tokenizer is not None:
             req.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids)
         self.requests[req.request_id] = req
-        self.scheduler.add(req)
+        if params.so_args is not None:  # structured outputs: reaches the scheduler once its grammar is ready
+            self._structured().submit(req)
+        else:
+            self.scheduler.add(req)
         return req
 
     def abort_request(self, request_id: str) -> None:
         req = self.requests.get(request_id)
         if req is None or req.is_finished:
             return
+        if self.structured is not None:  # structured outputs
+            self.structured.discard(req)
         self.scheduler.finish(req)
         req.finish("abort")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or (self.structured is not None and self.structured.has_pending())
 
     def pop_finished(self) -> list[Request]:
         done = [r for r in self.requests.values() if r.is_finished]
@@ -152,12 +168,14 @@ class LLMEngine:
     def step(self) -> list[Request]:
         """Run one scheduled step; returns the requests that finished in it."""
         t0 = time.perf_counter()
+        grammar_failed = [] if self.structured is None else \
+            self.structured.poll(self.scheduler, block=not self.scheduler.has_work())  # structured outputs
         chunks = self.scheduler.schedule()
         if not chunks:
-            return []
+            return grammar_failed
         inp, logit_rows, sample_rows = self._prepare(chunks)
         logits = self.model.forward(inp, self.cache, torch.tensor(logit_rows, dtype=torch.int64))
-        finished = self._postprocess(chunks, logits, sample_rows)
+        finished = grammar_failed + self._postprocess(chunks, logits, sample_rows)
         stats = StepStats(seconds=time.perf_counter() - t0)
         for c in chunks:
             if c.request.num_computed - c.num_tokens < c.request.num_prompt_tokens:
@@ -197,7 +215,10 @@ class LLMEngine:
     def _postprocess(self, chunks, logits, sample_rows) -> list[Request]:
         rows = [r for r in sample_rows if r is not None]
         sampling = [c.request for c, r in zip(chunks, sample_rows) if r is not None]
-        tokens = self.sampler(logits[rows], sampling) if rows else None
+        sample_logits = logits[rows] if rows else None
+        if rows and self.structured is not None:  # structured outputs: grammar bitmask before sampling
+            self.structured.apply_bitmask(sample_logits, sampling)
+        tokens = self.sampler(sample_logits, sampling) if rows else None
         logprob_rows = {}
         if rows and any(r.params.top_logprobs for r in sampling):
             k = max(r.params.top_logprobs for r in sampling)
@@ -225,6 +246,8 @@ class LLMEngine:
                 req.output_logprobs.append({t: v for j, (t, v) in enumerate(lp.items())
                                             if j <= req.params.top_logprobs})
             self._check_stop(req, token)
+            if req.grammar is not None:  # structured outputs: advance the matcher, stop when it terminates
+                self.structured.accept(req, token)
             if req.is_finished:
                 if req.detok is not None and not isinstance(req.stop_reason, str):
                     req.text += req.detok.flush()

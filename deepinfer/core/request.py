@@ -38,6 +38,7 @@ class Request:
         self.error: str | None = None
         self.metrics = RequestMetrics(arrival_time=time.perf_counter())
         self.detok = None  # incremental detokenizer state, owned by the engine
+        self.grammar = None  # structured-output state (core/structured.py RequestGrammar), owned by the engine
 
     @property
     def num_tokens(self) -> int:

@@ -16,7 +16,7 @@ try:
 except ImportError as exc:  # the registry turns this into the user-facing error
     raise ImportError("the nvidia backend needs Triton: pip install triton") from exc
 
-from deepinfer.backends.nvidia import attention, elementwise, gemm, sampling  # noqa: E402
+from deepinfer.backends.nvidia import attention, cuda_ext, elementwise, gemm, sampling  # noqa: E402
 
 # Ops that run the cpu reference instead of a Triton kernel (none today). The README lists them.
 # Not fallbacks but worth knowing: indexer_topk and route_topk compute scores in Triton and select
@@ -39,6 +39,10 @@ class NvidiaAccelerator(Accelerator):
 
     def __init__(self) -> None:
         self.device = _device()
+        # The csrc/cuda attention (built by setup.py / csrc/cuda/build.sh) replaces the Triton one
+        # for every step size, so a token's result never depends on which kernel its batch picked.
+        if self.device.type == "cuda" and cuda_ext.load() is not None:
+            self.sparse_attention = cuda_ext.sparse_decode_attention
 
     def prepare_weight(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         # float32 storage keeps the kernels comparable to the cpu reference; bf16 storage is a
