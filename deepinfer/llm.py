@@ -31,6 +31,13 @@ class LLM:
                  seed: int = 0, accelerator: str | None = None):
         model = os.fspath(model) if model is not None else default_model()
         self.accel = get_accelerator(accelerator)
+        from deepinfer import envs
+
+        if envs.batch_invariant() and not self.accel.batch_invariant:
+            raise ValueError(
+                f"DEEPINFER_BATCH_INVARIANT=1 but the {self.accel.name} backend has no batch-invariant mode: "
+                "batch-invariant inference and deterministic sampling are NVIDIA-only (plus the cpu reference "
+                "once it implements the mode); unset DEEPINFER_BATCH_INVARIANT or use DEEPINFER_ACCELERATOR=nvidia")
         torch.manual_seed(seed)
         config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                               max_model_len=max_model_len, cache_bytes=cache_bytes,
