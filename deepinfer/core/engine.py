@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import torch
 
@@ -15,6 +16,7 @@ from deepinfer.core.loader import load_checkpoint
 from deepinfer.core.models.deepseek_v4 import DeepseekV4Model, StepInput, expected_tensors
 from deepinfer.core.request import Request, Status
 from deepinfer.core.sampler import Sampler, top_logprobs
+from deepinfer import envs
 from deepinfer.core.scheduler import ScheduledChunk, Scheduler
 from deepinfer.core.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -53,6 +55,35 @@ def page_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
     return per * torch.tensor([], dtype=dtype).element_size()
 
 
+class _Done:
+    """A finished future (synchronous steps)."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def result(self):
+        return self.value
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """One step as planned on the CPU, executed on the device, post-processed on the CPU."""
+
+    chunks: list[ScheduledChunk]
+    inp: StepInput | None = None
+    meta: object = None  # StepMeta: index tensors, read from the cache's block table at planning time
+    logit_rows: list[int] = field(default_factory=list)
+    sample_rows: list[int] = field(default_factory=list)
+    # per chunk: (start position, prompt-logprob rows, whether it samples), fixed at planning time
+    prompt_rows: list[tuple[int, int, bool]] = field(default_factory=list)
+    sampling: list[Request] = field(default_factory=list)
+    sampling_inputs: tuple = ()
+    grammar: bool = False
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    future: object = None
+
+
 @dataclass(slots=True)
 class StepStats:
     prefill_tokens: int = 0
@@ -82,6 +113,12 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.last_step = StepStats()
         self.structured = None  # structured outputs (core/structured.py), built on the first so_args request
+        self.zero_overhead = envs.zero_overhead_scheduling()
+        # one worker runs the model so the CPU can plan the next step meanwhile (torch releases
+        # the GIL inside its kernels, so the overlap is real on the cpu backend too)
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deepinfer-step") \
+            if self.zero_overhead else None
+        self.in_flight: StepPlan | None = None
 
     def _make_cache(self, dtype: torch.dtype) -> StateCache:
         cfg, ec = self.model_config, self.engine_config
@@ -155,8 +192,16 @@ class LLMEngine:
         self.scheduler.finish(req)
         req.finish("abort")
 
+    def close(self) -> None:
+        """Finish the step in flight and stop the worker thread."""
+        if self.in_flight is not None:
+            self._drain()
+        if self.worker is not None:
+            self.worker.shutdown(wait=True)
+            self.worker = None
+
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or (self.structured is not None and self.structured.has_pending())
+        return self.scheduler.has_work() or self.in_flight is not None or (self.structured is not None and self.structured.has_pending())
 
     def pop_finished(self) -> list[Request]:
         done = [r for r in self.requests.values() if r.is_finished]
@@ -166,29 +211,53 @@ class LLMEngine:
 
     # ------------------------------------------------------------ step
     def step(self) -> list[Request]:
-        """Run one scheduled step; returns the requests that finished in it."""
+        """Run one step; returns the requests that finished in it.
+
+        With zero-overhead scheduling the model runs on a worker thread: this call plans step
+        N+1 and hands it to the worker while step N may still be running, then post-processes
+        step N while N+1 runs. Tokens sampled in step N reach step N+1 as placeholders that the
+        worker resolves from N's output (the future map), so planning never waits for them."""
         t0 = time.perf_counter()
         grammar_failed = [] if self.structured is None else \
-            self.structured.poll(self.scheduler, block=not self.scheduler.has_work())  # structured outputs
+            self.structured.poll(self.scheduler, block=not self.scheduler.has_work() and self.in_flight is None)
+        overlap = self.zero_overhead and not self._needs_sync()
+        if not overlap and self.in_flight is not None:
+            return grammar_failed + self._drain()  # finish step N before planning a synchronous one
         chunks = self.scheduler.schedule()
-        if not chunks:
-            return grammar_failed
-        inp, logit_rows, sample_rows = self._prepare(chunks)
-        logits = self.model.forward(inp, self.cache, torch.tensor(logit_rows, dtype=torch.int64))
-        finished = grammar_failed + self._postprocess(chunks, logits, sample_rows)
-        stats = StepStats(seconds=time.perf_counter() - t0)
-        for c in chunks:
-            if c.request.num_computed - c.num_tokens < c.request.num_prompt_tokens:
-                stats.prefill_tokens += c.num_tokens
-            else:
-                stats.decode_tokens += c.num_tokens
-        self.last_step = stats
+        plan = self._plan(chunks) if chunks else None
+        finished = list(grammar_failed)
+        if plan is not None and not overlap:
+            plan.future = _Done(self._execute(plan, None))
+            finished += self._finish(plan)
+        else:
+            if plan is not None:
+                previous = self.in_flight
+                plan.future = self.worker.submit(self._execute, plan, previous)
+            finished += self._drain()
+            self.in_flight = plan
+        self.last_step = StepStats(plan.prefill_tokens if plan else 0, plan.decode_tokens if plan else 0,
+                                   time.perf_counter() - t0)
         return finished
 
-    def _prepare(self, chunks: list[ScheduledChunk]):
+    def _needs_sync(self) -> bool:
+        """Overlap would be wrong when a grammar must see step N's token before it masks step
+        N+1's logits: any request under a grammar makes the step synchronous."""
+        if self.structured is None:
+            return False
+        return any(r.grammar is not None for r in self.scheduler.running) or \
+            any(r.grammar is not None for r in self.scheduler.waiting)
+
+    def _drain(self) -> list[Request]:
+        """Wait for the in-flight step (if any) and post-process it."""
+        plan, self.in_flight = self.in_flight, None
+        return self._finish(plan) if plan is not None else []
+
+    def _plan(self, chunks: list[ScheduledChunk]) -> "StepPlan":
+        """Build the step's inputs on the CPU and advance the requests as if it had run: fed
+        positions count as computed, and each sampling request gets a placeholder token
+        (-(row+1): row `row` of this step's samples) that _finish replaces."""
         ids, slots, starts, lens = [], [], [], []
-        logit_rows: list[int] = []
-        sample_rows: list[int | None] = []  # per chunk: index into logit rows of its sampling row
+        plan = StepPlan(chunks=chunks)
         offset = 0
         now = time.perf_counter()
         for c in chunks:
@@ -200,50 +269,74 @@ class LLMEngine:
             slots.append(req.slot)
             starts.append(start)
             lens.append(c.num_tokens)
-            if req.wants_prompt_logprobs and start < req.num_prompt_tokens - 1:
-                last = min(start + c.num_tokens, req.num_prompt_tokens - 1)
-                logit_rows.extend(range(offset, offset + last - start))
-            if c.completes:
-                sample_rows.append(len(logit_rows))
-                logit_rows.append(offset + c.num_tokens - 1)
+            if start < req.num_prompt_tokens:
+                plan.prefill_tokens += c.num_tokens
             else:
-                sample_rows.append(None)
-            offset += c.num_tokens
-        t = lambda xs: torch.tensor(xs, dtype=torch.int64, device=self.accel.device)  # noqa: E731
-        return StepInput(t(ids), t(slots), t(starts), t(lens)), logit_rows, sample_rows
-
-    def _postprocess(self, chunks, logits, sample_rows) -> list[Request]:
-        rows = [r for r in sample_rows if r is not None]
-        sampling = [c.request for c, r in zip(chunks, sample_rows) if r is not None]
-        sample_logits = logits[rows] if rows else None
-        if rows and self.structured is not None:  # structured outputs: grammar bitmask before sampling
-            self.structured.apply_bitmask(sample_logits, sampling)
-        tokens = self.sampler(sample_logits, sampling) if rows else None
-        logprob_rows = {}
-        if rows and any(r.params.top_logprobs for r in sampling):
-            k = max(r.params.top_logprobs for r in sampling)
-            for req, lp in zip(sampling, top_logprobs(logits[rows], tokens, k)):
-                logprob_rows[req.request_id] = lp
-        row_cursor = 0
-        for c, srow in zip(chunks, sample_rows):
-            req = c.request
-            start = req.num_computed
+                plan.decode_tokens += c.num_tokens
+            n_prompt_rows = 0
             if req.wants_prompt_logprobs and start < req.num_prompt_tokens - 1:
-                n = min(start + c.num_tokens, req.num_prompt_tokens - 1) - start
-                self._record_prompt_logprobs(req, start, logits[row_cursor:row_cursor + n])
-                row_cursor += n
-            if srow is not None:
-                row_cursor += 1
+                n_prompt_rows = min(start + c.num_tokens, req.num_prompt_tokens - 1) - start
+                plan.logit_rows.extend(range(offset, offset + n_prompt_rows))
+            completes = c.completes
+            plan.prompt_rows.append((start, n_prompt_rows, completes))
+            if completes:
+                plan.sample_rows.append(len(plan.logit_rows))
+                plan.logit_rows.append(offset + c.num_tokens - 1)
+                plan.sampling.append(req)
+            offset += c.num_tokens
             req.num_computed += c.num_tokens
+        positions = [r.num_tokens for r in plan.sampling]  # the position each sampled token will take
+        for row, req in enumerate(plan.sampling):
+            req.output_token_ids.append(-(row + 1))
+            req.pending += 1
+        t = lambda xs: torch.tensor(xs, dtype=torch.int64, device=self.accel.device)  # noqa: E731
+        plan.inp = StepInput(t(ids), t(slots), t(starts), t(lens))
+        plan.meta = self.model.prepare(plan.inp, self.cache)
+        plan.sampling_inputs = self.sampler.inputs(plan.sampling, positions)
+        plan.grammar = any(r.grammar is not None for r in plan.sampling)
+        return plan
+
+    def _execute(self, plan: "StepPlan", previous: "StepPlan | None"):
+        """Device work of a step (on the worker thread with overlap): resolve placeholders from
+        the previous step's samples, run the model, mask, sample."""
+        ids = plan.inp.ids
+        if previous is not None and bool((ids < 0).any()):
+            _, prev_tokens = previous.future.result()
+            ids = torch.where(ids < 0, prev_tokens[(-ids - 1).clamp(min=0)], ids)
+            plan.inp.ids = ids
+        logits = self.model.forward(plan.inp, self.cache, torch.tensor(plan.logit_rows, dtype=torch.int64), plan.meta)
+        if not plan.sampling:
+            return logits, None
+        sample_logits = logits[plan.sample_rows]
+        if plan.grammar:  # structured outputs: grammar bitmask before sampling (steps with grammars are synchronous)
+            self.structured.apply_bitmask(sample_logits, plan.sampling)
+        return logits, self.sampler.sample(sample_logits, plan.sampling_inputs)
+
+    def _finish(self, plan: "StepPlan") -> list[Request]:
+        """Post-process a step on the CPU: prompt logprobs, the sampled tokens, stop checks."""
+        logits, tokens = plan.future.result()
+        cursor = 0
+        for c, (start, n_rows, completes) in zip(plan.chunks, plan.prompt_rows):
+            if n_rows:
+                self._record_prompt_logprobs(c.request, start, logits[cursor:cursor + n_rows])
+            cursor += n_rows + (1 if completes else 0)
+        if not plan.sampling:
+            return []
+        logprobs = None
+        if any(r.params.top_logprobs for r in plan.sampling):
+            k = max(r.params.top_logprobs for r in plan.sampling)
+            logprobs = top_logprobs(logits[plan.sample_rows], tokens, k)
         finished = []
-        for i, req in enumerate(sampling):
-            token = int(tokens[i])
+        for row, (req, token) in enumerate(zip(plan.sampling, tokens.tolist())):
+            if req.is_finished:  # aborted, or stopped by the previous step: this token is discarded
+                continue
+            # the oldest placeholder belongs to this step: steps are post-processed in order
+            req.output_token_ids[len(req.output_token_ids) - req.pending] = token
+            req.pending -= 1
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = time.perf_counter()
-            req.output_token_ids.append(token)
             if req.output_logprobs is not None:
-                lp = logprob_rows[req.request_id]
-                req.output_logprobs.append({t: v for j, (t, v) in enumerate(lp.items())
+                req.output_logprobs.append({t: v for j, (t, v) in enumerate(logprobs[row].items())
                                             if j <= req.params.top_logprobs})
             self._check_stop(req, token)
             if req.grammar is not None:  # structured outputs: advance the matcher, stop when it terminates
@@ -278,5 +371,6 @@ class LLMEngine:
             if at >= 0:
                 req.text = req.text[:at]
                 return req.finish("stop", stop)
-        if len(req.output_token_ids) >= params.max_tokens or req.num_tokens >= self.max_model_len:
+        resolved = len(req.output_token_ids) - req.pending
+        if resolved >= params.max_tokens or req.num_prompt_tokens + resolved >= self.max_model_len:
             return req.finish("length")

@@ -32,6 +32,7 @@ class Request:
         self.status = Status.WAITING
         self.slot: int | None = None
         self.num_computed = 0  # positions whose decode state is in the cache
+        self.pending = 0  # trailing output entries that are placeholders for tokens still being sampled
         self.text = ""
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
@@ -64,6 +65,9 @@ class Request:
         return self.params.prompt_logprobs is not None
 
     def finish(self, reason: str, stop_reason: str | int | None = None, error: str | None = None) -> None:
+        if self.pending:  # tokens of steps still in flight are discarded with the request
+            del self.output_token_ids[-self.pending:]
+            self.pending = 0
         self.status = Status.FINISHED
         self.finish_reason = reason
         self.stop_reason = stop_reason

@@ -20,16 +20,19 @@ class Sampler:
     def __init__(self, accel: Accelerator):
         self.accel = accel
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        """One token per row; row r samples request r's token at position `requests[r].num_tokens`."""
-        dev = logits.device
+    def inputs(self, requests: list[Request], positions: list[int]) -> tuple[torch.Tensor, ...]:
+        """Per-row sampling parameters, built on the CPU when the step is planned:
+        row r samples request r's token at `positions[r]`."""
+        dev = self.accel.device
         params = [r.params for r in requests]
-        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
-        top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64, device=dev)
-        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
-        seeds = torch.tensor([_as_int64(r.seed) for r in requests], dtype=torch.int64, device=dev)
-        positions = torch.tensor([r.num_tokens for r in requests], dtype=torch.int64, device=dev)
-        return self.accel.sample(logits, temperature, top_k, top_p, seeds, positions)
+        return (torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev),
+                torch.tensor([p.top_k for p in params], dtype=torch.int64, device=dev),
+                torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev),
+                torch.tensor([_as_int64(r.seed) for r in requests], dtype=torch.int64, device=dev),
+                torch.tensor(positions, dtype=torch.int64, device=dev))
+
+    def sample(self, logits: torch.Tensor, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return self.accel.sample(logits, *inputs)
 
 
 def top_logprobs(logits: torch.Tensor, chosen: torch.Tensor, k: int) -> list[dict[int, float]]:

@@ -43,6 +43,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.pending and (len(req.output_token_ids) >= req.params.max_tokens or
+                                req.num_tokens >= self.cache.max_model_len):
+                i += 1  # its in-flight token is its last: it finishes by length when that resolves
+                continue
             n = min(req.num_tokens - req.num_computed, budget)
             while not self.cache.can_grow(req.slot, req.num_computed + n):
                 self._preempt(self.running[-1])  # the newest request gives way

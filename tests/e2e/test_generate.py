@@ -64,16 +64,22 @@ def test_preemption_gives_identical_outputs(tiny_model_dir):
 
 def test_prompt_logprobs_match_transformers(llm, tiny_model_dir):
     _, hf = tiny_model_dir
-    prompt = _prompts(512, [200], seed=3)[0]
-    out = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(max_tokens=1, prompt_logprobs=2),
-                       use_tqdm=False)[0]
-    with torch.no_grad():
-        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), -1)
-    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
-    for pos in range(1, len(prompt)):
-        entry = out.prompt_logprobs[pos]
-        assert abs(entry[prompt[pos]] - float(ref[pos - 1, prompt[pos]])) < 1e-4
-        assert len(entry) >= 2  # the actual token plus the top 2 (which may include it)
+    # the first prompt takes three prefill chunks under the 256-token budget and shares its last
+    # step with the second one, whose rows follow it in the logits
+    prompts = _prompts(512, [600, 100], seed=3)
+    params = SamplingParams(max_tokens=3, prompt_logprobs=2)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=[params, params], use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        with torch.no_grad():
+            ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), -1)
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+        for pos in range(1, len(prompt)):
+            entry = out.prompt_logprobs[pos]
+            assert abs(entry[prompt[pos]] - float(ref[pos - 1, prompt[pos]])) < 1e-4
+            assert len(entry) >= 2  # the actual token plus the top 2 (which may include it)
+        assert len(out.outputs[0].token_ids) == 3
+    free = llm.generate(prompt_token_ids=prompts[1:], sampling_params=SamplingParams(max_tokens=2), use_tqdm=False)
+    assert free[0].prompt_logprobs is None
 
 
 def test_seeded_sampling_is_independent_of_batch(llm):

@@ -62,6 +62,11 @@ class StepMeta:
         self.window_rows = self.rows(key_pos, self.seq[:, None].expand_as(key_pos), cache.ring, 0)
         self.window_commit = self._commit(cache.ring, 0)
         self._by_rate: dict[tuple[str, int], dict] = {}
+        # Read the block table now: with overlapped scheduling the CPU may hand a freed slot or
+        # page to another request while this step is still queued on the device.
+        for layer in cache.layers:
+            if layer.rate:
+                self.compressed(layer)
 
     @staticmethod
     def _cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,11 +156,14 @@ class DeepseekV4Model:
 
     # ------------------------------------------------------------ forward
     @torch.inference_mode()
-    def forward(self, inp: StepInput, cache: StateCache, logit_rows: torch.Tensor) -> torch.Tensor:
+    def forward(self, inp: StepInput, cache: StateCache, logit_rows: torch.Tensor,
+                meta: StepMeta | None = None) -> torch.Tensor:
         """Run one step, update `cache`, return logits [len(logit_rows), V] for the given flat
-        token indices (e.g. each sequence's last token, or every prompt token for logprobs)."""
+        token indices (e.g. each sequence's last token, or every prompt token for logprobs).
+        `meta` (from `self.prepare(inp, cache)`) may be built ahead, on the CPU, while an
+        earlier step runs."""
         cfg, ops, w = self.config, self.accel, self.w
-        meta = StepMeta(inp, cache, cfg)
+        meta = meta if meta is not None else self.prepare(inp, cache)
         x = ops.embedding(inp.ids, w["model.embed_tokens.weight"])
         streams = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
         for i in range(cfg.num_hidden_layers):
@@ -169,6 +177,9 @@ class DeepseekV4Model:
                         w["model.hc_head.hc_scale"], cfg.rms_norm_eps, cfg.hc_eps)
         h = ops.rms_norm(h, w["model.norm.weight"], cfg.rms_norm_eps)
         return ops.linear(h, w["lm_head.weight"])
+
+    def prepare(self, inp: StepInput, cache: StateCache) -> StepMeta:
+        return StepMeta(inp, cache, self.config)
 
     def _residual(self, streams, hc: str, norm: str, block) -> torch.Tensor:
         cfg, ops, w = self.config, self.accel, self.w
