@@ -119,6 +119,7 @@ class LLMEngine:
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deepinfer-step") \
             if self.zero_overhead else None
         self.in_flight: StepPlan | None = None
+        self.device_seconds = 0.0
 
     def _make_cache(self, dtype: torch.dtype) -> StateCache:
         cfg, ec = self.model_config, self.engine_config
@@ -299,18 +300,21 @@ class LLMEngine:
     def _execute(self, plan: "StepPlan", previous: "StepPlan | None"):
         """Device work of a step (on the worker thread with overlap): resolve placeholders from
         the previous step's samples, run the model, mask, sample."""
+        t0 = time.perf_counter()
         ids = plan.inp.ids
         if previous is not None and bool((ids < 0).any()):
             _, prev_tokens = previous.future.result()
             ids = torch.where(ids < 0, prev_tokens[(-ids - 1).clamp(min=0)], ids)
             plan.inp.ids = ids
         logits = self.model.forward(plan.inp, self.cache, torch.tensor(plan.logit_rows, dtype=torch.int64), plan.meta)
-        if not plan.sampling:
-            return logits, None
-        sample_logits = logits[plan.sample_rows]
-        if plan.grammar:  # structured outputs: grammar bitmask before sampling (steps with grammars are synchronous)
-            self.structured.apply_bitmask(sample_logits, plan.sampling)
-        return logits, self.sampler.sample(sample_logits, plan.sampling_inputs)
+        tokens = None
+        if plan.sampling:
+            sample_logits = logits[plan.sample_rows]
+            if plan.grammar:  # structured outputs: grammar bitmask before sampling (such steps are synchronous)
+                self.structured.apply_bitmask(sample_logits, plan.sampling)
+            tokens = self.sampler.sample(sample_logits, plan.sampling_inputs)
+        self.device_seconds += time.perf_counter() - t0  # forward + sample: the "device" share of a step
+        return logits, tokens
 
     def _finish(self, plan: "StepPlan") -> list[Request]:
         """Post-process a step on the CPU: prompt logprobs, the sampled tokens, stop checks."""

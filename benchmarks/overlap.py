@@ -1,0 +1,62 @@
+"""Zero-overhead scheduling on vs off: throughput and the share of wall time the model
+(forward + sample, the "device") is idle, at batch 1 / 8 / 32 on the shipped model.
+
+    python benchmarks/overlap.py [--model DIR] [--new-tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+
+def run(model, batch: int, new_tokens: int, overlap: bool) -> dict:
+    os.environ["DEEPINFER_ZERO_OVERHEAD_SCHEDULING"] = "1" if overlap else "0"
+    from deepinfer import LLM, SamplingParams
+
+    llm = LLM(model, max_num_seqs=max(batch, 1))
+    vocab = llm.engine.model_config.vocab_size
+    prompts = torch.randint(3, vocab, (batch, 64), generator=torch.Generator().manual_seed(0)).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    llm.generate(prompt_token_ids=prompts[:1], sampling_params=SamplingParams(max_tokens=2), use_tqdm=False)
+    llm.engine.device_seconds = 0.0
+    start = time.perf_counter()
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    wall = time.perf_counter() - start
+    tokens = [o.outputs[0].token_ids for o in outs]
+    llm.engine.close()
+    return dict(batch=batch, overlap=overlap, tok_s=batch * new_tokens / wall, wall_s=wall,
+                device_idle=1 - llm.engine.device_seconds / wall, tokens=tokens)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--json", default="benchmarks/results/overlap.json")
+    args = parser.parse_args()
+    rows = []
+    for batch in [int(b) for b in args.batches.split(",")]:
+        off = run(args.model, batch, args.new_tokens, overlap=False)
+        on = run(args.model, batch, args.new_tokens, overlap=True)
+        same = off.pop("tokens") == on.pop("tokens")
+        rows.append(dict(batch=batch, off=off, on=on, speedup=on["tok_s"] / off["tok_s"], identical=same))
+    print(f"threads {torch.get_num_threads()}, 64-token prompts, {args.new_tokens} new tokens, greedy")
+    print("| batch | overlap | output tok/s | device idle | speedup | identical outputs |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['batch']} | off | {r['off']['tok_s']:.1f} | {r['off']['device_idle']:.0%} | | |")
+        print(f"| {r['batch']} | on | {r['on']['tok_s']:.1f} | {r['on']['device_idle']:.0%} | "
+              f"{r['speedup']:.2f}x | {r['identical']} |")
+    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump(rows, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
