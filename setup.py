@@ -28,6 +28,10 @@ def _cuda_extensions() -> list[Extension]:
     return [Extension("deepinfer.backends.nvidia.deepinfer_cuda", sources=sources)]
 
 
+if os.environ.get("DEEPINFER_ACCELERATOR", "").strip().lower() == "ascend":
+    # csrc/ascendc (AscendC kernels + torch bindings): built when ASCEND_HOME_PATH is a CANN toolkit,
+    # else build.py says why not and the install stays pure Python (see csrc/ascendc/README.md)
+    subprocess.run([sys.executable, str(ROOT / "csrc/ascendc/build.py")], check=True)
 extensions = _cuda_extensions()
 # setuptools' PEP 517 backend turns setup_requires into build requirements: pip puts pybind11 (headers
 # only) into the isolated build environment, where build.sh's own pip fallback cannot reach.

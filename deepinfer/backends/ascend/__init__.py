@@ -1,21 +1,164 @@
-"""Ascend backend: torch_npu fused ops, AscendC kernels, triton-ascend kernels.
+"""Ascend backend: torch_npu fused operators where one has exactly our semantics, AscendC kernels
+(csrc/ascendc) for two hot ops torch_npu has no operator for, Triton kernels (run by triton-ascend on
+an NPU) for the rest. torch_npu is imported when the backend is constructed, never at package import.
 
-Lands with its own issue; until then this backend refuses clearly.
-Batch invariance and deterministic sampling are NVIDIA-only: this backend
-declares both False.
+Batch invariance and deterministic sampling are NVIDIA-only: this backend declares both False
+(`seq_seed` still seeds sampling here, but identical reruns are not guaranteed).
+
+Op mapping (a torch_npu operator is used only where its documented semantics equal base.py's):
+
+| op                  | runs as                                                                  |
+|---------------------|--------------------------------------------------------------------------|
+| rms_norm            | torch_npu.npu_rms_norm (gamma = ones for the unweighted norm)            |
+| swiglu              | clamp (the limit), then torch_npu.npu_swiglu                             |
+| moe_experts         | torch_npu.npu_grouped_matmul x2 + npu_swiglu; fixed-order combine        |
+| compress_windows    | AscendC `compress_windows` when built, else Triton (re-tiled)       [a]  |
+| hc_pre              | AscendC `mhc_sinkhorn` + torch when built, else Triton              [a]  |
+| hc_post, hc_head    | Triton (nvidia kernels)                                             [a]  |
+| rope                | Triton (nvidia kernel)                                              [b]  |
+| sparse_attention    | Triton (nvidia kernel, re-tiled)                                    [c]  |
+| indexer_topk        | Triton scores + torch stable sort                                   [d]  |
+| route_topk          | Triton scores + torch.topk                                          [e]  |
+| route_hash          | Triton scores                                                       [a]  |
+| apply_token_bitmask | Triton (nvidia kernel)                                              [a]  |
+| linear, grouped_linear, embedding | reference: plain torch (aclnn matmul / gather on the NPU)  |
+| sample              | reference: plain torch                                              [f]  |
+
+Why not a fused torch_npu operator:
+[a] torch_npu has none.
+[b] npu_rotary_mul rotates the whole last dim of 4-D inputs (D a multiple of 64/128); ours rotates the
+    trailing rope slice of [T, H, D] and is used inverted on attention outputs.
+[c] npu_fused_infer_attention_score has no per-head sinks and no per-token index list;
+    npu_sparse_flash_attention has the index list but no sinks.
+[d] npu_lightning_indexer scores a contiguous or paged key sequence under a causal mode (fp16/bf16,
+    64 heads x 128 dims only), not a per-token candidate list, and documents no tie order; ours breaks
+    ties towards the earlier candidate column.
+[e] npu_moe_gating_top_k normalises by softmax or sigmoid only (ours: sqrt(softplus)), and takes
+    256 experts / k_group 4 only on A2/A3.
+[f] npu_top_k_top_p (aclnnApplyTopKTopP) keeps every tie at the k-th value (ours: exactly k) and cuts
+    top-p on the ascending cumsum <= 1-p; the nvidia Triton argmax needs uint64, which triton-ascend
+    does not support.
+
+The Triton kernels are the nvidia backend's, launched with tile sizes that fit Ascend's 192 KB unified
+buffer (triton_ops.py re-tiles sparse_attention and compress_windows; the rest fit as they are); none
+relies on num_warps/num_stages, and `input_precision` is an NVIDIA-only hint triton-ascend ignores. Not
+verified on triton-ascend itself (no NPU here). In CI all of this runs on CPU tensors: the torch_npu
+calls through tests/ascend/shim, the Triton kernels through the Triton interpreter.
 """
 
 from __future__ import annotations
 
+import os
+
+import torch
+
+from deepinfer.backends.ascend import ascendc, npu_ops
 from deepinfer.backends.base import Accelerator
+from deepinfer.backends.cpu import ops as reference
+
+try:
+    from deepinfer.backends.ascend import triton_ops
+    from deepinfer.backends.nvidia import attention, elementwise, sampling
+except ImportError:  # no triton: AscendAccelerator() explains
+    attention = elementwise = sampling = triton_ops = None
+
+
+def _unavailable(message: str):
+    from deepinfer.backends import AcceleratorUnavailable
+
+    return AcceleratorUnavailable(message)
+
+
+def _import_torch_npu():
+    try:
+        import torch_npu
+    except ImportError as exc:
+        raise _unavailable(
+            f"DEEPINFER_ACCELERATOR=ascend but torch_npu cannot be imported ({exc}). Install CANN and the "
+            "torch_npu build matching your torch, or set DEEPINFER_ACCELERATOR=cpu.") from None
+    return torch_npu
+
+
+def _kernel(module_name: str, fn: str):
+    """A Triton op, resolved when called (so this module imports without triton)."""
+    def call(*args, **kwargs):
+        return getattr(globals()[module_name], fn)(*args, **kwargs)
+
+    call.__name__ = fn
+    return staticmethod(call)
 
 
 class AscendAccelerator(Accelerator):
+    """Huawei Ascend NPU through torch_npu. deterministic_sampling is False: `SamplingParams(seq_seed=...)`
+    still seeds each request's sampling, but identical reruns are not guaranteed (no batch-invariant
+    kernels: a token's numerics may depend on its batch)."""
+
     name = "ascend"
     dist_backend = "hccl"
     batch_invariant = False
-    deterministic_sampling = False
+    deterministic_sampling = False  # seq_seed still seeds sampling; identical reruns are not guaranteed
+    fp8_weights = False
 
-    def __new__(cls, *args, **kwargs):
-        raise NotImplementedError(
-            "the ascend backend is not implemented yet; set DEEPINFER_ACCELERATOR=cpu")
+    # torch_npu fused operators
+    rms_norm = staticmethod(npu_ops.rms_norm)
+    swiglu = staticmethod(npu_ops.swiglu)
+    moe_experts = staticmethod(npu_ops.moe_experts)
+    # Triton kernels (triton-ascend on an NPU, the interpreter in CI)
+    rope = _kernel("elementwise", "rope")
+    hc_pre = _kernel("elementwise", "hc_pre")  # AscendC Sinkhorn when built: see __init__
+    hc_post = _kernel("elementwise", "hc_post")
+    hc_head = _kernel("elementwise", "hc_head")
+    compress_windows = _kernel("triton_ops", "compress_windows")  # AscendC when built: see __init__
+    sparse_attention = _kernel("triton_ops", "sparse_attention")
+    indexer_topk = _kernel("attention", "indexer_topk")
+    route_topk = _kernel("sampling", "route_topk")
+    route_hash = _kernel("sampling", "route_hash")
+    apply_token_bitmask = _kernel("sampling", "apply_token_bitmask")
+    # the reference's plain torch (aclnn matmul / gather / sort on the NPU)
+    linear = staticmethod(reference.linear)
+    grouped_linear = staticmethod(reference.grouped_linear)
+    embedding = staticmethod(reference.embedding)
+    sample = staticmethod(reference.sample)
+
+    def __init__(self) -> None:
+        torch_npu = _import_torch_npu()
+        self.shim = bool(getattr(torch_npu, "DEEPINFER_REFERENCE_SHIM", False))
+        if self.shim:
+            # tests/ascend: torch_npu is the plain-torch shim, so tensors live on the CPU and the
+            # Triton kernels must run through the interpreter
+            if os.environ.get("TRITON_INTERPRET", "") != "1":
+                raise _unavailable("the torch_npu test shim runs on CPU tensors: set TRITON_INTERPRET=1")
+            self.device = torch.device("cpu")
+        else:
+            from deepinfer.backends import npu_usable
+
+            if not npu_usable():
+                raise _unavailable("DEEPINFER_ACCELERATOR=ascend but torch_npu sees no NPU "
+                                   "(torch.npu.is_available() is False); set DEEPINFER_ACCELERATOR=cpu")
+            self.device = torch.device("npu")
+        if attention is None:
+            raise _unavailable("the ascend backend needs triton-ascend (pip install triton-ascend)")
+        npu_ops.bind(torch_npu)
+        # the AscendC kernels exist only where setup.py built them (CANN present); never under the shim
+        self.ascendc = not self.shim and ascendc.load()
+        if self.ascendc:
+            self.compress_windows = ascendc.compress_windows
+            self.hc_pre = ascendc.make_hc_pre(self.rms_norm, self.linear)
+
+    def prepare_weight(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        # float32 storage keeps the ops comparable to the cpu reference (bf16 is a later, measured step)
+        if tensor.is_floating_point():
+            tensor = tensor.float()
+        if name.endswith(npu_ops.EXPERT_WEIGHTS):
+            tensor = npu_ops.prepare_expert_weight(tensor)
+        return tensor.to(self.device).contiguous()
+
+    def synchronize(self) -> None:
+        if self.device.type == "npu":
+            torch.npu.synchronize()
+
+    def memory_available(self) -> int:
+        if self.device.type == "npu":
+            free, _ = torch.npu.mem_get_info()
+            return int(free * 0.9)
+        return 4 << 30

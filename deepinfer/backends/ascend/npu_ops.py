@@ -1,0 +1,73 @@
+"""Ops computed by torch_npu fused operators. `bind(torch_npu)` is called by AscendAccelerator once
+torch_npu has been imported (lazily, never at package import).
+
+Signatures followed (Ascend PyTorch API reference, torch_npu 7.0.0):
+- npu_rms_norm(self, gamma, epsilon=1e-6) -> (y, rstd); y = x * rsqrt(mean(x^2) + eps) * gamma.
+- npu_swiglu(input, dim=-1) -> silu(A) * B, A/B the first/second half along dim; contiguous input.
+- npu_grouped_matmul([x], [w], group_list=counts, split_item=2, group_type=0, group_list_type=1)
+  -> [y]: rows of x grouped by expert along M (group_list_type=1: rows per group), y_g = x_g @ w[g]
+  with w one 3-D [E, K, N] tensor (how vllm-ascend calls it for MoE).
+
+The expert permutation is a stable torch argsort + gather (the reference's grouping), not
+npu_moe_init_routing_v2: that fusion is the next step once it can be checked on hardware.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_npu = None  # the torch_npu module, set by bind()
+
+# The expert weights are stored transposed, [E, K, N], the layout npu_grouped_matmul multiplies by.
+EXPERT_WEIGHTS = ("experts.gate_up_proj", "experts.down_proj")
+
+
+def bind(torch_npu) -> None:
+    global _npu
+    _npu = torch_npu
+
+
+def prepare_expert_weight(tensor: torch.Tensor) -> torch.Tensor:
+    """[E, N, K] checkpoint layout -> [E, K, N] contiguous (done once, at load)."""
+    return tensor.transpose(1, 2).contiguous()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    x = x.float()
+    if x.numel() == 0:
+        return x.clone()
+    gamma = torch.ones(x.shape[-1], dtype=torch.float32, device=x.device) if weight is None else weight.float()
+    return _npu.npu_rms_norm(x, gamma, epsilon=float(eps))[0]
+
+
+def _swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    # our swiglu clamps its inputs first (gate from above, up both ways); npu_swiglu then is exact
+    both = torch.cat([gate.float().clamp(max=limit), up.float().clamp(min=-limit, max=limit)], dim=-1)
+    return _npu.npu_swiglu(both.contiguous(), dim=-1)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    if gate.numel() == 0:
+        return torch.empty(gate.shape, dtype=torch.float32, device=gate.device)
+    return _swiglu_clamped(gate, up, limit)
+
+
+def moe_experts(x, weights, ids, gate_up, down, limit):
+    """gate_up [E, D, 2I], down [E, I, D]: the layouts prepare_weight stored (see EXPERT_WEIGHTS)."""
+    num_tokens, top_k = ids.shape
+    num_experts, inter = gate_up.shape[0], gate_up.shape[2] // 2
+    if num_tokens == 0:
+        return torch.zeros(0, x.shape[-1], dtype=torch.float32, device=x.device)
+    flat_ids = ids.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)  # the reference's grouping by expert
+    counts = torch.bincount(flat_ids, minlength=num_experts).to(torch.int64)
+    rows = x.float()[order // top_k].contiguous()
+    h = _npu.npu_grouped_matmul([rows], [gate_up], group_list=counts, split_item=2, group_type=0,
+                                group_list_type=1)[0]
+    act = _swiglu_clamped(h[:, :inter], h[:, inter:], limit)
+    out_rows = _npu.npu_grouped_matmul([act], [down], group_list=counts, split_item=2, group_type=0,
+                                       group_list_type=1)[0]
+    # token-major order, then a fixed-order weighted sum over each token's k experts (as the reference)
+    per_slot = torch.empty_like(out_rows)
+    per_slot[order] = out_rows
+    return (per_slot.view(num_tokens, top_k, -1) * weights.float().unsqueeze(-1)).sum(dim=1)

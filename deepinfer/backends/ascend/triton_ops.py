@@ -1,0 +1,47 @@
+"""Launchers that re-tile two of the nvidia Triton kernels for triton-ascend.
+
+A triton-ascend program keeps its live tiles in the AI core's unified buffer (192 KB on Atlas A2/A3,
+loads may be double-buffered), so tile sizes here are chosen from a byte budget rather than from
+GPU occupancy; no launch relies on num_warps / num_stages. Every other Triton op of the backend
+launches the nvidia kernels with their own sizes, which already fit (largest live sets, at V4-Flash
+sizes: indexer scores with 64 heads x 128 dims ~60 KB, rms_norm's 4096-float chunks 48 KB).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from deepinfer.backends.nvidia import alloc
+from deepinfer.backends.nvidia.attention import _compress_kernel, _sparse_attention_kernel
+
+# sparse_attention at head_dim 512: q [16, 512] + kv [16, 512] + acc [16, 512] + p.kv [16, 512] floats
+# = 128 KB (the nvidia launch's BLOCK_K = 32 would need 160 KB + a second kv buffer).
+_ATTN_BLOCK_H = 16
+_ATTN_BLOCK_K = 16
+# compress_windows: gate, exp, weights and kv tiles of _COMPRESS_TILE floats each = 32 KB.
+_COMPRESS_TILE = 2048
+
+
+def sparse_attention(q, kv, indices, sinks, scale):
+    t, h, d = q.shape
+    out = alloc.empty(t, h, d, dtype=torch.float32, device=q.device)
+    if t:
+        _sparse_attention_kernel[(t, triton.cdiv(h, _ATTN_BLOCK_H))](
+            q.contiguous(), kv.contiguous(), indices.contiguous(), sinks.float().contiguous(), out,
+            h, d, indices.shape[1], float(scale),
+            BLOCK_H=_ATTN_BLOCK_H, BLOCK_K=_ATTN_BLOCK_K, BLOCK_D=max(16, triton.next_power_of_2(d)))
+    return out
+
+
+def compress_windows(kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    w, length, d = kv.shape
+    out = alloc.empty(w, d, dtype=torch.float32, device=kv.device)
+    if w and length:
+        block_l = triton.next_power_of_2(length)
+        block_d = max(8, min(triton.next_power_of_2(d), _COMPRESS_TILE // block_l))
+        _compress_kernel[(w, triton.cdiv(d, block_d))](kv.contiguous(), gate.contiguous(), out, length, d,
+                                                       BLOCK_L=block_l, BLOCK_D=block_d)
+    elif w:
+        out.fill_(float("nan"))  # softmax over no slots, as the reference
+    return out
