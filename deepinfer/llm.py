@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from typing import Sequence
@@ -15,6 +16,7 @@ from deepinfer.outputs import RequestOutput
 from deepinfer.sampling_params import SamplingParams
 
 DEFAULT_MODEL_DIR = os.path.join(os.path.dirname(__file__), "assets", "tiny-dsv4")
+logger = logging.getLogger("deepinfer")
 
 
 def default_model() -> str:
@@ -36,8 +38,10 @@ class LLM:
         if envs.batch_invariant() and not self.accel.batch_invariant:
             raise ValueError(
                 f"DEEPINFER_BATCH_INVARIANT=1 but the {self.accel.name} backend has no batch-invariant mode: "
-                "batch-invariant inference and deterministic sampling are NVIDIA-only (plus the cpu reference "
-                "once it implements the mode); unset DEEPINFER_BATCH_INVARIANT or use DEEPINFER_ACCELERATOR=nvidia")
+                "batch-invariant inference and deterministic sampling are NVIDIA-only (plus the cpu reference, "
+                "for testing); unset DEEPINFER_BATCH_INVARIANT or use DEEPINFER_ACCELERATOR=nvidia")
+        self._batch_invariant = envs.batch_invariant()  # what the accelerator was built with
+        self._seed_warned = False
         torch.manual_seed(seed)
         config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                               max_model_len=max_model_len, cache_bytes=cache_bytes,
@@ -65,6 +69,8 @@ class LLM:
                 if not isinstance(p, SamplingParams):
                     raise TypeError(f"sampling_params[{i}] is {type(p).__name__}, expected SamplingParams")
         self._check_requests(token_lists, params)
+        if not self._seed_warned and any(p.seq_seed is not None for p in params):
+            self._warn_if_not_deterministic()
         requests = [self.engine.add_request(ids, p, text) for ids, p, text in zip(token_lists, params, texts)]
         try:
             self._run(len(requests), use_tqdm)
@@ -99,6 +105,21 @@ class LLM:
         """Validate every request before queueing any, so a bad one leaves nothing behind."""
         for i, (ids, p) in enumerate(zip(token_lists, params)):
             self.engine.validate_request(ids, p, what=f"prompt {i}")
+
+    def _warn_if_not_deterministic(self) -> None:
+        """seq_seed alone does not make reruns identical; say once which condition is missing."""
+        from deepinfer import envs
+
+        missing = []
+        if not self._batch_invariant:
+            missing.append("DEEPINFER_BATCH_INVARIANT=1 (set when the LLM is created)")
+        if envs.mtp_varlen():
+            missing.append("DEEPINFER_ENABLE_MTP_VARLEN=0")
+        if missing:
+            self._seed_warned = True
+            logger.warning("seq_seed is set but sampling is not deterministic: a seeded request's tokens can "
+                           "still depend on what shares its batch. Deterministic sampling also needs %s.",
+                           " and ".join(missing))
 
     def _run(self, total: int, use_tqdm: bool) -> None:
         bar = tqdm(total=total, desc="generate", unit="req", dynamic_ncols=True) if use_tqdm else None

@@ -7,19 +7,28 @@ import os
 import torch
 
 from deepinfer.backends.base import Accelerator
-from deepinfer.backends.cpu import ops
+from deepinfer.backends.cpu import invariant, ops
 
 
 class CpuAccelerator(Accelerator):
     name = "cpu"
     device = torch.device("cpu")
     dist_backend = "gloo"
-    # MKL's GEMM picks kernels by row count (a 1-row linear differs from the same row in a
-    # batch of 40 by ~1e-6), so batch-invariant mode needs its own matmul path; until it has
-    # one the reference does not claim it.
+    # The fast ops are not batch-invariant (MKL picks GEMM kernels by row count: a 1-row linear
+    # differs from the same row in a batch of 40 by ~1e-6). DEEPINFER_BATCH_INVARIANT=1 at
+    # construction swaps in the ops of `invariant.py` and only then claims both capabilities.
     batch_invariant = False
     deterministic_sampling = False
     fp8_weights = False
+
+    def __init__(self) -> None:
+        from deepinfer import envs
+
+        if envs.batch_invariant():
+            for op in invariant.OPS:
+                setattr(self, op, getattr(invariant, op))
+            self.batch_invariant = True
+            self.deterministic_sampling = True
 
     def prepare_weight(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         # bf16 matmuls run ~100x slower than fp32 on these CPUs: compute in float32.

@@ -1,0 +1,198 @@
+"""Batch-invariant versions of the cpu ops (DEEPINFER_BATCH_INVARIANT=1).
+
+A token's result must not depend on which other tokens share the step, on its row within
+the step, or on how far the step's index lists are padded with -1. On this backend three
+things break that in the fast ops (measured, tests/unit/test_batch_invariance.py):
+- MKL's sgemm picks its kernel by row count: a 1-row F.linear, a 2-3-row one and a
+  >= 4-row one round differently (~1e-6), and with 2+ threads the split moves again.
+  Here every GEMM runs on fixed-shape operands: rows are padded to ROW_BLOCK and the
+  product is a bmm over [n_blocks, ROW_BLOCK, K] blocks, so each row always meets the same
+  [ROW_BLOCK, K] x [K, N] kernel, whatever the block count and its place in the block.
+- ATen's vectorised sigmoid / silu / softplus differ by an ulp from their scalar tail
+  loop, and which elements land in the tail depends on the tensor's size. They are written
+  here with exp / log1p / division, whose vector and scalar paths agree bit for bit.
+- Attention and indexer scores were reduced over the whole (batch-padded) index width.
+  Here keys are processed in fixed KEY_BLOCK-column blocks of the index list: scores are
+  [H, D] x [D, KEY_BLOCK] products, and attention is an online softmax that starts from
+  the sink and folds the blocks in column order. A block with no valid index is an exact
+  no-op (its weights are exactly 0 and the running max does not move), so trailing -1
+  padding, whatever its width, cannot change a result.
+Ops not redefined here (embedding, rms_norm, rope, hc_post, compress_windows, sample,
+apply_token_bitmask) are already row-wise with fixed per-row shapes; the tests check them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer.backends.cpu.ops import _QUERY_BLOCK, rms_norm
+
+ROW_BLOCK = 16
+KEY_BLOCK = 64
+
+
+def _sigmoid(x: torch.Tensor) -> torch.Tensor:
+    return torch.reciprocal(torch.exp(-x) + 1.0)
+
+
+def _softplus(x: torch.Tensor) -> torch.Tensor:
+    return torch.where(x > 20.0, x, torch.log1p(torch.exp(x.clamp(max=20.0))))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    lead, k, n = x.shape[:-1], x.shape[-1], weight.shape[0]
+    x2 = x.reshape(-1, k)
+    rows = x2.shape[0]
+    blocks = -(-rows // ROW_BLOCK)
+    if blocks == 0:
+        return x.new_empty(*lead, n, dtype=torch.float32)
+    padded = x2.new_zeros(blocks * ROW_BLOCK, k, dtype=torch.float32)
+    padded[:rows] = x2
+    out = torch.bmm(padded.view(blocks, ROW_BLOCK, k), weight.t().expand(blocks, k, n))
+    return out.view(-1, n)[:rows].view(*lead, n)
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    groups, k = x.shape[-2], x.shape[-1]
+    w = weight.view(groups, -1, k)
+    return torch.stack([linear(x[:, g], w[g]) for g in range(groups)], dim=1)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    gate = gate.clamp(max=limit)
+    return gate * _sigmoid(gate) * up.clamp(min=-limit, max=limit)
+
+
+def _weighted_streams(weights: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+    """sum_n weights[:, n] * streams[:, n], always in stream order."""
+    out = weights[:, 0, None] * streams[:, 0]
+    for n in range(1, streams.shape[1]):
+        out = out + weights[:, n, None] * streams[:, n]
+    return out
+
+
+def _hc_mix(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
+    return linear(rms_norm(streams.flatten(-2), None, norm_eps), fn)
+
+
+def hc_pre(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters):
+    n = streams.shape[-2]
+    mix = _hc_mix(streams, fn, norm_eps)
+    pre_w, post_w, comb_w = mix.split([n, n, n * n], dim=-1)
+    pre_b, post_b, comb_b = base.split([n, n, n * n])
+    pre = _sigmoid(pre_w * scale[0] + pre_b) + hc_eps
+    post = 2 * _sigmoid(post_w * scale[1] + post_b)
+    comb = torch.softmax(comb_w.reshape(-1, n, n) * scale[2] + comb_b.view(n, n), dim=-1) + hc_eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    for _ in range(sinkhorn_iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    return _weighted_streams(pre, streams), post, comb
+
+
+def hc_head(streams, fn, base, scale, norm_eps, hc_eps):
+    pre = _sigmoid(_hc_mix(streams, fn, norm_eps) * scale + base) + hc_eps
+    return _weighted_streams(pre, streams)
+
+
+def _pad_columns(index: torch.Tensor, block: int) -> torch.Tensor:
+    extra = -index.shape[1] % block
+    return torch.nn.functional.pad(index, (0, extra), value=-1) if extra else index
+
+
+def indexer_topk(q, weights, keys, candidates, topk, scale):
+    num_tokens, num_cand = candidates.shape
+    k = min(topk, num_cand)
+    out = torch.full((num_tokens, k), -1, dtype=torch.int64, device=q.device)
+    if k == 0 or num_tokens == 0:
+        return out
+    padded = _pad_columns(candidates, KEY_BLOCK)
+    for start in range(0, num_tokens, _QUERY_BLOCK):
+        sl = slice(start, start + _QUERY_BLOCK)
+        qs, head_w = q[sl].float(), weights[sl].float().unsqueeze(1)  # [t, H, Di], [t, 1, H]
+        cand = padded[sl]
+        scores = torch.empty(cand.shape, dtype=torch.float32, device=q.device)
+        for b in range(0, cand.shape[1], KEY_BLOCK):
+            blk = cand[:, b:b + KEY_BLOCK]
+            gathered = keys[blk.clamp(min=0)].float()  # [t, KB, Di]
+            per_head = torch.relu(torch.bmm(qs, gathered.transpose(1, 2))) * scale  # [t, H, KB]
+            scores[:, b:b + KEY_BLOCK] = torch.bmm(head_w, per_head).squeeze(1)
+        scores = scores[:, :num_cand].masked_fill(cand[:, :num_cand] < 0, float("-inf"))
+        values, order = scores.sort(dim=-1, descending=True, stable=True)
+        picked = cand.gather(1, order[:, :k])
+        out[sl] = torch.where(torch.isfinite(values[:, :k]), picked, torch.full_like(picked, -1))
+    return out
+
+
+def sparse_attention(q, kv, indices, sinks, scale):
+    num_tokens, num_heads, head_dim = q.shape
+    out = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float32, device=q.device)
+    padded = _pad_columns(indices, KEY_BLOCK)
+    for start in range(0, num_tokens, _QUERY_BLOCK):
+        sl = slice(start, start + _QUERY_BLOCK)
+        qs, idx = q[sl].float(), padded[sl]
+        t = qs.shape[0]
+        # the sink is the first "key": running max starts at it, with weight exp(0) = 1 and no value
+        run_max = sinks.float().view(1, -1, 1).expand(t, -1, 1).clone()
+        denom = torch.ones(t, num_heads, 1, dtype=torch.float32, device=q.device)
+        acc = torch.zeros(t, num_heads, head_dim, dtype=torch.float32, device=q.device)
+        for b in range(0, idx.shape[1], KEY_BLOCK):
+            blk = idx[:, b:b + KEY_BLOCK]
+            valid = blk >= 0
+            if not bool(valid.any()):
+                continue  # exact no-op for every row, so skipping it changes nothing
+            keys = kv[blk.clamp(min=0)].float()  # [t, KB, D]
+            logits = torch.bmm(qs, keys.transpose(1, 2)) * scale  # [t, H, KB]
+            logits = logits.masked_fill(~valid.unsqueeze(1), float("-inf"))
+            new_max = torch.maximum(run_max, logits.amax(dim=-1, keepdim=True))
+            rescale = torch.exp(run_max - new_max)
+            p = torch.exp(logits - new_max)
+            denom = denom * rescale + p.sum(dim=-1, keepdim=True)
+            acc = acc * rescale + torch.bmm(p, keys)
+            run_max = new_max
+        out[sl] = acc / denom
+    return out
+
+
+def _normalize_weights(scores: torch.Tensor, ids: torch.Tensor, scaling: float) -> torch.Tensor:
+    weights = scores.gather(1, ids)
+    total = weights[:, 0]
+    for j in range(1, weights.shape[1]):
+        total = total + weights[:, j]
+    return weights / (total.unsqueeze(1) + 1e-20) * scaling
+
+
+def route_topk(x, gate, bias, top_k, scaling):
+    scores = _softplus(linear(x.float(), gate)).sqrt()
+    ids = torch.topk(scores + bias, top_k, dim=-1, sorted=False).indices
+    return _normalize_weights(scores, ids, scaling), ids
+
+
+def route_hash(x, gate, ids, scaling):
+    return _normalize_weights(_softplus(linear(x.float(), gate)).sqrt(), ids, scaling)
+
+
+def moe_experts(x, weights, ids, gate_up, down, limit):
+    num_tokens, top_k = ids.shape
+    flat_ids = ids.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)
+    hit, counts = torch.unique_consecutive(flat_ids[order], return_counts=True)
+    token_of = order // top_k
+    rows = torch.empty(num_tokens * top_k, x.shape[-1], dtype=torch.float32, device=x.device)
+    begin = 0
+    for expert, count in zip(hit.tolist(), counts.tolist()):
+        sel = token_of[begin:begin + count]
+        g, u = linear(x[sel], gate_up[expert]).chunk(2, dim=-1)
+        rows[begin:begin + count] = linear(swiglu(g, u, limit), down[expert])
+        begin += count
+    per_slot = torch.empty_like(rows)
+    per_slot[order] = rows
+    per_slot = per_slot.view(num_tokens, top_k, -1)
+    out = weights[:, 0, None] * per_slot[:, 0]
+    for j in range(1, top_k):  # fixed slot order
+        out = out + weights[:, j, None] * per_slot[:, j]
+    return out
+
+
+OPS = ("linear", "grouped_linear", "swiglu", "hc_pre", "hc_head", "indexer_topk", "sparse_attention",
+       "route_topk", "route_hash", "moe_experts")
