@@ -1,4 +1,5 @@
-"""Zero-overhead scheduling on vs off: throughput and the share of wall time the model
+"""Zero-overhead scheduling on vs off: throughput, the per-step timeline (schedule, prepare,
+forward, sample, post-process, waiting for the device) and the share of wall time the model
 (forward + sample, the "device") is idle, at batch 1 / 8 / 32 on the shipped model.
 
     python benchmarks/overlap.py [--model DIR] [--new-tokens 64]
@@ -23,14 +24,19 @@ def run(model, batch: int, new_tokens: int, overlap: bool) -> dict:
     prompts = torch.randint(3, vocab, (batch, 64), generator=torch.Generator().manual_seed(0)).tolist()
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     llm.generate(prompt_token_ids=prompts[:1], sampling_params=SamplingParams(max_tokens=2), use_tqdm=False)
-    llm.engine.device_seconds = 0.0
+    llm.engine.timeline.clear()
+    steps_before = 0
     start = time.perf_counter()
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     wall = time.perf_counter() - start
     tokens = [o.outputs[0].token_ids for o in outs]
     llm.engine.close()
+    timeline = dict(llm.engine.timeline)
+    device = timeline.get("forward", 0.0) + timeline.get("sample", 0.0)
+    steps = new_tokens + steps_before  # one decode step per new token (the prefill fits one step)
+    per_step_ms = {k: v / steps * 1e3 for k, v in timeline.items()}
     return dict(batch=batch, overlap=overlap, tok_s=batch * new_tokens / wall, wall_s=wall,
-                device_idle=1 - llm.engine.device_seconds / wall, tokens=tokens)
+                device_idle=1 - device / wall, per_step_ms=per_step_ms, tokens=tokens)
 
 
 def main() -> None:
@@ -47,12 +53,17 @@ def main() -> None:
         same = off.pop("tokens") == on.pop("tokens")
         rows.append(dict(batch=batch, off=off, on=on, speedup=on["tok_s"] / off["tok_s"], identical=same))
     print(f"threads {torch.get_num_threads()}, 64-token prompts, {args.new_tokens} new tokens, greedy")
-    print("| batch | overlap | output tok/s | device idle | speedup | identical outputs |")
-    print("|---|---|---|---|---|---|")
+    phases = ("schedule", "prepare", "forward", "sample", "postprocess", "wait")
+    print("| batch | overlap | output tok/s | device idle | speedup | identical | "
+          + " | ".join(f"{p} ms/step" for p in phases) + " |")
+    print("|---|---|---|---|---|---|" + "---|" * len(phases))
     for r in rows:
-        print(f"| {r['batch']} | off | {r['off']['tok_s']:.1f} | {r['off']['device_idle']:.0%} | | |")
-        print(f"| {r['batch']} | on | {r['on']['tok_s']:.1f} | {r['on']['device_idle']:.0%} | "
-              f"{r['speedup']:.2f}x | {r['identical']} |")
+        for mode in ("off", "on"):
+            m = r[mode]
+            extra = (f"{r['speedup']:.2f}x", str(r["identical"])) if mode == "on" else ("", "")
+            times = " | ".join(f"{m['per_step_ms'].get(p, 0.0):.2f}" for p in phases)
+            print(f"| {r['batch']} | {mode} | {m['tok_s']:.1f} | {m['device_idle']:.0%} | {extra[0]} | {extra[1]} | "
+                  f"{times} |")
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(rows, f, indent=2)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import collections
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -119,7 +121,7 @@ class LLMEngine:
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deepinfer-step") \
             if self.zero_overhead else None
         self.in_flight: StepPlan | None = None
-        self.device_seconds = 0.0
+        self.timeline: collections.defaultdict[str, float] = collections.defaultdict(float)  # seconds per phase
 
     def _make_cache(self, dtype: torch.dtype) -> StateCache:
         cfg, ec = self.model_config, self.engine_config
@@ -224,8 +226,10 @@ class LLMEngine:
         overlap = self.zero_overhead and not self._needs_sync()
         if not overlap and self.in_flight is not None:
             return grammar_failed + self._drain()  # finish step N before planning a synchronous one
-        chunks = self.scheduler.schedule()
-        plan = self._plan(chunks) if chunks else None
+        with self._timed("schedule"):
+            chunks = self.scheduler.schedule()
+        with self._timed("prepare"):
+            plan = self._plan(chunks) if chunks else None
         finished = list(grammar_failed)
         if plan is not None and not overlap:
             plan.future = _Done(self._execute(plan, None))
@@ -251,7 +255,20 @@ class LLMEngine:
     def _drain(self) -> list[Request]:
         """Wait for the in-flight step (if any) and post-process it."""
         plan, self.in_flight = self.in_flight, None
-        return self._finish(plan) if plan is not None else []
+        if plan is None:
+            return []
+        with self._timed("wait"):
+            plan.future.result()
+        return self._finish(plan)
+
+    @contextmanager
+    def _timed(self, phase: str):
+        """Accumulate wall time per step phase (benchmarks/overlap.py prints the timeline)."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.timeline[phase] += time.perf_counter() - t0
 
     def _plan(self, chunks: list[ScheduledChunk]) -> "StepPlan":
         """Build the step's inputs on the CPU and advance the requests as if it had run: fed
@@ -300,24 +317,29 @@ class LLMEngine:
     def _execute(self, plan: "StepPlan", previous: "StepPlan | None"):
         """Device work of a step (on the worker thread with overlap): resolve placeholders from
         the previous step's samples, run the model, mask, sample."""
-        t0 = time.perf_counter()
         ids = plan.inp.ids
         if previous is not None and bool((ids < 0).any()):
             _, prev_tokens = previous.future.result()
             ids = torch.where(ids < 0, prev_tokens[(-ids - 1).clamp(min=0)], ids)
             plan.inp.ids = ids
-        logits = self.model.forward(plan.inp, self.cache, torch.tensor(plan.logit_rows, dtype=torch.int64), plan.meta)
+        with self._timed("forward"):
+            logits = self.model.forward(plan.inp, self.cache, torch.tensor(plan.logit_rows, dtype=torch.int64),
+                                        plan.meta)
         tokens = None
         if plan.sampling:
-            sample_logits = logits[plan.sample_rows]
-            if plan.grammar:  # structured outputs: grammar bitmask before sampling (such steps are synchronous)
-                self.structured.apply_bitmask(sample_logits, plan.sampling)
-            tokens = self.sampler.sample(sample_logits, plan.sampling_inputs)
-        self.device_seconds += time.perf_counter() - t0  # forward + sample: the "device" share of a step
+            with self._timed("sample"):
+                sample_logits = logits[plan.sample_rows]
+                if plan.grammar:  # structured outputs: grammar bitmask before sampling (such steps are synchronous)
+                    self.structured.apply_bitmask(sample_logits, plan.sampling)
+                tokens = self.sampler.sample(sample_logits, plan.sampling_inputs)
         return logits, tokens
 
     def _finish(self, plan: "StepPlan") -> list[Request]:
         """Post-process a step on the CPU: prompt logprobs, the sampled tokens, stop checks."""
+        with self._timed("postprocess"):
+            return self._postprocess(plan)
+
+    def _postprocess(self, plan: "StepPlan") -> list[Request]:
         logits, tokens = plan.future.result()
         cursor = 0
         for c, (start, n_rows, completes) in zip(plan.chunks, plan.prompt_rows):
