@@ -13,7 +13,8 @@ import torch
 import triton
 
 from deepinfer.backends.nvidia import alloc
-from deepinfer.backends.nvidia.attention import _compress_kernel, _sparse_attention_kernel
+from deepinfer.backends.nvidia import attention as nvidia_attention
+from deepinfer.backends.nvidia.attention import _compress_kernel
 
 # sparse_attention at head_dim 512: q [16, 512] + kv [16, 512] + acc [16, 512] + p.kv [16, 512] floats
 # = 128 KB (the nvidia launch's BLOCK_K = 32 would need 160 KB + a second kv buffer).
@@ -24,14 +25,8 @@ _COMPRESS_TILE = 2048
 
 
 def sparse_attention(q, kv, indices, sinks, scale):
-    t, h, d = q.shape
-    out = alloc.empty(t, h, d, dtype=torch.float32, device=q.device)
-    if t:
-        _sparse_attention_kernel[(t, triton.cdiv(h, _ATTN_BLOCK_H))](
-            q.contiguous(), kv.contiguous(), indices.contiguous(), sinks.float().contiguous(), out,
-            h, d, indices.shape[1], float(scale),
-            BLOCK_H=_ATTN_BLOCK_H, BLOCK_K=_ATTN_BLOCK_K, BLOCK_D=max(16, triton.next_power_of_2(d)))
-    return out
+    return nvidia_attention.sparse_attention(q, kv, indices, sinks, scale, block_h=_ATTN_BLOCK_H,
+                                             block_k=_ATTN_BLOCK_K)
 
 
 def compress_windows(kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:

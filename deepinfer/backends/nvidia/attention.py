@@ -75,14 +75,16 @@ def _sparse_attention_kernel(q_ptr, kv_ptr, idx_ptr, sinks_ptr, out_ptr, H, D, K
     tl.store(out_ptr + (t * H + h[:, None]) * D + d[None, :], out, mask=hmask[:, None] & dmask[None, :])
 
 
-def sparse_attention(q, kv, indices, sinks, scale):
+def sparse_attention(q, kv, indices, sinks, scale, block_h: int = _ATTN_BLOCK_H, block_k: int = _ATTN_BLOCK_K):
+    """block_h / block_k: fixed per backend (the ascend backend passes smaller tiles for its
+    on-chip buffer); never derived from the token count."""
     t, h, d = q.shape
     out = alloc.empty(t, h, d, dtype=torch.float32, device=q.device)
     if t:
-        _sparse_attention_kernel[(t, triton.cdiv(h, _ATTN_BLOCK_H))](
+        _sparse_attention_kernel[(t, triton.cdiv(h, block_h))](
             q.contiguous(), kv.contiguous(), indices.contiguous(), sinks.float().contiguous(), out,
             h, d, indices.shape[1], float(scale),
-            BLOCK_H=_ATTN_BLOCK_H, BLOCK_K=_ATTN_BLOCK_K, BLOCK_D=max(16, triton.next_power_of_2(d)))
+            BLOCK_H=block_h, BLOCK_K=block_k, BLOCK_D=max(16, triton.next_power_of_2(d)))
     return out
 
 
