@@ -354,3 +354,29 @@ def test_json_with_deepseek_vocabulary(deepseek_vocab_model):
         assert c.finish_reason == "stop", (c.text, c.error)
         jsonschema.validate(json.loads(c.text, strict=False), schema)
         assert not any(t in info.special_token_ids for t in c.token_ids)  # no bos/placeholders in text
+
+
+def test_shipped_model_outputs_validate():
+    """The trained default model: JSON, regex and EBNF outputs at temperature 1 over several seeds."""
+    from deepinfer.llm import DEFAULT_MODEL_DIR
+    import os
+
+    if not os.path.isfile(os.path.join(DEFAULT_MODEL_DIR, "model.safetensors")):
+        pytest.skip("the shipped model is not in deepinfer/assets")
+    shipped = LLM(max_num_seqs=16)
+    seeds = range(6)
+    params = ([_params({"schema_type": "json", "schema": SCHEMA}, s) for s in seeds]
+              + [_params({"schema_type": "regex", "schema": REGEXES[2]}, s, max_tokens=64) for s in seeds]
+              + [_params({"schema_type": "ebnf", "schema": EBNF}, s, max_tokens=64) for s in seeds])
+    outs = shipped.generate(["def record():\n    return "] * len(params), params, use_tqdm=False)
+    parser = lark.Lark(LARK, start="start")
+    for p, out in zip(params, outs):
+        c = out.outputs[0]
+        kind = p.so_args["schema_type"]
+        if kind == "json":
+            assert c.finish_reason == "stop", (c.finish_reason, c.text)
+            jsonschema.validate(json.loads(c.text, strict=False), SCHEMA)
+        elif kind == "regex":
+            assert c.finish_reason == "stop" and re.fullmatch(REGEXES[2], c.text), c.text
+        elif c.finish_reason == "stop":  # an EBNF output cut by max_tokens is a valid prefix only
+            parser.parse(c.text)
