@@ -101,6 +101,27 @@ def test_seeded_sampling_is_identical_in_any_batch_on_nvidia_interpreted(tiny_mo
     assert _mixed(llm, targets, _others(1, seed=3, max_len=12, max_tokens=4), seed=1) == alone
 
 
+@pytest.mark.slow
+def test_eight_seeded_requests_identical_on_nvidia_interpreted(tiny_model_dir, deterministic_env, monkeypatch):
+    """The issue's 8 seeded temperature-1 requests on the interpreted nvidia kernels: alone, among 7
+    others, under a small token budget that chunks prefills, and with synchronous scheduling."""
+    pytest.importorskip("triton", reason="triton is not installed: the nvidia backend cannot run")
+    from deepinfer.backends import AcceleratorUnavailable, get_accelerator
+
+    try:
+        get_accelerator("nvidia")
+    except (AcceleratorUnavailable, ImportError) as exc:
+        pytest.skip(f"nvidia backend unavailable: {exc}")
+    path, _ = tiny_model_dir
+    targets = _targets(8, [3, 6, 11, 9, 14, 5, 20, 17], max_tokens=3)
+    llm = LLM(path, accelerator="nvidia", max_num_seqs=16, max_num_batched_tokens=256, num_cache_pages=16)
+    alone = [_tokens(llm, [p], [s])[0] for p, s in zip(*targets)]
+    assert _mixed(llm, targets, _others(7, seed=7, max_len=12, max_tokens=3), seed=2) == alone
+    monkeypatch.setenv("DEEPINFER_ZERO_OVERHEAD_SCHEDULING", "0")
+    chunked = LLM(path, accelerator="nvidia", max_num_seqs=16, max_num_batched_tokens=16, num_cache_pages=16)
+    assert _mixed(chunked, targets, _others(3, seed=8, max_len=12, max_tokens=3), seed=3) == alone
+
+
 def test_seq_seed_without_the_mode_is_logged_once(tiny_model_dir, monkeypatch, caplog):
     path, _ = tiny_model_dir
     prompt = [[5, 6, 7]]
