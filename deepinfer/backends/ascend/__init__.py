@@ -22,6 +22,7 @@ Op mapping (a torch_npu operator is used only where its documented semantics equ
 | route_hash          | Triton scores                                                       [a]  |
 | apply_token_bitmask | Triton (nvidia kernel)                                              [a]  |
 | linear, grouped_linear, embedding | reference: plain torch (aclnn matmul / gather on the NPU)  |
+| fp8_block_linear    | reference: plain torch (dequantize, then aclnn matmul)              [g]  |
 | sample              | reference: plain torch                                              [f]  |
 
 Why not a fused torch_npu operator:
@@ -38,6 +39,8 @@ Why not a fused torch_npu operator:
 [f] npu_top_k_top_p (aclnnApplyTopKTopP) keeps every tie at the k-th value (ours: exactly k) and cuts
     top-p on the ascending cumsum <= 1-p; the nvidia Triton argmax needs uint64, which triton-ascend
     does not support.
+[g] no torch_npu quantized matmul has been checked against DeepSeek's 1 x 128 activation / 128 x 128
+    weight block scaling yet; the reference quantizes the activations and dequantizes both.
 
 The Triton kernels are the nvidia backend's, launched with tile sizes that fit Ascend's 192 KB unified
 buffer (triton_ops.py re-tiles sparse_attention and compress_windows; the rest fit as they are); none
@@ -117,6 +120,7 @@ class AscendAccelerator(Accelerator):
     # the reference's plain torch (aclnn matmul / gather / sort on the NPU)
     linear = staticmethod(reference.linear)
     grouped_linear = staticmethod(reference.grouped_linear)
+    fp8_block_linear = staticmethod(reference.fp8_block_linear)
     embedding = staticmethod(reference.embedding)
     sample = staticmethod(reference.sample)
 

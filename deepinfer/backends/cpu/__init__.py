@@ -38,6 +38,7 @@ class CpuAccelerator(Accelerator):
 
     linear = staticmethod(ops.linear)
     grouped_linear = staticmethod(ops.grouped_linear)
+    fp8_block_linear = staticmethod(ops.fp8_block_linear)
     embedding = staticmethod(ops.embedding)
     rms_norm = staticmethod(ops.rms_norm)
     rope = staticmethod(ops.rope)

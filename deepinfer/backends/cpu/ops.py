@@ -25,6 +25,36 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.einsum("tgk,gnk->tgn", x, w)
 
 
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+_FP8_AMAX_FLOOR = 1e-4  # DeepSeek's act_quant guard: an all-zero group gets a finite scale
+
+
+def fp8_block_quant(x: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R, C] -> (float8_e4m3fn [R, C], float32 scales [ceil(R/b0), ceil(C/b1)]), one scale
+    max(amax, 1e-4) / 448 per block[0] x block[1] tile (edge tiles partial). (1, 128) is
+    DeepSeek's act_quant, (128, 128) its weight quantization."""
+    (r, c), (b0, b1) = x.shape, block
+    rb, cb = -(-r // b0), -(-c // b1)
+    tiled = F.pad(x.float(), (0, cb * b1 - c, 0, rb * b0 - r)).view(rb, b0, cb, b1)
+    scale = tiled.abs().amax(dim=(1, 3)).clamp(min=_FP8_AMAX_FLOOR) / FP8_MAX
+    q = (tiled / scale[:, None, :, None]).to(torch.float8_e4m3fn)
+    return q.view(rb * b0, cb * b1)[:r, :c].contiguous(), scale
+
+
+def fp8_block_dequant(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    r, c = q.shape
+    full = scale.float().repeat_interleave(block[0], 0)[:r].repeat_interleave(block[1], 1)[:, :c]
+    return q.float() * full
+
+
+def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                     block: int = 128) -> torch.Tensor:
+    lead, k = x.shape[:-1], x.shape[-1]
+    x_q, x_s = fp8_block_quant(x.reshape(-1, k), (1, block))
+    w = fp8_block_dequant(weight, weight_scale, (block, block))
+    return F.linear(fp8_block_dequant(x_q, x_s, (1, block)), w).view(*lead, weight.shape[0])
+
+
 def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.embedding(ids, weight).float()
 

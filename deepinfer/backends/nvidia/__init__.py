@@ -16,7 +16,7 @@ try:
 except ImportError as exc:  # the registry turns this into the user-facing error
     raise ImportError("the nvidia backend needs Triton: pip install triton") from exc
 
-from deepinfer.backends.nvidia import attention, cuda_ext, elementwise, gemm, sampling  # noqa: E402
+from deepinfer.backends.nvidia import attention, cuda_ext, elementwise, fp8, gemm, sampling  # noqa: E402
 
 # Ops that run the cpu reference instead of a Triton kernel (none today). The README lists them.
 # Not fallbacks but worth knowing: indexer_topk and route_topk compute scores in Triton and select
@@ -53,6 +53,7 @@ class NvidiaAccelerator(Accelerator):
 
     linear = staticmethod(gemm.linear)
     grouped_linear = staticmethod(gemm.grouped_linear)
+    fp8_block_linear = staticmethod(fp8.fp8_block_linear)
     moe_experts = staticmethod(gemm.moe_experts)
     embedding = staticmethod(elementwise.embedding)
     rms_norm = staticmethod(elementwise.rms_norm)
