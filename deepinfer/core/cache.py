@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer.core.config import CSA, HCA, ModelConfig
+from deepinfer.core.config import CSA, ModelConfig
 
 
 class CacheFull(RuntimeError):

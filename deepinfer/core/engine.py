@@ -16,7 +16,7 @@ from deepinfer.core.cache import StateCache
 from deepinfer.core.config import CSA, ModelConfig
 from deepinfer.core.loader import load_checkpoint
 from deepinfer.core.models.deepseek_v4 import DeepseekV4Model, StepInput, expected_tensors
-from deepinfer.core.request import Request, Status
+from deepinfer.core.request import Request
 from deepinfer.core.sampler import Sampler, top_logprobs
 from deepinfer import envs
 from deepinfer.core.scheduler import ScheduledChunk, Scheduler

@@ -22,7 +22,7 @@ import torch
 
 from deepinfer.backends.base import Accelerator
 from deepinfer.core.cache import LayerState, StateCache
-from deepinfer.core.config import CSA, HCA, SLIDING, ModelConfig
+from deepinfer.core.config import CSA, SLIDING, ModelConfig
 
 
 @dataclass(slots=True)
