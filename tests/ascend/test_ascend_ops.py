@@ -31,9 +31,8 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed: the ascend backend's Triton kernels cannot run")
 
-from deepinfer.backends import get_accelerator  # noqa: E402
 from deepinfer.backends.cpu import ops as ref  # noqa: E402
-from deepinfer.backends.nvidia import alloc  # noqa: E402
+from op_checks import assert_close, indices, poisoned, randn, run, seeded  # noqa: E402
 
 TOL = {"rms_norm": 1e-5, "swiglu": 1e-5, "moe_experts": 1e-5, "rope": 0.0, "hc_pre": 1e-5, "hc_post": 1e-5,
        "hc_head": 1e-5, "compress_windows": 1e-5, "sparse_attention": 1e-5, "route_topk": 1e-5,
@@ -43,35 +42,11 @@ TOKENS = (1, 7, 33)
 
 @pytest.fixture(scope="module")
 def asc():
-    acc = get_accelerator("ascend")
-    alloc.poison = True
-    yield acc
-    alloc.poison = False
+    yield from poisoned("ascend")
 
 
-def _gen(*key: int) -> torch.Generator:
-    return torch.Generator().manual_seed(hash(key) & 0xFFFFFFFF)
-
-
-def _randn(gen, *shape, scale=1.0):
-    return torch.randn(*shape, generator=gen) * scale
-
-
-def _close(op: str, out, expected) -> None:
-    tol = TOL[op]
-    out = out.cpu()
-    assert out.shape == expected.shape, f"{op}: shape {tuple(out.shape)} != {tuple(expected.shape)}"
-    assert not out.isnan().any(), f"{op}: NaN in output (an element the kernel did not write?)"
-    if out.numel() == 0:
-        return
-    err, scale = float((out - expected).abs().max()), float(expected.abs().max())
-    print(f"\n{op}: max rel err {err / max(scale, 1e-30):.2e} (tol {tol:.0e})", end="")
-    assert err <= tol * scale, f"{op}: max abs err {err:.2e} > {tol} x max|ref| = {tol * scale:.2e}"
-
-
-def _run(acc, op, *args):
-    on = [a.to(acc.device) if isinstance(a, torch.Tensor) else a for a in args]
-    return getattr(acc, op)(*on), getattr(ref, op)(*args)
+def _close(op: str, out, expected, tol=None) -> None:
+    assert_close(op, out, expected, TOL[op] if tol is None else tol)
 
 
 def test_backend_identity(asc):
@@ -86,25 +61,25 @@ def test_backend_identity(asc):
 @pytest.mark.parametrize("t", TOKENS)
 @pytest.mark.parametrize("shape,weighted", [((64,), True), ((3, 96), False), ((3, 40), True), ((1500,), True)])
 def test_rms_norm(asc, t, shape, weighted):
-    gen = _gen(1, t, *shape, weighted)
-    x = _randn(gen, t, *shape, scale=3.0)
-    w = _randn(gen, shape[-1]) if weighted else None
-    _close("rms_norm", *_run(asc, "rms_norm", x, w, 1e-6))
+    gen = seeded(1, t, *shape, weighted)
+    x = randn(gen, t, *shape, scale=3.0)
+    w = randn(gen, shape[-1]) if weighted else None
+    _close("rms_norm", *run(asc, "rms_norm", x, w, 1e-6))
 
 
 @pytest.mark.parametrize("shape", [(1, 32), (7, 100), (33, 3, 17)])
 def test_swiglu(asc, shape):
-    gen = _gen(3, *shape)
-    _close("swiglu", *_run(asc, "swiglu", _randn(gen, *shape, scale=6.0), _randn(gen, *shape, scale=6.0), 7.0))
+    gen = seeded(3, *shape)
+    _close("swiglu", *run(asc, "swiglu", randn(gen, *shape, scale=6.0), randn(gen, *shape, scale=6.0), 7.0))
 
 
 @pytest.mark.parametrize("t", TOKENS)
 @pytest.mark.parametrize("e,k,d,inter", [(8, 2, 64, 32), (5, 3, 40, 24)])
 def test_moe_experts(asc, t, e, k, d, inter):
-    gen = _gen(15, t, e, k, d, inter)
+    gen = seeded(15, t, e, k, d, inter)
     ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
-    x, weights = _randn(gen, t, d), torch.rand(t, k, generator=gen)
-    gate_up, down = _randn(gen, e, 2 * inter, d, scale=0.3), _randn(gen, e, d, inter, scale=0.3)
+    x, weights = randn(gen, t, d), torch.rand(t, k, generator=gen)
+    gate_up, down = randn(gen, e, 2 * inter, d, scale=0.3), randn(gen, e, d, inter, scale=0.3)
     out = asc.moe_experts(x, weights, ids, asc.prepare_weight("model.layers.3.mlp.experts.gate_up_proj", gate_up),
                           asc.prepare_weight("model.layers.3.mlp.experts.down_proj", down), 1.0)  # clamp is hit
     _close("moe_experts", out, ref.moe_experts(x, weights, ids, gate_up, down, 1.0))
@@ -117,72 +92,66 @@ def test_moe_experts(asc, t, e, k, d, inter):
 @pytest.mark.parametrize("shape,rope_dim", [((4, 32), 8), ((48,), 16)])
 @pytest.mark.parametrize("inverse", [False, True])
 def test_rope(asc, t, shape, rope_dim, inverse):
-    gen = _gen(2, t, *shape, rope_dim, inverse)
-    x = _randn(gen, t, *shape)
-    angle = _randn(gen, t, rope_dim // 2, scale=3.0)
-    _close("rope", *_run(asc, "rope", x, angle.cos(), angle.sin(), inverse))
+    gen = seeded(2, t, *shape, rope_dim, inverse)
+    x = randn(gen, t, *shape)
+    angle = randn(gen, t, rope_dim // 2, scale=3.0)
+    _close("rope", *run(asc, "rope", x, angle.cos(), angle.sin(), inverse))
 
 
 @pytest.mark.parametrize("t", TOKENS)
 @pytest.mark.parametrize("n,d", [(4, 64), (2, 40)])
 def test_hc_ops(asc, t, n, d):
-    gen = _gen(7, t, n, d)
-    streams = _randn(gen, t, n, d)
-    args = (streams, _randn(gen, (2 + n) * n, n * d, scale=0.1), _randn(gen, (2 + n) * n, scale=0.2),
+    gen = seeded(7, t, n, d)
+    streams = randn(gen, t, n, d)
+    args = (streams, randn(gen, (2 + n) * n, n * d, scale=0.1), randn(gen, (2 + n) * n, scale=0.2),
             torch.rand(3, generator=gen), 1e-6, 1e-6, 20)
-    for out, expected in zip(*_run(asc, "hc_pre", *args)):
+    for out, expected in zip(*run(asc, "hc_pre", *args)):
         _close("hc_pre", out, expected)
-    post_args = (_randn(gen, t, d), streams, torch.rand(t, n, generator=gen) * 2, torch.rand(t, n, n, generator=gen))
-    _close("hc_post", *_run(asc, "hc_post", *post_args))
-    head_args = (streams, _randn(gen, n, n * d, scale=0.1), _randn(gen, n, scale=0.2), torch.rand(1, generator=gen),
+    post_args = (randn(gen, t, d), streams, torch.rand(t, n, generator=gen) * 2, torch.rand(t, n, n, generator=gen))
+    _close("hc_post", *run(asc, "hc_post", *post_args))
+    head_args = (streams, randn(gen, n, n * d, scale=0.1), randn(gen, n, scale=0.2), torch.rand(1, generator=gen),
                  1e-6, 1e-6)
-    _close("hc_head", *_run(asc, "hc_head", *head_args))
+    _close("hc_head", *run(asc, "hc_head", *head_args))
 
 
 @pytest.mark.parametrize("w,length,d", [(1, 8, 32), (5, 4, 40), (9, 3, 16), (2, 128, 40)])
 def test_compress_windows(asc, w, length, d):
-    gen = _gen(10, w, length, d)
-    kv, gate = _randn(gen, w, length, d), _randn(gen, w, length, d, scale=2.0)
+    gen = seeded(10, w, length, d)
+    kv, gate = randn(gen, w, length, d), randn(gen, w, length, d, scale=2.0)
     gate[:, 0, : d // 2] = float("-inf")  # masked slots get weight 0
-    _close("compress_windows", *_run(asc, "compress_windows", kv, gate))
-
-
-def _indices(gen, t, k, pool, frac_invalid=0.3):
-    idx = torch.randint(0, pool, (t, k), generator=gen)
-    idx[torch.rand(t, k, generator=gen) < frac_invalid] = -1
-    return idx
+    _close("compress_windows", *run(asc, "compress_windows", kv, gate))
 
 
 @pytest.mark.parametrize("t", TOKENS)
 @pytest.mark.parametrize("h,d,k", [(4, 32, 45), (1, 24, 70)])
 def test_sparse_attention(asc, t, h, d, k):
-    gen = _gen(11, t, h, d, k)
-    idx = _indices(gen, t, k, 50)
+    gen = seeded(11, t, h, d, k)
+    idx = indices(gen, t, k, 50)
     idx[0] = -1  # a token with no valid index gets zeros
-    args = (_randn(gen, t, h, d), _randn(gen, 50, d), idx, _randn(gen, h), d ** -0.5)
-    _close("sparse_attention", *_run(asc, "sparse_attention", *args))
+    args = (randn(gen, t, h, d), randn(gen, 50, d), idx, randn(gen, h), d ** -0.5)
+    _close("sparse_attention", *run(asc, "sparse_attention", *args))
 
 
 @pytest.mark.parametrize("t", TOKENS)
 @pytest.mark.parametrize("h,d,m,topk", [(16, 16, 40, 8), (4, 16, 5, 16)])
 def test_indexer_topk(asc, t, h, d, m, topk):
-    gen = _gen(12, t, h, d, m, topk)
-    args = (_randn(gen, t, h, d), _randn(gen, t, h), _randn(gen, 60, d), _indices(gen, t, m, 60), topk, 0.25)
-    out, expected = _run(asc, "indexer_topk", *args)
+    gen = seeded(12, t, h, d, m, topk)
+    args = (randn(gen, t, h, d), randn(gen, t, h), randn(gen, 60, d), indices(gen, t, m, 60), topk, 0.25)
+    out, expected = run(asc, "indexer_topk", *args)
     assert torch.equal(out.cpu().sort(-1).values, expected.sort(-1).values)
 
 
 @pytest.mark.parametrize("t", TOKENS)
 @pytest.mark.parametrize("e,k", [(8, 2), (16, 4)])
 def test_route_topk_and_hash(asc, t, e, k):
-    gen = _gen(13, t, e, k)
-    x, gate = _randn(gen, t, 64), _randn(gen, e, 64, scale=0.3)
-    (w, ids), (rw, rids) = _run(asc, "route_topk", x, gate, _randn(gen, e, scale=0.5), k, 1.5)
+    gen = seeded(13, t, e, k)
+    x, gate = randn(gen, t, 64), randn(gen, e, 64, scale=0.3)
+    (w, ids), (rw, rids) = run(asc, "route_topk", x, gate, randn(gen, e, scale=0.5), k, 1.5)
     order, rorder = ids.cpu().argsort(-1), rids.argsort(-1)
     assert torch.equal(ids.cpu().gather(1, order), rids.gather(1, rorder))
     _close("route_topk", w.cpu().gather(1, order), rw.gather(1, rorder))
     hash_ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
-    _close("route_hash", *_run(asc, "route_hash", x, gate, hash_ids, 2.5))
+    _close("route_hash", *run(asc, "route_hash", x, gate, hash_ids, 2.5))
 
 
 # ------------------------------------------------------------------ reference torch, sampling, bitmask
@@ -190,29 +159,29 @@ def test_route_topk_and_hash(asc, t, e, k):
 
 @pytest.mark.parametrize("t", TOKENS)
 def test_dense_reference_ops(asc, t):
-    gen = _gen(4, t)
-    _close("linear", *_run(asc, "linear", _randn(gen, t, 300), _randn(gen, 7, 300)))
-    _close("grouped_linear", *_run(asc, "grouped_linear", _randn(gen, t, 3, 33), _randn(gen, 15, 33)))
-    _close("embedding", *_run(asc, "embedding", torch.randint(0, 50, (t,), generator=gen), _randn(gen, 50, 72)))
+    gen = seeded(4, t)
+    _close("linear", *run(asc, "linear", randn(gen, t, 300), randn(gen, 7, 300)))
+    _close("grouped_linear", *run(asc, "grouped_linear", randn(gen, t, 3, 33), randn(gen, 15, 33)))
+    _close("embedding", *run(asc, "embedding", torch.randint(0, 50, (t,), generator=gen), randn(gen, 50, 72)))
 
 
 @pytest.mark.parametrize("b,v", [(1, 50), (9, 1100)])
 def test_sample(asc, b, v):
-    gen = _gen(16, b, v)
-    logits = _randn(gen, b, v, scale=2.0)
+    gen = seeded(16, b, v)
+    logits = randn(gen, b, v, scale=2.0)
     temperature = torch.tensor([0.0, 1.0, 0.7, 1.3, 0.0, 2.0, 0.9, 1.0, 0.5])[:b]
     top_k = torch.tensor([0, 0, 50, 0, 0, 5, 0, 0, 2])[:b]
     top_p = torch.tensor([1.0, 1.0, 1.0, 0.9, 1.0, 0.5, 1.0, 0.8, 1.0])[:b]
     seeds = torch.randint(-2 ** 63, 2 ** 63 - 1, (b,), generator=gen)
     positions = torch.randint(0, 10_000, (b,), generator=gen)
-    out, expected = _run(asc, "sample", logits, temperature, top_k, top_p, seeds, positions)
+    out, expected = run(asc, "sample", logits, temperature, top_k, top_p, seeds, positions)
     assert torch.equal(out.cpu(), expected)
 
 
 @pytest.mark.parametrize("b,v", [(1, 40), (5, 1100)])
 def test_apply_token_bitmask(asc, b, v):
-    gen = _gen(18, b, v)
-    logits = _randn(gen, b, v)
+    gen = seeded(18, b, v)
+    logits = randn(gen, b, v)
     bitmask = torch.randint(-2 ** 31, 2 ** 31 - 1, (b, (v + 31) // 32), generator=gen, dtype=torch.int64)
     bitmask = bitmask.to(torch.int32)
     out, expected = logits.clone().to(asc.device), logits.clone()

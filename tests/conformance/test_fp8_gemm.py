@@ -29,10 +29,10 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed: the nvidia backend's kernels cannot run")
 
-from deepinfer.backends import get_accelerator  # noqa: E402
 from deepinfer.backends.cpu import ops as ref  # noqa: E402
-from deepinfer.backends.nvidia import alloc, fp8  # noqa: E402
+from deepinfer.backends.nvidia import fp8  # noqa: E402
 from deepinfer.backends.nvidia.fp8 import FP8_DOT_TOL  # noqa: E402
+from op_checks import poisoned, seeded  # noqa: E402
 
 TOL = 1e-5
 QUANT_TOL_MAX, QUANT_TOL_RMS = 0.08, 0.06
@@ -42,14 +42,7 @@ SHAPES = ((200, 300), (64, 128), (130, 257), (17, 40))  # (N, K)
 
 @pytest.fixture(scope="module")
 def nv():
-    acc = get_accelerator("nvidia")
-    alloc.poison = True
-    yield acc
-    alloc.poison = False
-
-
-def _gen(*key: int) -> torch.Generator:
-    return torch.Generator().manual_seed(hash(key) & 0xFFFFFFFF)
+    yield from poisoned("nvidia")
 
 
 def _inputs(gen, t, n, k):
@@ -69,7 +62,7 @@ def _rel_err(out: torch.Tensor, expected: torch.Tensor) -> float:
 @pytest.mark.parametrize("t", TOKENS)
 @pytest.mark.parametrize("k", (128, 300, 40))
 def test_act_quant_matches_reference_bits(nv, t, k):
-    gen = _gen(1, t, k)
+    gen = seeded(1, t, k)
     x, _ = _inputs(gen, t, 1, k)
     x[0, : min(k, 128)] = 0.0  # an all-zero group: the 1e-4 amax floor, not 0/0
     q, s = fp8.act_quant(x.to(nv.device))
@@ -102,7 +95,7 @@ def test_fp8_block_linear(nv, t, n, k, fp8_dot):
     if fp8_dot and nv.device.type == "cuda" and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("tl.dot on fp8 operands needs fp8 tensor cores (sm_89+)")
     tol = FP8_DOT_TOL if fp8_dot and nv.device.type == "cuda" else TOL
-    gen = _gen(2, t, n, k)
+    gen = seeded(2, t, n, k)
     x, w = _inputs(gen, t, n, k)
     wq, ws = ref.fp8_block_quant(w, (128, 128))
     expected = ref.fp8_block_linear(x, wq, ws)
@@ -113,7 +106,7 @@ def test_fp8_block_linear(nv, t, n, k, fp8_dot):
 
 
 def test_fp8_block_linear_leading_dims_and_empty(nv):
-    gen = _gen(3)
+    gen = seeded(3)
     x, w = _inputs(gen, 15, 24, 140)
     wq, ws = ref.fp8_block_quant(w, (128, 128))
     x3 = x.view(3, 5, 140)
@@ -132,7 +125,7 @@ def test_fp8_block_linear_rejects_mismatched_scales(nv):
 
 def test_quantization_error_vs_fp32_gemm():
     """What FP8 costs against the float32 GEMM on the unquantized weights (the reference alone)."""
-    gen = _gen(4)
+    gen = seeded(4)
     x = torch.randn(33, 512, generator=gen)
     w = torch.randn(256, 512, generator=gen) * 0.05
     exact = x @ w.T
@@ -146,7 +139,7 @@ def test_quantization_error_vs_fp32_gemm():
 
 
 def test_fp8_block_linear_batch_invariant(nv):
-    gen = _gen(5)
+    gen = seeded(5)
     x, w = _inputs(gen, 9, 72, 200)
     wq, ws = [t.to(nv.device) for t in ref.fp8_block_quant(w, (128, 128))]
     x = x.to(nv.device)

@@ -40,7 +40,7 @@ pytest.importorskip("triton", reason="triton is not installed: the nvidia backen
 
 from deepinfer.backends import AcceleratorUnavailable, cuda_usable, get_accelerator  # noqa: E402
 from deepinfer.backends.cpu import ops as ref  # noqa: E402
-from deepinfer.backends.nvidia import alloc  # noqa: E402
+from op_checks import assert_close, indices, poisoned, randn, run, seeded  # noqa: E402
 
 TOL = {
     "rms_norm": 1e-5, "rope": 0.0, "swiglu": 1e-5, "linear": 1e-5, "grouped_linear": 1e-5,
@@ -53,37 +53,11 @@ TOKENS = (1, 7, 33)
 
 @pytest.fixture(scope="module")
 def nv():
-    acc = get_accelerator("nvidia")
-    alloc.poison = True
-    yield acc
-    alloc.poison = False
-
-
-def _gen(*key: int) -> torch.Generator:
-    return torch.Generator().manual_seed(hash(key) & 0xFFFFFFFF)
-
-
-def _randn(gen, *shape, scale=1.0):
-    return torch.randn(*shape, generator=gen) * scale
-
-
-def _on(acc, *tensors):
-    return [t.to(acc.device) if isinstance(t, torch.Tensor) else t for t in tensors]
+    yield from poisoned("nvidia")
 
 
 def _close(op: str, out, expected, tol=None) -> None:
-    tol = TOL[op] if tol is None else tol
-    out = out.cpu()
-    assert out.shape == expected.shape, f"{op}: shape {tuple(out.shape)} != {tuple(expected.shape)}"
-    assert not out.isnan().any(), f"{op}: NaN in output (an element the kernel did not write?)"
-    err = float((out - expected).abs().max()) if out.numel() else 0.0
-    bound = tol * float(expected.abs().max()) if out.numel() else 0.0
-    print(f"\n{op}: max rel err {err / max(float(expected.abs().max()), 1e-30):.2e} (tol {tol:.0e})", end="")
-    assert err <= bound, f"{op}: max abs err {err:.2e} > {tol} x max|ref| = {bound:.2e}"
-
-
-def _run(acc, op, *args):
-    return getattr(acc, op)(*_on(acc, *args)), getattr(ref, op)(*args)
+    assert_close(op, out, expected, TOL[op] if tol is None else tol)
 
 
 # ------------------------------------------------------------------ dense / elementwise
@@ -92,52 +66,52 @@ def _run(acc, op, *args):
 @pytest.mark.parametrize("t", TOKENS)
 @pytest.mark.parametrize("shape,weighted", [((64,), True), ((3, 96), False), ((3, 40), True), ((1500,), True)])
 def test_rms_norm(nv, t, shape, weighted):
-    gen = _gen(1, t, *shape, weighted)
-    x = _randn(gen, t, *shape, scale=3.0)
-    w = _randn(gen, shape[-1]) if weighted else None
-    _close("rms_norm", *_run(nv, "rms_norm", x, w, 1e-6))
+    gen = seeded(1, t, *shape, weighted)
+    x = randn(gen, t, *shape, scale=3.0)
+    w = randn(gen, shape[-1]) if weighted else None
+    _close("rms_norm", *run(nv, "rms_norm", x, w, 1e-6))
 
 
 @pytest.mark.parametrize("t", TOKENS)
 @pytest.mark.parametrize("shape,rope_dim", [((4, 32), 8), ((48,), 16), ((2, 16), 16)])
 @pytest.mark.parametrize("inverse", [False, True])
 def test_rope(nv, t, shape, rope_dim, inverse):
-    gen = _gen(2, t, *shape, rope_dim, inverse)
-    x = _randn(gen, t, *shape)
-    angle = _randn(gen, t, rope_dim // 2, scale=3.0)
-    _close("rope", *_run(nv, "rope", x, angle.cos(), angle.sin(), inverse))
+    gen = seeded(2, t, *shape, rope_dim, inverse)
+    x = randn(gen, t, *shape)
+    angle = randn(gen, t, rope_dim // 2, scale=3.0)
+    _close("rope", *run(nv, "rope", x, angle.cos(), angle.sin(), inverse))
 
 
 @pytest.mark.parametrize("shape", [(1, 32), (7, 100), (33, 3, 17)])
 def test_swiglu(nv, shape):
-    gen = _gen(3, *shape)
-    _close("swiglu", *_run(nv, "swiglu", _randn(gen, *shape, scale=6.0), _randn(gen, *shape, scale=6.0), 7.0))
+    gen = seeded(3, *shape)
+    _close("swiglu", *run(nv, "swiglu", randn(gen, *shape, scale=6.0), randn(gen, *shape, scale=6.0), 7.0))
 
 
 @pytest.mark.parametrize("t", TOKENS)
 @pytest.mark.parametrize("n,k", [(80, 96), (7, 300), (130, 17)])
 def test_linear(nv, t, n, k):
-    gen = _gen(4, t, n, k)
-    _close("linear", *_run(nv, "linear", _randn(gen, t, k), _randn(gen, n, k)))
+    gen = seeded(4, t, n, k)
+    _close("linear", *run(nv, "linear", randn(gen, t, k), randn(gen, n, k)))
 
 
 def test_linear_leading_dims(nv):
-    gen = _gen(4, 0)
-    _close("linear", *_run(nv, "linear", _randn(gen, 3, 5, 40), _randn(gen, 24, 40)))
+    gen = seeded(4, 0)
+    _close("linear", *run(nv, "linear", randn(gen, 3, 5, 40), randn(gen, 24, 40)))
 
 
 @pytest.mark.parametrize("t", TOKENS)
 @pytest.mark.parametrize("groups,n,k", [(2, 16, 64), (4, 24, 48), (3, 5, 33)])
 def test_grouped_linear(nv, t, groups, n, k):
-    gen = _gen(5, t, groups, n, k)
-    _close("grouped_linear", *_run(nv, "grouped_linear", _randn(gen, t, groups, k), _randn(gen, groups * n, k)))
+    gen = seeded(5, t, groups, n, k)
+    _close("grouped_linear", *run(nv, "grouped_linear", randn(gen, t, groups, k), randn(gen, groups * n, k)))
 
 
 @pytest.mark.parametrize("t", TOKENS)
 def test_embedding(nv, t):
-    gen = _gen(6, t)
+    gen = seeded(6, t)
     ids = torch.randint(0, 50, (t,), generator=gen)
-    _close("embedding", *_run(nv, "embedding", ids, _randn(gen, 50, 72)))
+    _close("embedding", *run(nv, "embedding", ids, randn(gen, 50, 72)))
 
 
 # ------------------------------------------------------------------ mHC
@@ -146,10 +120,10 @@ def test_embedding(nv, t):
 @pytest.mark.parametrize("t", TOKENS)
 @pytest.mark.parametrize("n,d", [(4, 64), (2, 40), (3, 16)])
 def test_hc_pre(nv, t, n, d):
-    gen = _gen(7, t, n, d)
-    args = (_randn(gen, t, n, d), _randn(gen, (2 + n) * n, n * d, scale=0.1), _randn(gen, (2 + n) * n, scale=0.2),
+    gen = seeded(7, t, n, d)
+    args = (randn(gen, t, n, d), randn(gen, (2 + n) * n, n * d, scale=0.1), randn(gen, (2 + n) * n, scale=0.2),
             torch.rand(3, generator=gen), 1e-6, 1e-6, 20)
-    (collapsed, post, comb), (rc, rp, rcomb) = _run(nv, "hc_pre", *args)
+    (collapsed, post, comb), (rc, rp, rcomb) = run(nv, "hc_pre", *args)
     _close("hc_pre", collapsed, rc)
     _close("hc_pre", post, rp)
     _close("hc_pre", comb, rcomb)
@@ -158,19 +132,19 @@ def test_hc_pre(nv, t, n, d):
 @pytest.mark.parametrize("t", TOKENS)
 @pytest.mark.parametrize("n,d", [(4, 64), (2, 300)])
 def test_hc_post(nv, t, n, d):
-    gen = _gen(8, t, n, d)
-    args = (_randn(gen, t, d), _randn(gen, t, n, d), torch.rand(t, n, generator=gen) * 2,
+    gen = seeded(8, t, n, d)
+    args = (randn(gen, t, d), randn(gen, t, n, d), torch.rand(t, n, generator=gen) * 2,
             torch.rand(t, n, n, generator=gen))
-    _close("hc_post", *_run(nv, "hc_post", *args))
+    _close("hc_post", *run(nv, "hc_post", *args))
 
 
 @pytest.mark.parametrize("t", TOKENS)
 @pytest.mark.parametrize("n,d", [(4, 64), (2, 40)])
 def test_hc_head(nv, t, n, d):
-    gen = _gen(9, t, n, d)
-    args = (_randn(gen, t, n, d), _randn(gen, n, n * d, scale=0.1), _randn(gen, n, scale=0.2),
+    gen = seeded(9, t, n, d)
+    args = (randn(gen, t, n, d), randn(gen, n, n * d, scale=0.1), randn(gen, n, scale=0.2),
             torch.rand(1, generator=gen), 1e-6, 1e-6)
-    _close("hc_head", *_run(nv, "hc_head", *args))
+    _close("hc_head", *run(nv, "hc_head", *args))
 
 
 # ------------------------------------------------------------------ attention
@@ -178,36 +152,30 @@ def test_hc_head(nv, t, n, d):
 
 @pytest.mark.parametrize("w,length,d", [(1, 8, 32), (5, 4, 40), (9, 3, 16)])
 def test_compress_windows(nv, w, length, d):
-    gen = _gen(10, w, length, d)
-    kv, gate = _randn(gen, w, length, d), _randn(gen, w, length, d, scale=2.0)
+    gen = seeded(10, w, length, d)
+    kv, gate = randn(gen, w, length, d), randn(gen, w, length, d, scale=2.0)
     gate[:, 0, : d // 2] = float("-inf")  # masked slots get weight 0
-    _close("compress_windows", *_run(nv, "compress_windows", kv, gate))
-
-
-def _indices(gen, t, k, pool, frac_invalid=0.3):
-    idx = torch.randint(0, pool, (t, k), generator=gen)
-    idx[torch.rand(t, k, generator=gen) < frac_invalid] = -1
-    return idx
+    _close("compress_windows", *run(nv, "compress_windows", kv, gate))
 
 
 @pytest.mark.parametrize("t", TOKENS)
 @pytest.mark.parametrize("h,d,k", [(4, 32, 45), (20, 64, 16), (1, 24, 70)])
 def test_sparse_attention(nv, t, h, d, k):
-    gen = _gen(11, t, h, d, k)
+    gen = seeded(11, t, h, d, k)
     pool = 50
-    idx = _indices(gen, t, k, pool)
+    idx = indices(gen, t, k, pool)
     idx[0] = -1  # a token with no valid index gets zeros
-    args = (_randn(gen, t, h, d), _randn(gen, pool, d), idx, _randn(gen, h), d ** -0.5)
-    _close("sparse_attention", *_run(nv, "sparse_attention", *args))
+    args = (randn(gen, t, h, d), randn(gen, pool, d), idx, randn(gen, h), d ** -0.5)
+    _close("sparse_attention", *run(nv, "sparse_attention", *args))
 
 
 @pytest.mark.parametrize("t", TOKENS)
 @pytest.mark.parametrize("h,d,m,topk", [(16, 16, 40, 8), (3, 32, 70, 64), (4, 16, 5, 16)])
 def test_indexer_topk(nv, t, h, d, m, topk):
-    gen = _gen(12, t, h, d, m, topk)
-    cand = _indices(gen, t, m, 60)
-    args = (_randn(gen, t, h, d), _randn(gen, t, h), _randn(gen, 60, d), cand, topk, 0.25)
-    out, expected = _run(nv, "indexer_topk", *args)
+    gen = seeded(12, t, h, d, m, topk)
+    cand = indices(gen, t, m, 60)
+    args = (randn(gen, t, h, d), randn(gen, t, h), randn(gen, 60, d), cand, topk, 0.25)
+    out, expected = run(nv, "indexer_topk", *args)
     assert torch.equal(out.cpu().sort(-1).values, expected.sort(-1).values)
 
 
@@ -217,9 +185,9 @@ def test_indexer_topk(nv, t, h, d, m, topk):
 @pytest.mark.parametrize("t", TOKENS)
 @pytest.mark.parametrize("e,k", [(8, 2), (16, 4)])
 def test_route_topk(nv, t, e, k):
-    gen = _gen(13, t, e, k)
-    args = (_randn(gen, t, 64), _randn(gen, e, 64, scale=0.3), _randn(gen, e, scale=0.5), k, 1.5)
-    (w, ids), (rw, rids) = _run(nv, "route_topk", *args)
+    gen = seeded(13, t, e, k)
+    args = (randn(gen, t, 64), randn(gen, e, 64, scale=0.3), randn(gen, e, scale=0.5), k, 1.5)
+    (w, ids), (rw, rids) = run(nv, "route_topk", *args)
     order, rorder = ids.cpu().argsort(-1), rids.argsort(-1)
     assert torch.equal(ids.cpu().gather(1, order), rids.gather(1, rorder))
     _close("route_topk", w.cpu().gather(1, order), rw.gather(1, rorder))
@@ -227,20 +195,20 @@ def test_route_topk(nv, t, e, k):
 
 @pytest.mark.parametrize("t", TOKENS)
 def test_route_hash(nv, t):
-    gen = _gen(14, t)
+    gen = seeded(14, t)
     ids = torch.stack([torch.randperm(16, generator=gen)[:4] for _ in range(t)])
-    args = (_randn(gen, t, 64, scale=3.0), _randn(gen, 16, 64, scale=0.3), ids, 2.5)
-    _close("route_hash", *_run(nv, "route_hash", *args))
+    args = (randn(gen, t, 64, scale=3.0), randn(gen, 16, 64, scale=0.3), ids, 2.5)
+    _close("route_hash", *run(nv, "route_hash", *args))
 
 
 @pytest.mark.parametrize("t", TOKENS)
 @pytest.mark.parametrize("e,k,d,inter", [(8, 2, 64, 32), (5, 3, 40, 24)])
 def test_moe_experts(nv, t, e, k, d, inter):
-    gen = _gen(15, t, e, k, d, inter)
+    gen = seeded(15, t, e, k, d, inter)
     ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
-    args = (_randn(gen, t, d), torch.rand(t, k, generator=gen), ids, _randn(gen, e, 2 * inter, d, scale=0.3),
-            _randn(gen, e, d, inter, scale=0.3), 1.0)  # limit 1.0: the clamp is hit
-    _close("moe_experts", *_run(nv, "moe_experts", *args))
+    args = (randn(gen, t, d), torch.rand(t, k, generator=gen), ids, randn(gen, e, 2 * inter, d, scale=0.3),
+            randn(gen, e, d, inter, scale=0.3), 1.0)  # limit 1.0: the clamp is hit
+    _close("moe_experts", *run(nv, "moe_experts", *args))
 
 
 # ------------------------------------------------------------------ sampling
@@ -248,18 +216,18 @@ def test_moe_experts(nv, t, e, k, d, inter):
 
 @pytest.mark.parametrize("b,v", [(1, 50), (7, 3000), (9, 1100)])
 def test_sample(nv, b, v):
-    gen = _gen(16, b, v)
-    logits = _randn(gen, b, v, scale=2.0)
+    gen = seeded(16, b, v)
+    logits = randn(gen, b, v, scale=2.0)
     logits[:, 3] = logits[:, 5] = logits.max() + 1  # exact tie: the first index wins
     temperature = torch.tensor([0.0, 1.0, 0.7, 1.3, 0.0, 2.0, 0.9, 1.0, 0.5])[:b]
     top_k = torch.tensor([0, 0, 50, 0, 0, 5, 0, 0, 2])[:b]
     top_p = torch.tensor([1.0, 1.0, 1.0, 0.9, 1.0, 0.5, 1.0, 0.8, 1.0])[:b]
     seeds = torch.randint(-2 ** 63, 2 ** 63 - 1, (b,), generator=gen)
     positions = torch.randint(0, 10_000, (b,), generator=gen)
-    out, expected = _run(nv, "sample", logits, temperature, top_k, top_p, seeds, positions)
+    out, expected = run(nv, "sample", logits, temperature, top_k, top_p, seeds, positions)
     assert torch.equal(out.cpu(), expected)
     greedy = temperature < 1e-5
-    greedy_out, greedy_ref = _run(nv, "sample", logits, torch.zeros(b), top_k, top_p, seeds, positions)
+    greedy_out, greedy_ref = run(nv, "sample", logits, torch.zeros(b), top_k, top_p, seeds, positions)
     assert torch.equal(greedy_out.cpu(), greedy_ref) and bool((greedy_ref == 3).all())
     assert torch.equal(out.cpu()[greedy], greedy_ref[greedy])
 
@@ -268,18 +236,18 @@ def test_sample_noise_matches_reference_bits(nv):
     """With flat logits the pick is the argmax of the noise alone: equal tokens over many
     (seed, position) pairs means the SplitMix64 stream is ported bit for bit."""
     b, v = 64, 257
-    gen = _gen(17)
+    gen = seeded(17)
     seeds = torch.randint(-2 ** 63, 2 ** 63 - 1, (b,), generator=gen)
     positions = torch.arange(b) * 7919
     args = (torch.zeros(b, v), torch.ones(b), torch.zeros(b, dtype=torch.int64), torch.ones(b), seeds, positions)
-    out, expected = _run(nv, "sample", *args)
+    out, expected = run(nv, "sample", *args)
     assert torch.equal(out.cpu(), expected)
 
 
 @pytest.mark.parametrize("b,v", [(1, 40), (5, 1100)])
 def test_apply_token_bitmask(nv, b, v):
-    gen = _gen(18, b, v)
-    logits = _randn(gen, b, v)
+    gen = seeded(18, b, v)
+    logits = randn(gen, b, v)
     bitmask = torch.randint(-2 ** 31, 2 ** 31 - 1, (b, (v + 31) // 32), generator=gen, dtype=torch.int64)
     bitmask = bitmask.to(torch.int32)
     out, expected = logits.clone().to(nv.device), logits.clone()
@@ -297,19 +265,19 @@ def _rows_alone(fn, batch: torch.Tensor, *rest):
 
 def test_batch_invariance(nv):
     """Row r's result is bit-identical whether it is computed alone or in a batch of 9."""
-    gen = _gen(19)
-    x = _randn(gen, 9, 3, 96).to(nv.device)
-    w = _randn(gen, 96).to(nv.device)
+    gen = seeded(19)
+    x = randn(gen, 9, 3, 96).to(nv.device)
+    w = randn(gen, 96).to(nv.device)
     assert torch.equal(nv.rms_norm(x, w, 1e-6), _rows_alone(nv.rms_norm, x, w, 1e-6))
 
-    x = _randn(gen, 9, 200).to(nv.device)
-    weight = _randn(gen, 72, 200).to(nv.device)
+    x = randn(gen, 9, 200).to(nv.device)
+    weight = randn(gen, 72, 200).to(nv.device)
     assert torch.equal(nv.linear(x, weight), _rows_alone(nv.linear, x, weight))
 
-    q = _randn(gen, 9, 4, 32).to(nv.device)
-    kv = _randn(gen, 60, 32).to(nv.device)
-    idx = _indices(gen, 9, 50, 60).to(nv.device)
-    sinks = _randn(gen, 4).to(nv.device)
+    q = randn(gen, 9, 4, 32).to(nv.device)
+    kv = randn(gen, 60, 32).to(nv.device)
+    idx = indices(gen, 9, 50, 60).to(nv.device)
+    sinks = randn(gen, 4).to(nv.device)
 
     def attend(rows, row_idx):
         return nv.sparse_attention(rows, kv, row_idx, sinks, 0.2)

@@ -84,7 +84,7 @@ def test_seeded_sampling_is_identical_in_any_batch_on_cpu(tiny_model_dir, determ
     assert _mixed(sync, targets, _others(7, seed=200), seed=6) == alone
 
 
-def test_seeded_sampling_is_identical_in_any_batch_on_nvidia_interpreted(tiny_model_dir, deterministic_env):
+def _require_nvidia() -> None:
     pytest.importorskip("triton", reason="triton is not installed: the nvidia backend cannot run")
     from deepinfer.backends import AcceleratorUnavailable, get_accelerator
 
@@ -92,6 +92,10 @@ def test_seeded_sampling_is_identical_in_any_batch_on_nvidia_interpreted(tiny_mo
         get_accelerator("nvidia")
     except (AcceleratorUnavailable, ImportError) as exc:
         pytest.skip(f"nvidia backend unavailable: {exc}")
+
+
+def test_seeded_sampling_is_identical_in_any_batch_on_nvidia_interpreted(tiny_model_dir, deterministic_env):
+    _require_nvidia()
     path, _ = tiny_model_dir
     # interpreted kernels are slow (~1 s a step, mHC's Sinkhorn dominates): 3 short requests, each
     # alone vs together with one more
@@ -105,13 +109,7 @@ def test_seeded_sampling_is_identical_in_any_batch_on_nvidia_interpreted(tiny_mo
 def test_eight_seeded_requests_identical_on_nvidia_interpreted(tiny_model_dir, deterministic_env, monkeypatch):
     """The issue's 8 seeded temperature-1 requests on the interpreted nvidia kernels: alone, among 7
     others, under a small token budget that chunks prefills, and with synchronous scheduling."""
-    pytest.importorskip("triton", reason="triton is not installed: the nvidia backend cannot run")
-    from deepinfer.backends import AcceleratorUnavailable, get_accelerator
-
-    try:
-        get_accelerator("nvidia")
-    except (AcceleratorUnavailable, ImportError) as exc:
-        pytest.skip(f"nvidia backend unavailable: {exc}")
+    _require_nvidia()
     path, _ = tiny_model_dir
     targets = _targets(8, [3, 6, 11, 9, 14, 5, 20, 17], max_tokens=3)
     llm = LLM(path, accelerator="nvidia", max_num_seqs=16, max_num_batched_tokens=256, num_cache_pages=16)
