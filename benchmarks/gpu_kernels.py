@@ -173,12 +173,18 @@ def main() -> int:
     print(head)
     rows, failed = [], 0
     for case in _cases(nv, t, prefill, _shapes(gpu)):
-        out = case.fn(*case.args)
-        cpu_args = tuple(a.cpu() if isinstance(a, torch.Tensor) else a for a in case.args)
-        err = _rel_err(out, case.ref(*cpu_args))
+        try:
+            out = case.fn(*case.args)
+            cpu_args = tuple(a.cpu() if isinstance(a, torch.Tensor) else a for a in case.args)
+            err = _rel_err(out, case.ref(*cpu_args))
+            ms = _time_ms(case.fn, case.args, args.reps, flush)
+        except Exception as exc:  # a kernel that fails to compile or launch is a FAIL row, not the end of the run
+            print(f"{case.name:30s} ERROR {type(exc).__name__}: {str(exc)[:400]}")
+            rows.append(dict(op=case.name, error=f"{type(exc).__name__}: {exc}"[:2000], ok=False))
+            failed += 1
+            continue
         ok = err <= case.tol
         failed += not ok
-        ms = _time_ms(case.fn, case.args, args.reps, flush)
         gbps, tflops = case.bytes / ms / 1e6, case.flops / ms / 1e9
         row = dict(op=case.name, max_rel_err=err, tol=case.tol, ok=ok, ms=ms, gb_s=gbps, tflop_s=tflops)
         rows.append(row)

@@ -3,6 +3,9 @@ greedy settings, in one run. Prints a table and writes JSON.
 
     python benchmarks/throughput.py                      # tiny random V4 from the tests
     python benchmarks/throughput.py --model deepinfer/assets/tiny-dsv4
+
+On a CUDA machine both engines run on the GPU (deepinfer's nvidia backend, transformers with the
+model moved to cuda), both in float32.
 """
 
 from __future__ import annotations
@@ -52,22 +55,30 @@ def run_deepinfer(model_dir: str, prompts, new_tokens: int) -> dict:
                 tpot_s=sum(tpot) / max(len(tpot), 1), tokens=[o.outputs[0].token_ids for o in outs])
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def run_transformers(model_dir: str, prompts, new_tokens: int) -> dict:
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval().to(device)
     model.generation_config.eos_token_id = None  # ignore eos like deepinfer's ignore_eos=True
     gc = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
-    ids = torch.tensor(prompts)  # equal lengths: no padding, so both engines see the same inputs
+    ids = torch.tensor(prompts, device=device)  # equal lengths: no padding, so both engines see the same inputs
     with torch.no_grad():
         model.generate(ids[:1], generation_config=GenerationConfig(max_new_tokens=2, do_sample=False,
                                                                       eos_token_id=None, pad_token_id=0))
-        start = time.perf_counter()
+        _sync()
         first = time.perf_counter()
         model(ids)  # time to first token ~ one prefill forward
+        _sync()
         ttft = time.perf_counter() - first
         start = time.perf_counter()
         out = model.generate(ids, generation_config=gc)
+        _sync()
         seconds = time.perf_counter() - start
     gen = out[:, ids.shape[1]:]
     n = gen.numel()
@@ -95,8 +106,8 @@ def main() -> None:
         same = sum(a == b for a, b in zip(ours.pop("tokens"), ref.pop("tokens")))
         rows.append(dict(batch=batch, deepinfer=ours, transformers=ref, speedup=ours["tok_s"] / ref["tok_s"],
                          identical_outputs=f"{same}/{batch}"))
-    print(f"model: {model_dir}  prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, greedy, "
-          f"{torch.get_num_threads()} threads")
+    where = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu, {torch.get_num_threads()} threads"
+    print(f"model: {model_dir}  prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, greedy, {where}")
     print("| batch | engine | output tok/s | TTFT (s) | TPOT (ms) | speedup | identical outputs |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
@@ -107,7 +118,7 @@ def main() -> None:
                   f"{extra[0]} | {extra[1]} |")
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
-        json.dump(dict(model=model_dir, prompt_len=args.prompt_len, new_tokens=args.new_tokens, rows=rows), f, indent=2)
+        json.dump(dict(model=model_dir, device=where, prompt_len=args.prompt_len, new_tokens=args.new_tokens, rows=rows), f, indent=2)
 
 
 if __name__ == "__main__":

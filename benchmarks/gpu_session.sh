@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Everything that needs an NVIDIA GPU, in one prepared run (device time is scarce): each step is
+# time-boxed, logs and JSON go to $OUT, and a failing step does not stop the ones after it.
+#
+#   OUT=gpu_out bash benchmarks/gpu_session.sh
+#
+# Steps, in order of value: build csrc/cuda in place (so the backend uses it); every kernel against
+# the cpu reference at DeepSeek-V4-Flash shapes, timed; the engine end to end (CLI on the shipped
+# model); throughput vs transformers on the GPU (test model and shipped model); the conformance
+# suite with compiled kernels (TRITON_INTERPRET=0). If the image's transformers predates
+# DeepseekV4ForCausalLM, a wheel in .gpu_wheels/ (git-ignored; `pip download transformers==5.24.0
+# --no-deps -d .gpu_wheels`) is installed into /tmp/pydeps first.
+set -uo pipefail
+OUT="${OUT:-gpu_out}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/pydeps:$PWD" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+if ls .gpu_wheels/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-deps --no-index --target /tmp/pydeps .gpu_wheels/*.whl 2>&1 | tail -2
+fi
+nvidia-smi -L
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
+'transformers', transformers.__version__, torch.cuda.get_device_name())"
+
+step() {  # step NAME SECONDS CMD...: runs CMD under a time limit into $OUT/NAME.log, prints its tail
+  local name=$1 limit=$2 start rc
+  shift 2
+  start=$(date +%s)
+  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  rc=$?
+  echo "=== $name: rc=$rc in $(($(date +%s) - start)) s (limit $limit)"
+  tail -n "${TAIL:-25}" "$OUT/$name.log"
+}
+
+step build_cuda 60 bash csrc/cuda/build.sh
+step kernels 100 python3 benchmarks/gpu_kernels.py --reps 20 --out "$OUT/gpu_kernels.json"
+step cli 30 env DEEPINFER_ACCELERATOR=nvidia python3 -m deepinfer generate --prompt "def fibonacci(n):" --max-tokens 48
+step throughput 130 bash -c "python3 benchmarks/throughput.py --new-tokens 64 --json $OUT/throughput_test_model.json &&
+  python3 benchmarks/throughput.py --model deepinfer/assets/tiny-dsv4 --new-tokens 64 --json $OUT/throughput_shipped.json"
+TAIL=40 step conformance 150 env TRITON_INTERPRET=0 python3 -m pytest tests/conformance -q -n 8 -p no:cacheprovider \
+  --timeout 140 -x -rf
