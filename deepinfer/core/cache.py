@@ -85,7 +85,8 @@ class StateCache:
                 state.index_keys = empty(entry_rows, di)
             self.layers.append(state)
 
-        self.block_table = torch.zeros(max_seqs, self.max_pages_per_seq, dtype=torch.int64, device=self.device)
+        # host metadata: read when a step's index tensors are planned, never by a kernel
+        self.block_table = torch.zeros(max_seqs, self.max_pages_per_seq, dtype=torch.int64)
         self.free_slots = list(range(max_seqs - 1, -1, -1))
         self.free_pages = list(range(num_pages - 1, -1, -1))
         self.slot_pages: dict[int, list[int]] = {}

@@ -307,7 +307,7 @@ class LLMEngine:
         for row, req in enumerate(plan.sampling):
             req.output_token_ids.append(-(row + 1))
             req.pending += 1
-        t = lambda xs: torch.tensor(xs, dtype=torch.int64, device=self.accel.device)  # noqa: E731
+        t = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731  (host metadata; StepMeta moves it)
         plan.inp = StepInput(t(ids), t(slots), t(starts), t(lens))
         plan.meta = self.model.prepare(plan.inp, self.cache)
         plan.sampling_inputs = self.sampler.inputs(plan.sampling, positions)
@@ -317,11 +317,10 @@ class LLMEngine:
     def _execute(self, plan: "StepPlan", previous: "StepPlan | None"):
         """Device work of a step (on the worker thread with overlap): resolve placeholders from
         the previous step's samples, run the model, mask, sample."""
-        ids = plan.inp.ids
-        if previous is not None and bool((ids < 0).any()):
+        if previous is not None and bool((plan.inp.ids < 0).any()):  # host tensor: no device sync
             _, prev_tokens = previous.future.result()
-            ids = torch.where(ids < 0, prev_tokens[(-ids - 1).clamp(min=0)], ids)
-            plan.inp.ids = ids
+            ids = plan.meta.ids
+            plan.meta.ids = torch.where(ids < 0, prev_tokens[(-ids - 1).clamp(min=0)], ids)
         with self._timed("forward"):
             logits = self.model.forward(plan.inp, self.cache, torch.tensor(plan.logit_rows, dtype=torch.int64),
                                         plan.meta)

@@ -39,7 +39,7 @@ def top_logprobs(logits: torch.Tensor, chosen: torch.Tensor, k: int) -> list[dic
     """Per row: {chosen token: logprob} plus the k most likely tokens, from the model's
     unmodified distribution."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
-    picked = logprobs.gather(1, chosen.view(-1, 1)).squeeze(1).tolist()
+    picked = logprobs.gather(1, chosen.view(-1, 1).to(logprobs.device)).squeeze(1).tolist()
     out = [{int(t): float(lp)} for t, lp in zip(chosen.tolist(), picked)]
     if k > 0:
         values, ids = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)

@@ -11,7 +11,7 @@ Exact ops (0.0) must match bit for bit; integer outputs (ids, tokens) must be eq
 | op                  | TOL    | measured (max rel err over cases) |
 |---------------------|--------|-----------------------------------|
 | rms_norm            | 1e-5   | 1.3e-7                            |
-| rope                | 0      | 0 (same fp32 expression)          |
+| rope                | 1e-6   | 0 interp; 2.4e-7 on H200 (FMA)    |
 | swiglu              | 1e-5   | 7.8e-8                            |
 | linear              | 1e-5   | 3.4e-7                            |
 | grouped_linear      | 1e-5   | 2.7e-7                            |
@@ -43,7 +43,7 @@ from deepinfer.backends.cpu import ops as ref  # noqa: E402
 from op_checks import assert_close, indices, poisoned, randn, run, seeded  # noqa: E402
 
 TOL = {
-    "rms_norm": 1e-5, "rope": 0.0, "swiglu": 1e-5, "linear": 1e-5, "grouped_linear": 1e-5,
+    "rms_norm": 1e-5, "rope": 1e-6, "swiglu": 1e-5, "linear": 1e-5, "grouped_linear": 1e-5,
     "embedding": 0.0, "hc_pre": 1e-5, "hc_post": 1e-5, "hc_head": 1e-5, "compress_windows": 1e-5,
     "sparse_attention": 1e-5, "route_topk": 1e-5, "route_hash": 1e-5, "moe_experts": 1e-5,
     "apply_token_bitmask": 0.0,

@@ -43,7 +43,12 @@ def _arange_within(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class StepMeta:
-    """Index tensors of one step, shared by every layer of the same kind."""
+    """Index tensors of one step, shared by every layer of the same kind.
+
+    Built on the host from host tensors (StepInput and the cache's block table live on the CPU:
+    no device sync while planning), then moved to the cache's device in one go; `ids` is the
+    device copy of the step's token ids, which the engine may patch with the previous step's
+    samples before the forward."""
 
     def __init__(self, inp: StepInput, cache: StateCache, config: ModelConfig):
         self.inp, self.cache, self.config = inp, cache, config
@@ -67,6 +72,19 @@ class StepMeta:
         for layer in cache.layers:
             if layer.rate:
                 self.compressed(layer)
+        self._to_device(cache.device)
+
+    def _to_device(self, device: torch.device) -> None:
+        move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+        self.ids = move(self.inp.ids)
+        self.window_rows = move(self.window_rows)
+        self.window_commit = tuple(map(move, self.window_commit))
+        self.rope = {k: tuple(map(move, v)) for k, v in self.rope.items()}
+        for info in self._by_rate.values():
+            for k in ("tok_rows", "out_rows", "candidates"):
+                info[k] = move(info[k])
+            info["cos_sin"] = tuple(map(move, info["cos_sin"]))
+            info["commit"] = tuple(map(move, info["commit"]))
 
     @staticmethod
     def _cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,15 +182,15 @@ class DeepseekV4Model:
         earlier step runs."""
         cfg, ops, w = self.config, self.accel, self.w
         meta = meta if meta is not None else self.prepare(inp, cache)
-        x = ops.embedding(inp.ids, w["model.embed_tokens.weight"])
+        x = ops.embedding(meta.ids, w["model.embed_tokens.weight"])
         streams = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
         for i in range(cfg.num_hidden_layers):
             p = f"model.layers.{i}."
             streams = self._residual(streams, p + "attn_hc.", p + "input_layernorm.weight",
                                      lambda h: self._attention(i, h, meta, cache))
             streams = self._residual(streams, p + "ffn_hc.", p + "post_attention_layernorm.weight",
-                                     lambda h: self._moe(i, h, inp.ids))
-        streams = streams[logit_rows]
+                                     lambda h: self._moe(i, h, meta.ids))
+        streams = streams[logit_rows.to(streams.device)]
         h = ops.hc_head(streams, w["model.hc_head.hc_fn"], w["model.hc_head.hc_base"],
                         w["model.hc_head.hc_scale"], cfg.rms_norm_eps, cfg.hc_eps)
         h = ops.rms_norm(h, w["model.norm.weight"], cfg.rms_norm_eps)
