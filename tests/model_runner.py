@@ -19,7 +19,7 @@ def build_model(hf_model, hf_config, accelerator: str = "cpu") -> DeepseekV4Mode
 def new_cache(model: DeepseekV4Model, max_seqs: int = 8, max_step_tokens: int = 2048,
               max_model_len: int = 2048, num_pages: int = 256) -> StateCache:
     return StateCache(model.config, max_seqs=max_seqs, num_pages=num_pages, max_step_tokens=max_step_tokens,
-                      max_model_len=max_model_len)
+                      max_model_len=max_model_len, device=model.accel.device)
 
 
 def run_schedule(model: DeepseekV4Model, cache: StateCache, prompts: list[torch.Tensor],
