@@ -7,7 +7,8 @@
 #
 # Steps, in order of value: build csrc/cuda in place (so the backend uses it); every kernel against
 # the cpu reference at DeepSeek-V4-Flash shapes, timed; the engine end to end (CLI on the shipped
-# model); throughput vs transformers on the GPU (test model and shipped model); the conformance
+# model); throughput vs transformers on the GPU (test model and shipped model); a profile of
+# decode steps (where the time goes); the conformance
 # suite with compiled kernels (TRITON_INTERPRET=0). If the image's transformers predates
 # DeepseekV4ForCausalLM, a wheel in .gpu_wheels/ (git-ignored; `pip download transformers==5.24.0
 # --no-deps -d .gpu_wheels`) is installed into /tmp/pydeps first.
@@ -22,7 +23,7 @@ nvidia-smi -L
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
 'transformers', transformers.__version__, torch.cuda.get_device_name())"
 
-STEPS="${STEPS:-build_cuda kernels cli throughput conformance}"
+STEPS="${STEPS:-build_cuda kernels cli throughput profile conformance}"
 step() {  # step NAME SECONDS CMD...: runs CMD under a time limit into $OUT/NAME.log, prints its tail
   local name=$1 limit=$2 start rc
   shift 2
@@ -39,5 +40,6 @@ step kernels 100 python3 benchmarks/gpu_kernels.py --reps 20 --out "$OUT/gpu_ker
 step cli 30 env DEEPINFER_ACCELERATOR=nvidia python3 -m deepinfer generate --prompt "def fibonacci(n):" --max-tokens 48
 step throughput 130 bash -c "python3 benchmarks/throughput.py --new-tokens 64 --json $OUT/throughput_test_model.json &&
   python3 benchmarks/throughput.py --model deepinfer/assets/tiny-dsv4 --new-tokens 64 --json $OUT/throughput_shipped.json"
+TAIL=60 step profile 60 python3 benchmarks/gpu_profile.py --out "$OUT/gpu_profile.json"
 TAIL=40 step conformance 150 env TRITON_INTERPRET=0 python3 -m pytest tests/conformance tests/e2e/test_determinism.py -q \
   -n 8 -p no:cacheprovider --timeout 140 --maxfail 25 -rf
