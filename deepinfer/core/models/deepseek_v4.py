@@ -274,12 +274,19 @@ class DeepseekV4Model:
         else:
             weights, expert_ids = ops.route_topk(h, w[p + "gate.weight"], w[p + "gate.e_score_correction_bias"],
                                                  cfg.num_experts_per_tok, cfg.routed_scaling_factor)
-        routed = ops.moe_experts(h, weights, expert_ids, w[p + "experts.gate_up_proj"],
-                                 w[p + "experts.down_proj"], cfg.swiglu_limit)
+        routed = self.routed_experts(i, h, weights, expert_ids)
         s = p + "shared_experts."
         gate, up = ops.linear(h, w[s + "gate_up_proj.weight"]).chunk(2, dim=-1)
         shared = ops.swiglu(gate, up, cfg.swiglu_limit)
         return routed + ops.linear(shared, w[s + "down_proj.weight"])
+
+
+    def routed_experts(self, i: int, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Layer i's routed experts on this process. Expert parallelism (deepinfer/parallel)
+        replaces this per instance with a dispatch to the ranks that hold the experts."""
+        p = f"model.layers.{i}.mlp.experts."
+        return self.accel.moe_experts(h, weights, ids, self.w[p + "gate_up_proj"], self.w[p + "down_proj"],
+                                      self.config.swiglu_limit)
 
 
 def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
