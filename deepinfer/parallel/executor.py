@@ -18,6 +18,7 @@ import dataclasses
 import os
 import random
 import shutil
+import signal
 import tempfile
 import threading
 import time
@@ -129,19 +130,37 @@ class SpawnedWorkers:
                 if conn in ready or conn.poll():
                     try:
                         status, value = conn.recv()
-                    except (EOFError, OSError):
-                        status, value = "fatal", "its pipe closed without an answer"
+                    except (EOFError, OSError):  # it died: say how
+                        dead = self._dead_workers(grace_s=1.0) or [f"worker rank {r} closed its pipe"]
+                        self._fail("\n".join(dead) + f" while {what}")
                     if status == "fatal":
-                        self._fail(f"worker rank {r} failed while {what}:\n{value}")
+                        # a peer that died makes the others fail in their collectives: name it first
+                        dead = self._dead_workers(grace_s=0.5)
+                        self._fail("".join(d + "\n" for d in dead) + f"worker rank {r} failed while {what}:\n{value}")
                     if status == "rejected":
                         rejected = value
                     results[r] = value
                     pending.discard(r)
                 elif proc.sentinel in ready:
-                    self._fail(f"worker rank {r} (pid {proc.pid}) exited with code {proc.exitcode} while {what}")
+                    self._fail("\n".join(self._dead_workers(grace_s=0.0)) + f" while {what}")
         if rejected is not None:
             raise rejected
         return [results[r] for r in range(len(self.procs))]
+
+    def _dead_workers(self, grace_s: float) -> list[str]:
+        """One line per worker process that died (waiting up to grace_s for one to). A worker that
+        reported its own exception exits cleanly and is not listed."""
+        exited = wait([p.sentinel for p in self.procs], grace_s)
+        lines = []
+        for r, proc in enumerate(self.procs):
+            if proc.sentinel in exited:
+                proc.join()  # the sentinel closes a moment before the exit status is ready
+                code = proc.exitcode
+                if code == 0:
+                    continue
+                how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+                lines.append(f"worker rank {r} (pid {proc.pid}) {how}")
+        return lines
 
     def _fail(self, message: str):
         self.close()
