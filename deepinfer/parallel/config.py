@@ -1,7 +1,8 @@
 """ParallelConfig: how ranks split the work, and the layouts we refuse (with a clear reason).
 
-Attention runs either on every rank with its own tokens (data/context parallel: dp*cp == world)
-or replicated on every rank (dp*cp == 1). MoE experts are either sharded over every rank
+Attention runs either on every rank with its own tokens (data/context parallel: dp*cp == world;
+context-parallel ranks share requests but split each step's tokens) or replicated on every rank
+(dp*cp == 1). MoE experts are either sharded over every rank
 (ep == world) or whole on each (ep == 1). The usual layout is dp == ep: each rank owns its
 requests and a 1/ep share of the experts, and tokens travel to their experts and back.
 """

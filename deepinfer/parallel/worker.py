@@ -18,6 +18,7 @@ from deepinfer.core.engine import EngineConfig, LLMEngine
 from deepinfer.outputs import RequestOutput
 from deepinfer.parallel import group
 from deepinfer.parallel.config import ParallelConfig
+from deepinfer.parallel.context_parallel import ContextParallel
 from deepinfer.parallel.expert_parallel import ExpertParallelMoE
 
 
@@ -64,6 +65,10 @@ class RankWorker:
         self.ep = ExpertParallelMoE(model, rank, self.parallel) if self.parallel.expert_parallel_size > 1 else None
         if self.ep is not None:
             model.routed_experts = self.ep
+        self.cp = ContextParallel(rank.rank, self.parallel.context_parallel_size) \
+            if self.parallel.context_parallel_size > 1 else None
+        if self.cp is not None:
+            self.cp.install(model)
         self.forwards = 0
         forward = model.forward
 
@@ -76,27 +81,26 @@ class RankWorker:
 
     # ------------------------------------------------------------ requests
     def generate(self, token_lists: list[list[int]], params: list, texts: list) -> dict[int, RequestOutput]:
-        """Serve this rank's share of the prompts; returns {prompt index: output}. With attention
-        replicated every rank serves every prompt (identically) and only rank 0 returns them."""
+        """Serve this rank's share of the prompts; returns {prompt index: output}. The ranks of a
+        request group (world / data_parallel_size ranks: replicated attention, or a context-
+        parallel group) all serve the group's prompts identically; the first one returns them."""
         engine = self.engine
+        group_size = self.rank.world_size // self.parallel.data_parallel_size
         try:
             for i, (ids, p) in enumerate(zip(token_lists, params)):
                 engine.validate_request(ids, p, what=f"prompt {i}")
-                if p.so_args is not None and self.parallel.attention_ranks == 1:
-                    raise ValueError("structured outputs (so_args) need data_parallel_size == world size when "
-                                     "expert_parallel_size > 1: with replicated attention every rank must schedule "
-                                     "identically, and grammar compiles finish at different times on each rank")
+                if p.so_args is not None and group_size > 1:
+                    raise ValueError("structured outputs (so_args) need data_parallel_size == world size: ranks "
+                                     "that share requests must schedule identically, and grammar compiles finish "
+                                     "at different times on each rank")
         except ValueError as exc:
             raise RequestRejected(exc) from exc
-        if self.parallel.attention_ranks == 1:
-            mine = list(range(len(token_lists)))
-        else:
-            owner = assign_requests(token_lists, params, self.parallel.attention_ranks)
-            mine = [i for i, r in enumerate(owner) if r == self.rank.rank]
+        owner = assign_requests(token_lists, params, self.parallel.data_parallel_size)
+        mine = [i for i, r in enumerate(owner) if r == self.rank.rank // group_size]
         requests = {i: engine.add_request(token_lists[i], params[i], texts[i]) for i in mine}
         self._run_lockstep()
         engine.pop_finished()
-        if self.parallel.attention_ranks == 1 and self.rank.rank != 0:
+        if self.rank.rank % group_size:
             return {}
         return {i: req.to_output() for i, req in requests.items()}
 
@@ -122,6 +126,8 @@ class RankWorker:
         if self.ep is not None:
             out.update(ep_seconds=dict(self.ep.seconds), rearrangements=self.ep.rearrangements,
                        placements=[p.slot_to_expert for p in self.ep.placements])
+        if self.cp is not None:
+            out.update(cp_rows=dict(self.cp.rows))
         return out
 
 
