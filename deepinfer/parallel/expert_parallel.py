@@ -3,7 +3,7 @@
 Installed as the model's `routed_experts` hook. Per MoE layer and step, each rank:
   dispatch: sorts its (token, k) rows by the physical slot that serves them (slots are
     contiguous per rank, so this also groups them by destination), exchanges row counts,
-    then sends the rows and their slot with all_to_all_single (uneven splits);
+    then sends the rows, each with its slot, in one all_to_all_single (uneven splits);
   computes: its local experts on the rows it received (the accelerator's moe_experts op,
     one expert per row, weight 1);
   combine: sends the outputs back the same way and sums each token's k outputs with its
@@ -51,7 +51,7 @@ class ExpertParallelMoE:
             self.local.append((gate_up[mine].contiguous(), down[mine].contiguous()))
         self.recorder = LoadRecorder(self.num_layers, self.num_experts, parallel.eplb_window_size) \
             if parallel.eplb_enabled else None
-        self.seconds = {"dispatch": 0.0, "experts": 0.0, "combine": 0.0}
+        self.seconds = {"sync": 0.0, "dispatch": 0.0, "experts": 0.0, "combine": 0.0}
         self.rearrangements = 0
 
     # ------------------------------------------------------------ forward
@@ -81,10 +81,16 @@ class ExpertParallelMoE:
         order = torch.argsort(slots, stable=True)
         sorted_slots = slots[order]
         send = torch.bincount(sorted_slots // placement.slots_per_rank, minlength=self.world)
-        recv = group.exchange_counts(send)
+        recv = group.exchange_counts(send)  # also where a rank waits for slower ones
+        t_sync = time.perf_counter()
         send_counts, recv_counts = send.tolist(), recv.tolist()
-        rows = group.all_to_all_rows(h[order // top_k], send_counts, recv_counts)
-        local_slot = group.all_to_all_rows(sorted_slots % placement.slots_per_rank, send_counts, recv_counts)
+        # one message per row: the activation's bytes followed by the local slot's (one collective, not two)
+        x = h[order // top_k].contiguous()
+        packed = torch.cat([x.view(torch.uint8), (sorted_slots % placement.slots_per_rank).unsqueeze(1).view(torch.uint8)],
+                           dim=1)
+        got = group.all_to_all_rows(packed, send_counts, recv_counts)
+        rows = got[:, :-8].contiguous().view(x.dtype)
+        local_slot = got[:, -8:].contiguous().view(torch.int64).squeeze(1)
         t1 = time.perf_counter()
         gate_up, down = self.local[i]
         if rows.shape[0]:
@@ -99,7 +105,8 @@ class ExpertParallelMoE:
         per_slot[order] = back
         result = (per_slot.view(num_tokens, top_k, h.shape[1]) * weights.unsqueeze(-1)).sum(dim=1)
         t3 = time.perf_counter()
-        self.seconds["dispatch"] += t1 - t0
+        self.seconds["sync"] += t_sync - t0
+        self.seconds["dispatch"] += t1 - t_sync
         self.seconds["experts"] += t2 - t1
         self.seconds["combine"] += t3 - t2
         return result

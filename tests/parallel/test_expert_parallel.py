@@ -16,7 +16,6 @@ def test_two_ranks_match_one_process(moe_model_dir, reference_outputs, layout):
     assert_same_outputs(reference_outputs, run_llm(moe_model_dir, **layout))
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("layout", [
     dict(expert_parallel_size=4),
     dict(expert_parallel_size=4, data_parallel_size=4),
