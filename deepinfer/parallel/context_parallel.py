@@ -55,7 +55,7 @@ class ContextParallel:
         # gathered rows arrive rank by rank; `restore` puts them back in step order
         restore = torch.empty(len(owner), dtype=torch.int64)
         restore[torch.cat(rows)] = torch.arange(len(owner))
-        device = meta.inp.ids.device
+        device = meta.cache.device  # where the model's activations live
         meta.own = rows[self.rank].to(device)
         self.rows["own"] += counts[self.rank]
         self.rows["step"] += len(owner)

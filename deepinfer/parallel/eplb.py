@@ -70,12 +70,13 @@ class Placement:
 class LoadRecorder:
     """Token rows routed to each logical expert, per layer, over the last `window` steps."""
 
-    def __init__(self, num_layers: int, num_experts: int, window: int):
-        self.current = torch.zeros(num_layers, num_experts, dtype=torch.int64)
+    def __init__(self, num_layers: int, num_experts: int, window: int, device: torch.device):
+        # kept on the device: counting must not sync it, and nccl/hccl all-reduce device tensors
+        self.current = torch.zeros(num_layers, num_experts, dtype=torch.int64, device=device)
         self.history: deque[torch.Tensor] = deque(maxlen=window)
 
     def add(self, layer: int, ids: torch.Tensor) -> None:
-        self.current[layer] += torch.bincount(ids.reshape(-1).cpu(), minlength=self.current.shape[1])
+        self.current[layer] += torch.bincount(ids.reshape(-1), minlength=self.current.shape[1])
 
     def end_step(self) -> None:
         self.history.append(self.current)

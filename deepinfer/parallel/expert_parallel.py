@@ -49,7 +49,7 @@ class ExpertParallelMoE:
             gate_up, down = w.pop(p + "gate_up_proj"), w.pop(p + "down_proj")  # the full set is not kept
             mine = torch.tensor(self.placements[i].local_experts(self.rank), device=gate_up.device)
             self.local.append((gate_up[mine].contiguous(), down[mine].contiguous()))
-        self.recorder = LoadRecorder(self.num_layers, self.num_experts, parallel.eplb_window_size) \
+        self.recorder = LoadRecorder(self.num_layers, self.num_experts, parallel.eplb_window_size, self.device) \
             if parallel.eplb_enabled else None
         self.seconds = {"sync": 0.0, "dispatch": 0.0, "experts": 0.0, "combine": 0.0}
         self.rearrangements = 0

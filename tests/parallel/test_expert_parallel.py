@@ -44,3 +44,19 @@ def test_eplb_rearrangement_mid_run_changes_nothing(moe_model_dir, reference_out
     assert any(p != initial for p in stats[0]["placements"]), "load never moved an expert"
     for placement in stats[0]["placements"]:  # 10 slots: every expert once, two hot ones twice
         assert sorted(set(placement)) == list(range(8)) and len(placement) == 10
+
+
+def test_idle_data_parallel_rank_still_serves_its_experts(moe_model_dir, reference_outputs):
+    """One prompt, two DP ranks: rank 1 owns no request and runs empty batches through the
+    expert collectives for every step of rank 0's request."""
+    from deepinfer import LLM
+    from parallel_helpers import worker_stats
+
+    llm = LLM(moe_model_dir, max_num_seqs=4, max_num_batched_tokens=64, expert_parallel_size=2, data_parallel_size=2)
+    try:
+        outputs = llm.generate(prompt_token_ids=PROMPTS[:1], sampling_params=greedy_params(), use_tqdm=False)
+        stats = llm.parallel.collective_rpc(worker_stats)
+    finally:
+        llm.close()
+    assert_same_outputs(reference_outputs[:1], outputs)
+    assert stats[0]["forwards"] > 0 and stats[1]["forwards"] == 0 and stats[1]["steps"] == stats[0]["steps"]
