@@ -60,3 +60,14 @@ def test_idle_data_parallel_rank_still_serves_its_experts(moe_model_dir, referen
         llm.close()
     assert_same_outputs(reference_outputs[:1], outputs)
     assert stats[0]["forwards"] > 0 and stats[1]["forwards"] == 0 and stats[1]["steps"] == stats[0]["steps"]
+
+
+def test_seeded_sampling_matches_one_process(moe_model_dir):
+    """Replicated attention samples on every rank: the same seed must give every rank (and one
+    process) the same tokens."""
+    from deepinfer import SamplingParams
+
+    params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=6, seq_seed=1234, ignore_eos=True)
+    reference = run_llm(moe_model_dir, PROMPTS[:2], params)
+    outputs = run_llm(moe_model_dir, PROMPTS[:2], params, expert_parallel_size=2)
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in reference]
