@@ -9,7 +9,7 @@ of forwards per engine step vary between ranks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -38,7 +38,6 @@ class WorkerArgs:
     engine: EngineConfig
     parallel: ParallelConfig
     accelerator: str
-    extra: dict = field(default_factory=dict)
 
 
 def assign_requests(token_lists: list[list[int]], params, ranks: int) -> list[int]:

@@ -98,3 +98,27 @@ def test_close_stops_every_worker(moe_model_dir):
     while not all(_gone(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert all(_gone(pid) for pid in pids)
+
+
+def test_workers_exit_when_the_driver_is_killed(moe_model_dir):
+    import signal
+    import subprocess
+    import sys
+
+    here = os.path.dirname(__file__)
+    script = ("import sys, time\nfrom deepinfer import LLM\n"
+              f"llm = LLM({moe_model_dir!r}, expert_parallel_size=2)\n"
+              "print(*llm.parallel.workers.pids, flush=True)\ntime.sleep(600)\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(here)),
+                                                         os.environ.get("PYTHONPATH", "")]))
+    driver = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        pids = [int(p) for p in driver.stdout.readline().split()]
+        assert len(pids) == 2
+    finally:
+        driver.send_signal(signal.SIGKILL)
+        driver.wait()
+    deadline = time.monotonic() + 15
+    while not all(_gone(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert all(_gone(pid) for pid in pids), "workers outlived their driver"
