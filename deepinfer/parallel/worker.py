@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed
 
 from deepinfer.backends import get_accelerator
 from deepinfer.core.engine import EngineConfig, LLMEngine
@@ -55,7 +56,8 @@ def assign_requests(token_lists: list[list[int]], params, ranks: int) -> list[in
 class RankWorker:
     def __init__(self, args: WorkerArgs, rank: group.Rank):
         self.rank, self.parallel = rank, args.parallel
-        accel = get_accelerator(args.accelerator)
+        accel = get_accelerator(args.accelerator)  # this rank's own instance
+        _agree_on_free_memory(accel)
         self.engine = LLMEngine(args.model, accel, args.engine, args.tokenizer)
         self.engine.close()  # synchronous scheduling (see module doc)
         self.engine.zero_overhead = False
@@ -128,6 +130,16 @@ class RankWorker:
         if self.cp is not None:
             out.update(cp_rows=dict(self.cp.rows))
         return out
+
+
+def _agree_on_free_memory(accel) -> None:
+    """Ranks that serve the same requests must schedule (and preempt) identically, so their
+    caches must hold the same number of pages; each would size its cache from the memory it
+    sees free at its own moment. Every rank uses the smallest value instead."""
+    free = torch.tensor([accel.memory_available()], dtype=torch.int64, device=accel.device)
+    torch.distributed.all_reduce(free, op=torch.distributed.ReduceOp.MIN)
+    agreed = int(free.item())
+    accel.memory_available = lambda: agreed
 
 
 def bind_device(local_rank: int) -> None:

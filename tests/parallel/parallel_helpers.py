@@ -55,3 +55,4 @@ def break_forward_on_rank1(worker):
 
 def worker_stats(worker):
     return worker.stats()
+

@@ -71,3 +71,4 @@ def test_seeded_sampling_matches_one_process(moe_model_dir):
     reference = run_llm(moe_model_dir, PROMPTS[:2], params)
     outputs = run_llm(moe_model_dir, PROMPTS[:2], params, expert_parallel_size=2)
     assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in reference]
+
