@@ -33,6 +33,13 @@ class LLM:
                  seed: int = 0, accelerator: str | None = None, expert_parallel_size: int = 1,
                  data_parallel_size: int = 1, context_parallel_size: int = 1, num_redundant_experts: int = 0,
                  eplb_window_size: int = 0, eplb_step_interval: int = 0):
+        """Parallel layouts (deepinfer/parallel): expert_parallel_size shards the routed experts
+        over ranks; data_parallel_size gives each rank its own requests and cache;
+        context_parallel_size splits each step's tokens (long prefills in balanced chunks) over
+        ranks that share requests. One worker process per rank is spawned, or, under torchrun,
+        this process is a rank. EPLB: num_redundant_experts extra expert slots hold copies of hot
+        experts; every eplb_step_interval steps the experts are re-placed from the load measured
+        over the last eplb_window_size steps."""
         model = os.fspath(model) if model is not None else default_model()
         self.accel = get_accelerator(accelerator)
         self.parallel = None  # deepinfer.parallel.ParallelExecutor when any parallel size exceeds 1

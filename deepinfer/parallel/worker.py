@@ -1,8 +1,8 @@
 """One rank: its own LLMEngine (requests, scheduler, cache) stepping in lockstep with the others.
 
-Every iteration of the lockstep loop runs exactly one model forward per rank, so the MoE
-collectives inside it pair up across ranks: a rank with nothing scheduled runs an empty batch
-through the expert collectives instead. The loop ends when no rank has work (one all-reduce
+Every iteration of the lockstep loop runs exactly one model forward per rank, so the
+collectives inside it (MoE dispatch/combine, context-parallel gathers) pair up across ranks: a
+rank with nothing scheduled runs an empty batch through the expert collectives instead. The loop ends when no rank has work (one all-reduce
 per step). Scheduling is synchronous here: the overlapped worker thread would make the number
 of forwards per engine step vary between ranks.
 """
