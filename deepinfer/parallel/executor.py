@@ -74,7 +74,10 @@ def _worker_main(conn, rank: int, world_size: int, init_method: str, args: Worke
         try:
             result = worker.generate(*payload) if method == "generate" else payload(worker)
         except RequestRejected as exc:
-            conn.send(("rejected", exc.error))
+            try:
+                conn.send(("rejected", exc.error))
+            except Exception:  # an exception type that does not pickle: keep its message
+                conn.send(("rejected", ValueError(str(exc.error))))
             continue
         except BaseException:
             conn.send(("fatal", traceback.format_exc()))
