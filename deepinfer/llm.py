@@ -30,9 +30,19 @@ class LLM:
     def __init__(self, model: str | os.PathLike | None = None, tokenizer: str | os.PathLike | None = None, *,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
                  dtype: str = "auto", cache_bytes: int | None = None, num_cache_pages: int | None = None,
-                 seed: int = 0, accelerator: str | None = None):
+                 seed: int = 0, accelerator: str | None = None, expert_parallel_size: int = 1,
+                 data_parallel_size: int = 1, context_parallel_size: int = 1, num_redundant_experts: int = 0,
+                 eplb_window_size: int = 0, eplb_step_interval: int = 0):
+        """Parallel layouts (deepinfer/parallel): expert_parallel_size shards the routed experts
+        over ranks; data_parallel_size gives each rank its own requests and cache;
+        context_parallel_size splits each step's tokens (long prefills in balanced chunks) over
+        ranks that share requests. One worker process per rank is spawned, or, under torchrun,
+        this process is a rank. EPLB: num_redundant_experts extra expert slots hold copies of hot
+        experts; every eplb_step_interval steps the experts are re-placed from the load measured
+        over the last eplb_window_size steps."""
         model = os.fspath(model) if model is not None else default_model()
         self.accel = get_accelerator(accelerator)
+        self.parallel = None  # deepinfer.parallel.ParallelExecutor when any parallel size exceeds 1
         from deepinfer import envs
 
         if envs.batch_invariant() and not self.accel.batch_invariant:
@@ -46,6 +56,15 @@ class LLM:
         config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                               max_model_len=max_model_len, cache_bytes=cache_bytes,
                               num_cache_pages=num_cache_pages, dtype=dtype, seed=seed)
+        from deepinfer.parallel import ParallelConfig, start_parallel
+
+        parallel = ParallelConfig(expert_parallel_size, data_parallel_size, context_parallel_size,
+                                  num_redundant_experts, eplb_window_size, eplb_step_interval)
+        if parallel.enabled:  # one process per rank; this one drives them (or is one, under torchrun)
+            self.engine = None
+            self.parallel, self.tokenizer = start_parallel(model, tokenizer, config, parallel, self.accel)
+            return
+        parallel.validate()
         self.engine = LLMEngine(model, self.accel, config, tokenizer)
         self.tokenizer = self.engine.tokenizer
 
@@ -68,6 +87,8 @@ class LLM:
             for i, p in enumerate(params):
                 if not isinstance(p, SamplingParams):
                     raise TypeError(f"sampling_params[{i}] is {type(p).__name__}, expected SamplingParams")
+        if self.parallel is not None:  # the ranks validate, schedule and run; outputs come back in order
+            return self.parallel.generate(token_lists, params, texts)
         self._check_requests(token_lists, params)
         if not self._seed_warned and any(p.seq_seed is not None for p in params):
             self._warn_if_not_deterministic()
@@ -81,6 +102,13 @@ class LLM:
             raise
         self.engine.pop_finished()
         return [req.to_output() for req in requests]
+
+    def close(self) -> None:
+        """Stop the worker thread, and the worker processes of a parallel LLM (also done at exit)."""
+        if self.parallel is not None:
+            self.parallel.close()
+        if self.engine is not None:
+            self.engine.close()
 
     def _inputs(self, prompts, prompt_token_ids):
         if prompts is not None and prompt_token_ids is not None:

@@ -67,6 +67,10 @@ class StepMeta:
         self.window_rows = self.rows(key_pos, self.seq[:, None].expand_as(key_pos), cache.ring, 0)
         self.window_commit = self._commit(cache.ring, 0)
         self._by_rate: dict[tuple[str, int], dict] = {}
+        # Rows this process computes the token-wise work for (queries, MoE, residual streams):
+        # all of them, unless context parallelism (deepinfer/parallel) split the step over ranks;
+        # keys and compressor inputs are then completed from the other ranks by all_tokens.
+        self.own: slice | torch.Tensor = slice(None)
         # Read the block table now: with overlapped scheduling the CPU may hand a freed slot or
         # page to another request while this step is still queued on the device.
         for layer in cache.layers:
@@ -85,6 +89,10 @@ class StepMeta:
                 info[k] = move(info[k])
             info["cos_sin"] = tuple(map(move, info["cos_sin"]))
             info["commit"] = tuple(map(move, info["commit"]))
+
+    def all_tokens(self, own_rows: torch.Tensor) -> torch.Tensor:
+        """Rows of every token of the step, from the rows of the tokens this process owns."""
+        return own_rows
 
     @staticmethod
     def _cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,15 +190,16 @@ class DeepseekV4Model:
         earlier step runs."""
         cfg, ops, w = self.config, self.accel, self.w
         meta = meta if meta is not None else self.prepare(inp, cache)
-        x = ops.embedding(meta.ids, w["model.embed_tokens.weight"])
+        ids = meta.ids[meta.own]
+        x = ops.embedding(ids, w["model.embed_tokens.weight"])
         streams = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
         for i in range(cfg.num_hidden_layers):
             p = f"model.layers.{i}."
             streams = self._residual(streams, p + "attn_hc.", p + "input_layernorm.weight",
                                      lambda h: self._attention(i, h, meta, cache))
             streams = self._residual(streams, p + "ffn_hc.", p + "post_attention_layernorm.weight",
-                                     lambda h: self._moe(i, h, meta.ids))
-        streams = streams[logit_rows.to(streams.device)]
+                                     lambda h: self._moe(i, h, ids))
+        streams = meta.all_tokens(streams)[logit_rows.to(streams.device)]
         h = ops.hc_head(streams, w["model.hc_head.hc_fn"], w["model.hc_head.hc_base"],
                         w["model.hc_head.hc_scale"], cfg.rms_norm_eps, cfg.hc_eps)
         h = ops.rms_norm(h, w["model.norm.weight"], cfg.rms_norm_eps)
@@ -212,19 +221,25 @@ class DeepseekV4Model:
         p = f"model.layers.{i}.self_attn."
         layer = cache.layers[i]
         cos, sin = meta.rope["main" if layer.kind == SLIDING else "compress"]
+        own = meta.own
         num_tokens, heads, head_dim = h.shape[0], cfg.num_attention_heads, cfg.head_dim
 
         fused = ops.linear(h, w[p + "input_proj.weight"])
-        proj = {name: fused[:, a:b] for name, (a, b) in self.input_proj_splits[i].items()}
+        splits = self.input_proj_splits[i]
+        # keys and compressor inputs are needed for every token of the step, queries only for own ones
+        every = [name for name in splits if name not in ("q_a_proj", "compressor.indexer.scorer.weights_proj")]
+        lo, hi = splits[every[0]][0], splits[every[-1]][1]
+        all_rows = meta.all_tokens(fused[:, lo:hi])
+        proj = {name: all_rows[:, a - lo:b - lo] if name in every else fused[:, a:b] for name, (a, b) in splits.items()}
         q_lora = ops.rms_norm(proj["q_a_proj"], w[p + "q_a_norm.weight"], cfg.rms_norm_eps)
         q = ops.linear(q_lora, w[p + "q_b_proj.weight"]).view(num_tokens, heads, head_dim)
-        q = ops.rope(ops.rms_norm(q, None, cfg.rms_norm_eps), cos, sin)
+        q = ops.rope(ops.rms_norm(q, None, cfg.rms_norm_eps), cos[own], sin[own])
         kv = ops.rms_norm(proj["kv_proj"], w[p + "kv_norm.weight"], cfg.rms_norm_eps)
         kv = ops.rope(kv, cos, sin)
         scratch = cache.ring_rows
-        layer.kv[scratch:scratch + num_tokens] = kv.to(layer.kv.dtype)
+        layer.kv[scratch:scratch + kv.shape[0]] = kv.to(layer.kv.dtype)
 
-        indices = meta.window_rows
+        indices = meta.window_rows[own]
         if layer.rate:
             info = meta.compressed(layer)
             base = cache.entry_base()
@@ -236,17 +251,17 @@ class DeepseekV4Model:
                                ip, layer.index_keys, cfg.index_head_dim, layer.index_ring, cache)
                 ccos, csin = meta.rope["compress"]
                 q_idx = ops.linear(q_lora, w[ip + "q_b_proj.weight"]).view(num_tokens, cfg.index_n_heads, -1)
-                q_idx = ops.rope(q_idx, ccos, csin)
+                q_idx = ops.rope(q_idx, ccos[own], csin[own])
                 weights = proj["compressor.indexer.scorer.weights_proj"] * cfg.index_n_heads ** -0.5
-                picked = ops.indexer_topk(q_idx, weights, layer.index_keys, info["candidates"], cfg.index_topk,
+                picked = ops.indexer_topk(q_idx, weights, layer.index_keys, info["candidates"][own], cfg.index_topk,
                                           cfg.index_head_dim ** -0.5)
             else:
-                picked = info["candidates"]
+                picked = info["candidates"][own]
             picked = torch.where(picked >= 0, picked + base, picked)
             indices = torch.cat([indices, picked], dim=1)
 
         out = ops.sparse_attention(q, layer.kv, indices, w[p + "sinks"], head_dim ** -0.5)
-        out = ops.rope(out, cos, sin, inverse=True)
+        out = ops.rope(out, cos[own], sin[own], inverse=True)
         src, dst = meta.window_commit
         layer.kv[dst] = layer.kv[src]
         out = ops.grouped_linear(out.reshape(num_tokens, cfg.o_groups, -1), w[p + "o_a_proj.weight"])
@@ -292,12 +307,21 @@ class DeepseekV4Model:
         else:
             weights, expert_ids = ops.route_topk(h, w[p + "gate.weight"], w[p + "gate.e_score_correction_bias"],
                                                  cfg.num_experts_per_tok, cfg.routed_scaling_factor)
-        routed = ops.moe_experts(h, weights, expert_ids, w[p + "experts.gate_up_proj"],
-                                 w[p + "experts.down_proj"], cfg.swiglu_limit)
+        routed = self.routed_experts(i, h, weights, expert_ids)
         s = p + "shared_experts."
         gate, up = ops.linear(h, w[s + "gate_up_proj.weight"]).chunk(2, dim=-1)
         shared = ops.swiglu(gate, up, cfg.swiglu_limit)
         return routed + ops.linear(shared, w[s + "down_proj.weight"])
+
+
+    def routed_experts(self, i: int, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Layer i's routed experts on this process. Expert parallelism (deepinfer/parallel)
+        replaces this per instance with a dispatch to the ranks that hold the experts."""
+        if not h.shape[0]:  # a context-parallel rank with no tokens this step
+            return torch.zeros_like(h)
+        p = f"model.layers.{i}.mlp.experts."
+        return self.accel.moe_experts(h, weights, ids, self.w[p + "gate_up_proj"], self.w[p + "down_proj"],
+                                      self.config.swiglu_limit)
 
 
 def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

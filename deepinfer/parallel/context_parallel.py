@@ -1,0 +1,63 @@
+"""Context parallelism: one step's tokens split over ranks, long prefills in balanced chunks.
+
+Every rank of a context-parallel group schedules the same requests and holds the same decode
+state. Within a step each rank owns some token rows and runs only their token-wise work
+(queries, attention, MoE, residual streams); the keys and compressor inputs of all tokens are
+all-gathered once per layer, so every rank writes the same window ring and compressed entries
+and decode needs no extra assembly. The streams are gathered once more before the LM head.
+
+Causal attention costs more for late tokens than early ones, so a chunk of n >= 2*cp tokens
+is cut into 2*cp pieces and rank r owns pieces r and 2*cp-1-r: every rank gets one early and
+one late piece. Shorter chunks (decode tokens) go whole to one rank, chunk by chunk in turn.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer.parallel import group
+from deepinfer.parallel.expert_parallel import even_split
+
+
+def balanced_owner(lens: list[int], ranks: int) -> list[int]:
+    """Owning rank of every token row of a step whose chunks have sizes `lens`."""
+    owner: list[int] = []
+    for c, n in enumerate(lens):
+        if n < 2 * ranks:
+            owner += [c % ranks] * n
+            continue
+        for piece, size in enumerate(even_split(n, 2 * ranks)):
+            owner += [piece if piece < ranks else 2 * ranks - 1 - piece] * size
+    return owner
+
+
+class ContextParallel:
+    def __init__(self, rank: int, ranks: int):
+        self.rank, self.ranks = rank, ranks
+        self.rows = {"own": 0, "step": 0}  # token rows computed here vs in the steps (for stats)
+
+    def install(self, model) -> None:
+        """Split every step the model prepares (StepMeta is built once per step, then shared by
+        all layers)."""
+        prepare = model.prepare
+
+        def split_prepare(inp, cache):
+            meta = prepare(inp, cache)
+            self.split(meta)
+            return meta
+
+        model.prepare = split_prepare
+
+    def split(self, meta) -> None:
+        owner = torch.tensor(balanced_owner(meta.inp.lens.tolist(), self.ranks), dtype=torch.int64)
+        rows = [(owner == r).nonzero().squeeze(1) for r in range(self.ranks)]
+        counts = [len(r) for r in rows]
+        # gathered rows arrive rank by rank; `restore` puts them back in step order
+        restore = torch.empty(len(owner), dtype=torch.int64)
+        restore[torch.cat(rows)] = torch.arange(len(owner))
+        device = meta.cache.device  # where the model's activations live
+        meta.own = rows[self.rank].to(device)
+        self.rows["own"] += counts[self.rank]
+        self.rows["step"] += len(owner)
+        restore = restore.to(device)
+        meta.all_tokens = lambda own_rows: group.all_gather_rows(own_rows, counts)[restore]

@@ -1,0 +1,156 @@
+"""Expert parallelism: routed experts sharded over ranks, tokens dispatched to them and back.
+
+Installed as the model's `routed_experts` hook. Per MoE layer and step, each rank:
+  dispatch: sorts its (token, k) rows by the physical slot that serves them (slots are
+    contiguous per rank, so this also groups them by destination), exchanges row counts,
+    then sends the rows, each with its slot, in one all_to_all_single (uneven splits);
+  computes: its local experts on the rows it received (the accelerator's moe_experts op,
+    one expert per row, weight 1);
+  combine: sends the outputs back the same way and sums each token's k outputs with its
+    routing weights in k order, the single-process formula, so results match one process.
+The shared expert stays local (the model runs it). With attention replicated (one set of
+tokens on every rank) each rank takes an even slice of the tokens and the outputs are
+all-gathered after combine. A rank with no tokens still joins every collective
+(`idle_step`), which is how data-parallel ranks stay in lockstep.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from deepinfer.parallel import group
+from deepinfer.parallel.config import ParallelConfig
+from deepinfer.parallel.eplb import LoadRecorder, Placement, contiguous_placement, plan_placement
+
+
+def even_split(total: int, parts: int) -> list[int]:
+    base, extra = divmod(total, parts)
+    return [base + (1 if r < extra else 0) for r in range(parts)]
+
+
+class ExpertParallelMoE:
+    def __init__(self, model, rank: group.Rank, parallel: ParallelConfig):
+        self.model, self.rank, self.world = model, rank.rank, rank.world_size
+        cfg, w = model.config, model.w
+        self.device = model.accel.device
+        self.num_layers, self.num_experts = cfg.num_hidden_layers, cfg.n_routed_experts
+        self.num_slots = self.num_experts + parallel.num_redundant_experts
+        self.replicated = parallel.attention_ranks == 1
+        self.parallel = parallel
+        start = plan_placement([0] * self.num_experts, self.num_slots, self.world) if parallel.num_redundant_experts \
+            else contiguous_placement(self.num_experts)
+        self.placements = [Placement(start, self.num_experts, self.world, self.device)
+                           for _ in range(self.num_layers)]
+        self.local: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for i in range(self.num_layers):
+            p = f"model.layers.{i}.mlp.experts."
+            gate_up, down = w.pop(p + "gate_up_proj"), w.pop(p + "down_proj")  # the full set is not kept
+            mine = torch.tensor(self.placements[i].local_experts(self.rank), device=gate_up.device)
+            self.local.append((gate_up[mine].contiguous(), down[mine].contiguous()))
+        self.recorder = LoadRecorder(self.num_layers, self.num_experts, parallel.eplb_window_size, self.device) \
+            if parallel.eplb_enabled else None
+        self.seconds = {"sync": 0.0, "dispatch": 0.0, "experts": 0.0, "combine": 0.0}
+        self.rearrangements = 0
+
+    # ------------------------------------------------------------ forward
+    def __call__(self, i: int, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if not self.replicated:
+            return self._dispatch_combine(i, h, weights, ids)
+        counts = even_split(h.shape[0], self.world)
+        lo = sum(counts[:self.rank])
+        mine = slice(lo, lo + counts[self.rank])
+        out = self._dispatch_combine(i, h[mine], weights[mine], ids[mine])
+        return group.all_gather_rows(out, counts)
+
+    def idle_step(self) -> None:
+        """A step in which this rank has no tokens: serve the other ranks' tokens anyway."""
+        d, k = self.model.config.hidden_size, self.model.config.num_experts_per_tok
+        h = torch.zeros(0, d, device=self.device)
+        for i in range(self.num_layers):
+            self(i, h, torch.zeros(0, k, device=self.device), torch.zeros(0, k, dtype=torch.int64, device=self.device))
+
+    def _dispatch_combine(self, i: int, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        num_tokens, top_k = ids.shape
+        placement = self.placements[i]
+        if self.recorder is not None:
+            self.recorder.add(i, ids)
+        t0 = time.perf_counter()
+        slots = placement.pick(ids, self.rank).reshape(-1)
+        order = torch.argsort(slots, stable=True)
+        sorted_slots = slots[order]
+        send = torch.bincount(sorted_slots // placement.slots_per_rank, minlength=self.world)
+        recv = group.exchange_counts(send)  # also where a rank waits for slower ones
+        t_sync = time.perf_counter()
+        send_counts, recv_counts = send.tolist(), recv.tolist()
+        # one message per row: the activation's bytes followed by the local slot's (one collective, not two)
+        x = h[order // top_k].contiguous()
+        packed = torch.cat([x.view(torch.uint8), (sorted_slots % placement.slots_per_rank).unsqueeze(1).view(torch.uint8)],
+                           dim=1)
+        got = group.all_to_all_rows(packed, send_counts, recv_counts)
+        rows = got[:, :-8].contiguous().view(x.dtype)
+        local_slot = got[:, -8:].contiguous().view(torch.int64).squeeze(1)
+        t1 = time.perf_counter()
+        gate_up, down = self.local[i]
+        if rows.shape[0]:
+            ones = torch.ones(rows.shape[0], 1, dtype=torch.float32, device=self.device)
+            out = self.model.accel.moe_experts(rows, ones, local_slot.unsqueeze(1), gate_up, down,
+                                               self.model.config.swiglu_limit)
+        else:  # nothing routed here this step; the op is not defined on empty input
+            out = torch.zeros(0, h.shape[1], dtype=torch.float32, device=self.device)
+        t2 = time.perf_counter()
+        back = group.all_to_all_rows(out, recv_counts, send_counts)
+        per_slot = torch.empty_like(back)
+        per_slot[order] = back
+        result = (per_slot.view(num_tokens, top_k, h.shape[1]) * weights.unsqueeze(-1)).sum(dim=1)
+        t3 = time.perf_counter()
+        self.seconds["sync"] += t_sync - t0
+        self.seconds["dispatch"] += t1 - t_sync
+        self.seconds["experts"] += t2 - t1
+        self.seconds["combine"] += t3 - t2
+        return result
+
+    # ------------------------------------------------------------ EPLB
+    def end_step(self, step: int) -> None:
+        """Close a lockstep step's load record; every `eplb_step_interval` steps, rearrange."""
+        if self.recorder is None:
+            return
+        self.recorder.end_step()
+        if step % self.parallel.eplb_step_interval == 0:
+            self.rearrange()
+
+    def rearrange(self) -> None:
+        """Re-plan every layer from the window's load summed over ranks, and move expert weights
+        to their new slots with one uneven all_to_all per layer (copies come from the lowest
+        rank that holds the expert now)."""
+        load = group.sum_over_ranks(self.recorder.window_load()).tolist()
+        for i in range(self.num_layers):
+            new = plan_placement(load[i], self.num_slots, self.world)
+            if new != self.placements[i].slot_to_expert:
+                self._move_weights(i, new)
+                self.placements[i] = Placement(new, self.num_experts, self.world, self.device)
+        self.rearrangements += 1
+
+    def _move_weights(self, i: int, new: list[int]) -> None:
+        old, per_rank, me = self.placements[i].slot_to_expert, self.placements[i].slots_per_rank, self.rank
+        source: dict[int, int] = {}  # expert -> the old slot it is copied from
+        for slot, expert in enumerate(old):
+            source.setdefault(expert, slot)
+        src_rank = [source[e] // per_rank for e in new]  # per new slot
+        send_rows = [source[new[s]] % per_rank for s in range(len(new)) if src_rank[s] == me]
+        send_counts = [sum(src_rank[s] == me for s in range(d * per_rank, (d + 1) * per_rank))
+                       for d in range(self.world)]
+        my_slots = range(me * per_rank, (me + 1) * per_rank)
+        recv_counts = [sum(src_rank[s] == r for s in my_slots) for r in range(self.world)]
+        gate_up, down = self.local[i]
+        packed = torch.cat([gate_up.reshape(per_rank, -1).view(torch.uint8),
+                            down.reshape(per_rank, -1).view(torch.uint8)], dim=1)
+        got = group.all_to_all_rows(packed[torch.tensor(send_rows, dtype=torch.int64, device=packed.device)],
+                                    send_counts, recv_counts)
+        arrival = sorted(range(per_rank), key=lambda j: (src_rank[me * per_rank + j], j))  # rank order, then slot
+        placed = torch.empty_like(got)
+        placed[torch.tensor(arrival, dtype=torch.int64, device=got.device)] = got
+        split = gate_up[0].numel() * gate_up.element_size()
+        self.local[i] = (placed[:, :split].contiguous().view(gate_up.dtype).view(gate_up.shape),
+                         placed[:, split:].contiguous().view(down.dtype).view(down.shape))
