@@ -82,6 +82,10 @@ class LLM:
         self.engine.pop_finished()
         return [req.to_output() for req in requests]
 
+    def stats(self) -> dict[str, float]:
+        """Engine counters since start-up: prefix cache hits, replayed tokens, evictions, preemptions."""
+        return self.engine.stats()
+
     def _inputs(self, prompts, prompt_token_ids):
         if prompts is not None and prompt_token_ids is not None:
             raise ValueError("give prompts or prompt_token_ids, not both")
