@@ -157,8 +157,8 @@ class StateCache:
             raise CacheFull(f"{num_tokens} positions exceed max_model_len={self.max_model_len}")
         pages = self.slot_pages[slot]
         need = self.pages_for(num_tokens) - len(pages)
-        if need > len(self.free_pages):
-            raise CacheFull(f"slot {slot} needs {need} pages, {len(self.free_pages)} free")
+        if need > self.num_free_pages:
+            raise CacheFull(f"slot {slot} needs {need} pages, {self.num_free_pages} free")
         for _ in range(max(need, 0)):
             page = self.free_pages.pop() if self.free_pages else self.prefix.evict()
             self.block_table[slot, len(pages)] = page
