@@ -149,7 +149,7 @@ class StateCache:
         return need <= self.num_free_pages - pinned
 
     def can_grow(self, slot: int, num_tokens: int) -> bool:
-        return self.pages_for(num_tokens) - len(self.slot_pages[slot]) <= len(self.free_pages)
+        return self.pages_for(num_tokens) - len(self.slot_pages[slot]) <= self.num_free_pages
 
     def grow(self, slot: int, num_tokens: int) -> None:
         """Make the slot hold state for positions [0, num_tokens)."""
