@@ -89,7 +89,8 @@ def main() -> None:
     print(f"cpu, {torch.get_num_threads()} thread(s); {args.conversations} conversations x {args.turns} turns, "
           f"first turn {args.context} tokens, +{args.turn_tokens} + {args.reply} reply per turn; "
           f"KEEP {os.environ.get('DEEPINFER_YOCO_PREFILL_KEEP_TOKENS', 140)} (mean replay {keep} tokens/hit)")
-    print("| mode | TTFT turn 1 (ms) | TTFT turns 2+ (ms) | prefill tokens turn 1 | prefill tokens turns 2+ | wall (s) |")
+    print("| mode | TTFT turn 1 (ms) | TTFT turns 2+ (ms) | prefill tokens turn 1 | prefill tokens turns 2+ "
+          "| wall (s) |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['mode']} | {r['ttft_first_turn_ms']:.1f} | {r['ttft_later_turns_ms']:.1f} | "

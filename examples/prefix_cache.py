@@ -30,8 +30,9 @@ def main() -> None:
         out = llm.generate(conversation, params, use_tqdm=False)[0]
         conversation += out.outputs[0].text
         stats = llm.stats()
-        print(f"--- turn {i + 1}: {len(out.prompt_token_ids)} prompt tokens, ttft {out.time_to_first_token * 1e3:.0f} ms, "
-              f"cached so far {stats['prefix_cache_hit_tokens']} tokens, replayed {stats['prefix_cache_replayed_tokens']}")
+        print(f"--- turn {i + 1}: {len(out.prompt_token_ids)} prompt tokens, "
+              f"ttft {out.time_to_first_token * 1e3:.0f} ms, cached so far {stats['prefix_cache_hit_tokens']} "
+              f"tokens, replayed {stats['prefix_cache_replayed_tokens']}")
         print(user + out.outputs[0].text)
     print("stats:", llm.stats())
 
