@@ -320,7 +320,8 @@ class LLMEngine:
             req.output_token_ids.append(-(row + 1))
             req.pending += 1
         t = lambda xs: torch.tensor(xs, dtype=torch.int64, device=self.accel.device)  # noqa: E731
-        plan.inp = StepInput(t(ids), t(slots), t(starts), t(lens), t(floors), t(restored))
+        plan.inp = StepInput(t(ids), t(slots), t(starts), t(lens))
+        plan.inp.window_floor, plan.inp.num_restored = t(floors), t(restored)  # prefix-cache replay
         plan.meta = self.model.prepare(plan.inp, self.cache)
         plan.sampling_inputs = self.sampler.inputs(plan.sampling, positions)
         plan.grammar = any(r.grammar is not None for r in plan.sampling)
