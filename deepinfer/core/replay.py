@@ -31,7 +31,7 @@ from deepinfer.core.cache import StateCache
 from deepinfer.core.config import ModelConfig
 from deepinfer.core.request import Request
 
-OFF, MASK, COMPACT = "off", "mask", "compact"
+OFF, COMPACT = "off", "compact"  # and "mask"
 
 
 @dataclass(slots=True)
@@ -75,7 +75,8 @@ class BoundedReplay:
         if not pages or self.mode == OFF:
             return Resume(found=hit)
         floor = max(hit - self.keep, 0)
-        return Resume(pages, floor if self.mode == COMPACT else 0, floor, hit, hit)
+        start = floor if self.mode == COMPACT else 0  # mask: a full recompute under the same floor
+        return Resume(pages, start, floor, hit, hit)
 
     def computed_page_keys(self, req: Request) -> list[bytes]:
         """Keys of `req`'s full pages whose state is computed: what its release leaves cached."""
