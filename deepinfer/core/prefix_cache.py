@@ -25,7 +25,7 @@ class PrefixCacheStats:
     queries: int = 0  # admissions that looked the prefix up
     hits: int = 0  # of them, found at least one cached page
     query_tokens: int = 0  # positions looked up
-    hit_tokens: int = 0  # positions found cached
+    hit_tokens: int = 0  # positions found cached (mode off finds them but recomputes)
     replayed_tokens: int = 0  # positions before a hit recomputed to rebuild window state
     evicted_pages: int = 0
 
