@@ -82,10 +82,6 @@ class LLM:
         self.engine.pop_finished()
         return [req.to_output() for req in requests]
 
-    def stats(self) -> dict[str, float]:
-        """Engine counters since start-up: prefix cache hits, replayed tokens, evictions, preemptions."""
-        return self.engine.stats()
-
     def _inputs(self, prompts, prompt_token_ids):
         if prompts is not None and prompt_token_ids is not None:
             raise ValueError("give prompts or prompt_token_ids, not both")
@@ -142,3 +138,7 @@ class LLM:
                 bar.update(len(done))
         if bar is not None:
             bar.close()
+
+    def stats(self) -> dict[str, float]:
+        """Engine counters since start-up: prefix cache hits, replayed tokens, evictions, preemptions."""
+        return self.engine.stats()
