@@ -10,7 +10,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from deepinfer.core.cache import StateCache
-from deepinfer.core.replay import BoundedReplay
+from deepinfer.core.replay import OFF, BoundedReplay
 from deepinfer.core.request import Request, Status
 
 
@@ -29,7 +29,7 @@ class Scheduler:
     def __init__(self, cache: StateCache, max_num_seqs: int, max_num_batched_tokens: int,
                  replay: BoundedReplay | None = None):
         self.cache = cache
-        self.replay = replay if replay is not None else BoundedReplay("off", 0, cache)
+        self.replay = replay if replay is not None else BoundedReplay(OFF, 0, cache)  # engines pass the configured one
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
