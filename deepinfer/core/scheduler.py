@@ -29,7 +29,7 @@ class Scheduler:
     def __init__(self, cache: StateCache, max_num_seqs: int, max_num_batched_tokens: int,
                  replay: BoundedReplay | None = None):
         self.cache = cache
-        self.replay = replay if replay is not None else BoundedReplay(OFF, 0, cache)  # engines pass the configured one
+        self.replay = replay if replay is not None else BoundedReplay(OFF, 0, cache)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
