@@ -82,9 +82,10 @@ _VARS = [
     EnvVar("DEEPINFER_DECODE_PERF_CACHE_DIR", "", _str,
            "where the verify-length planner keeps its step-cost profile"),
     EnvVar("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE", "compact", _choice("off", "mask", "compact"),
+           "window-state rebuild after a prefix-cache hit or preemption (core/replay.py): "
            "off (exact), mask (slow check), compact (bounded replay)"),
     EnvVar("DEEPINFER_YOCO_PREFILL_KEEP_TOKENS", 140, _int,
-           "replayed suffix; must be >= sliding window + max backtracking"),
+           "replayed suffix; must be >= sliding window + max backtracking (checked at start-up)"),
     EnvVar("DEEPINFER_XGRAMMAR_TIMEOUT", 30.0, _float, "grammar compile timeout in seconds"),
     EnvVar("DEEPINFER_XGRAMMAR_CACHE_LIMIT_BYTES", 512 * 1024 * 1024, _int, "grammar compile cache size"),
     EnvVar("DEEPINFER_XGRAMMAR_DISABLE_CACHE", False, _bool, "disable the grammar compile cache"),

@@ -166,3 +166,7 @@ class LLM:
                 bar.update(len(done))
         if bar is not None:
             bar.close()
+
+    def stats(self) -> dict[str, float]:
+        """Engine counters since start-up: prefix cache hits, replayed tokens, evictions, preemptions."""
+        return self.engine.stats()

@@ -39,7 +39,7 @@ class RequestOutput:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    prompt_logprobs: list[dict[int, float] | None] | None  # first position has no logprob
+    prompt_logprobs: list[dict[int, float] | None] | None  # None: first position, positions a prefix-cache hit restored
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics = field(repr=False, default=None)

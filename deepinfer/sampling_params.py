@@ -69,7 +69,7 @@ class SamplingParams:
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     top_logprobs: int = 0
-    prompt_logprobs: int | None = None
+    prompt_logprobs: int | None = None  # positions up to a prefix-cache hit get None (not computed)
     seq_seed: int | None = None
     so_args: dict | None = None
     _stop: tuple[str, ...] = field(default=(), init=False, repr=False)

@@ -10,6 +10,9 @@ One page covers `page_tokens` positions of a sequence (a multiple of every compr
 rate), i.e. page_tokens/rate entries on each compressing layer, so a single block
 table per sequence serves every layer.
 
+Pages of finished (or preempted) sequences stay in a prefix cache (core/prefix_cache.py) until
+their page is needed: a free page is one on the free list or an idle cached one.
+
 Each layer's KV lives in one tensor `[ring rows | step scratch | compressed entries]` so
 attention takes one pool and one index list. The scratch holds the step's new tokens:
 a prefill chunk longer than the ring must not overwrite keys its own earlier tokens still
@@ -23,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.core.config import CSA, ModelConfig
+from deepinfer.core.prefix_cache import PrefixCache
 
 
 class CacheFull(RuntimeError):
@@ -90,6 +94,7 @@ class StateCache:
         self.free_slots = list(range(max_seqs - 1, -1, -1))
         self.free_pages = list(range(num_pages - 1, -1, -1))
         self.slot_pages: dict[int, list[int]] = {}
+        self.prefix = PrefixCache(page_tokens) if self.has_compressed_layers else None
 
     # ------------------------------------------------------------ accounting
     @property
@@ -121,21 +126,31 @@ class StateCache:
 
     @property
     def num_free_pages(self) -> int:
-        return len(self.free_pages)
+        return len(self.free_pages) + (len(self.prefix.idle) if self.prefix is not None else 0)
 
     @property
     def num_free_slots(self) -> int:
         return len(self.free_slots)
 
-    def allocate_slot(self) -> int:
+    def allocate_slot(self, cached_pages: list[int] = ()) -> int:
+        """A slot whose first positions are held by `cached_pages` (from the prefix cache)."""
         if not self.free_slots:
             raise CacheFull("no free sequence slot")
         slot = self.free_slots.pop()
-        self.slot_pages[slot] = []
+        if cached_pages:
+            self.prefix.hold(cached_pages)
+            self.block_table[slot, :len(cached_pages)] = torch.tensor(cached_pages)
+        self.slot_pages[slot] = list(cached_pages)
         return slot
 
+    def can_admit(self, cached_pages: list[int], num_tokens: int) -> bool:
+        """Whether a new slot starting with `cached_pages` can hold positions [0, num_tokens)."""
+        need = max(self.pages_for(num_tokens) - len(cached_pages), 0)
+        pinned = self.prefix.num_idle_among(cached_pages) if cached_pages else 0
+        return need <= self.num_free_pages - pinned
+
     def can_grow(self, slot: int, num_tokens: int) -> bool:
-        return self.pages_for(num_tokens) - len(self.slot_pages[slot]) <= len(self.free_pages)
+        return self.pages_for(num_tokens) - len(self.slot_pages[slot]) <= self.num_free_pages
 
     def grow(self, slot: int, num_tokens: int) -> None:
         """Make the slot hold state for positions [0, num_tokens)."""
@@ -143,18 +158,24 @@ class StateCache:
             raise CacheFull(f"{num_tokens} positions exceed max_model_len={self.max_model_len}")
         pages = self.slot_pages[slot]
         need = self.pages_for(num_tokens) - len(pages)
-        if need > len(self.free_pages):
-            raise CacheFull(f"slot {slot} needs {need} pages, {len(self.free_pages)} free")
+        if need > self.num_free_pages:
+            raise CacheFull(f"slot {slot} needs {need} pages, {self.num_free_pages} free")
         for _ in range(max(need, 0)):
-            page = self.free_pages.pop()
+            page = self.free_pages.pop() if self.free_pages else self.prefix.evict()
             self.block_table[slot, len(pages)] = page
             pages.append(page)
 
-    def release(self, slot: int) -> None:
-        """Return the slot and its pages. Ring contents need no clearing: a new sequence
-        only reads positions it has written."""
+    def release(self, slot: int, page_keys: list[bytes] = ()) -> None:
+        """Return the slot and its pages. The pages `page_keys` name (the slot's full, computed
+        pages) go to the prefix cache; the rest are freed. Ring contents need no clearing: a new
+        sequence only reads positions it has written."""
         pages = self.slot_pages.pop(slot)
-        self.free_pages.extend(reversed(pages))
+        if self.prefix is not None:
+            self.prefix.insert(page_keys, pages)
+        # last page first: it becomes the least recently used, so a prefix is evicted from its tail
+        for page in reversed(pages):
+            if self.prefix is None or not self.prefix.drop(page):
+                self.free_pages.append(page)
         self.free_slots.append(slot)
 
     # ------------------------------------------------------------ row maps

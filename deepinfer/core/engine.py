@@ -16,6 +16,7 @@ from deepinfer.core.cache import StateCache
 from deepinfer.core.config import CSA, ModelConfig
 from deepinfer.core.loader import load_checkpoint
 from deepinfer.core.models.deepseek_v4 import DeepseekV4Model, StepInput, expected_tensors
+from deepinfer.core.replay import BoundedReplay
 from deepinfer.core.request import Request
 from deepinfer.core.sampler import Sampler, top_logprobs
 from deepinfer import envs
@@ -110,7 +111,8 @@ class LLMEngine:
                                  cfg.max_position_embeddings)
         dtype = torch.bfloat16 if config.dtype == "bfloat16" else torch.float32
         self.cache = self._make_cache(dtype)
-        self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens,
+                                   BoundedReplay.from_env(cfg, self.cache))
         self.sampler = Sampler(accel)
         self.requests: dict[str, Request] = {}
         self.last_step = StepStats()
@@ -212,6 +214,13 @@ class LLMEngine:
             del self.requests[r.request_id]
         return done
 
+    def stats(self) -> dict[str, float]:
+        """Counters since start-up: prefix cache lookups, hits, replay and evictions; preemptions."""
+        out = {"num_preemptions": self.scheduler.num_preemptions}
+        if self.cache.prefix is not None:
+            out.update({f"prefix_cache_{k}": v for k, v in self.cache.prefix.stats.as_dict().items()})
+        return out
+
     # ------------------------------------------------------------ step
     def step(self) -> list[Request]:
         """Run one step; returns the requests that finished in it.
@@ -274,7 +283,7 @@ class LLMEngine:
         """Build the step's inputs on the CPU and advance the requests as if it had run: fed
         positions count as computed, and each sampling request gets a placeholder token
         (-(row+1): row `row` of this step's samples) that _finish replaces."""
-        ids, slots, starts, lens = [], [], [], []
+        ids, slots, starts, lens, floors, restored = [], [], [], [], [], []
         plan = StepPlan(chunks=chunks)
         offset = 0
         now = time.perf_counter()
@@ -287,16 +296,19 @@ class LLMEngine:
             slots.append(req.slot)
             starts.append(start)
             lens.append(c.num_tokens)
+            floors.append(req.window_floor)
+            restored.append(req.num_restored)
             if start < req.num_prompt_tokens:
                 plan.prefill_tokens += c.num_tokens
             else:
                 plan.decode_tokens += c.num_tokens
             n_prompt_rows = 0
-            if req.wants_prompt_logprobs and start < req.num_prompt_tokens - 1:
-                n_prompt_rows = min(start + c.num_tokens, req.num_prompt_tokens - 1) - start
-                plan.logit_rows.extend(range(offset, offset + n_prompt_rows))
+            first = max(start, req.num_restored)  # logits of a prefix restored from the cache are not computed
+            if req.wants_prompt_logprobs and first < min(start + c.num_tokens, req.num_prompt_tokens - 1):
+                n_prompt_rows = min(start + c.num_tokens, req.num_prompt_tokens - 1) - first
+                plan.logit_rows.extend(range(offset + first - start, offset + first - start + n_prompt_rows))
             completes = c.completes
-            plan.prompt_rows.append((start, n_prompt_rows, completes))
+            plan.prompt_rows.append((first, n_prompt_rows, completes))
             if completes:
                 plan.sample_rows.append(len(plan.logit_rows))
                 plan.logit_rows.append(offset + c.num_tokens - 1)
@@ -309,6 +321,7 @@ class LLMEngine:
             req.pending += 1
         t = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731  (host metadata; StepMeta moves it)
         plan.inp = StepInput(t(ids), t(slots), t(starts), t(lens))
+        plan.inp.window_floor, plan.inp.num_restored = t(floors), t(restored)  # prefix-cache replay
         plan.meta = self.model.prepare(plan.inp, self.cache)
         plan.sampling_inputs = self.sampler.inputs(plan.sampling, positions)
         plan.grammar = any(r.grammar is not None for r in plan.sampling)
@@ -376,8 +389,13 @@ class LLMEngine:
     def _record_prompt_logprobs(self, req: Request, start: int, logits: torch.Tensor) -> None:
         if req.prompt_logprobs is None:
             req.prompt_logprobs = [None]
-        if len(req.prompt_logprobs) > start + 1:  # already recorded before a preemption
+        recorded = len(req.prompt_logprobs) - (start + 1)  # rows recorded before a preemption
+        if recorded >= logits.shape[0]:
             return
+        if recorded > 0:
+            start, logits = start + recorded, logits[recorded:]
+        # positions a prefix-cache hit restored have no logits: their logprobs are None
+        req.prompt_logprobs.extend([None] * (start + 1 - len(req.prompt_logprobs)))
         targets = torch.tensor(req.prompt_token_ids[start + 1:start + 1 + logits.shape[0]], dtype=torch.int64)
         req.prompt_logprobs.extend(top_logprobs(logits, targets, req.params.prompt_logprobs))
 

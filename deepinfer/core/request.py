@@ -32,6 +32,11 @@ class Request:
         self.status = Status.WAITING
         self.slot: int | None = None
         self.num_computed = 0  # positions whose decode state is in the cache
+        # after a prefix-cache hit (core/replay.py): window keys below window_floor are missing,
+        # and the compressed state of the first num_restored positions came from the cache
+        self.window_floor = 0
+        self.num_restored = 0
+        self.page_keys: list[bytes] = []  # prefix-cache keys of its full pages, memoized
         self.pending = 0  # trailing output entries that are placeholders for tokens still being sampled
         self.text = ""
         self.finish_reason: str | None = None

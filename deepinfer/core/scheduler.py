@@ -1,5 +1,7 @@
 """Continuous batching: chunked prefill under a token budget mixed with decodes,
-admission by free slots and pages, preemption by recompute, oldest first."""
+admission by free slots and pages, preemption by recompute, oldest first.
+A request starts after the longest prefix the cache holds (core/replay.py); a preempted one
+leaves its full pages in that cache, so it usually comes back by a bounded replay."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from deepinfer.core.cache import StateCache
+from deepinfer.core.replay import OFF, BoundedReplay
 from deepinfer.core.request import Request, Status
 
 
@@ -23,8 +26,10 @@ class ScheduledChunk:
 
 
 class Scheduler:
-    def __init__(self, cache: StateCache, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, cache: StateCache, max_num_seqs: int, max_num_batched_tokens: int,
+                 replay: BoundedReplay | None = None):
         self.cache = cache
+        self.replay = replay if replay is not None else BoundedReplay(OFF, 0, cache)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -60,11 +65,13 @@ class Scheduler:
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and self.cache.num_free_slots:
             req = self.waiting[0]
-            n = min(req.num_tokens - req.num_computed, budget)
-            if self.cache.pages_for(req.num_computed + n) > self.cache.num_free_pages:
+            resume = self.replay.plan(req)
+            n = min(req.num_tokens - resume.start, budget)
+            if not self.cache.can_admit(resume.pages, resume.start + n):
                 break
             self.waiting.popleft()
-            req.slot = self.cache.allocate_slot()
+            req.slot = self.cache.allocate_slot(resume.pages)
+            self.replay.admit(req, resume)
             req.status = Status.RUNNING
             self.cache.grow(req.slot, req.num_computed + n)
             bisect.insort(self.running, req, key=lambda r: r.metrics.arrival_time)
@@ -73,7 +80,8 @@ class Scheduler:
         return chunks
 
     def _preempt(self, req: Request) -> None:
-        """Drop the request's state; it recomputes its prompt and output so far when readmitted."""
+        """Drop the request's slot; its full pages stay in the prefix cache while no one needs
+        them, and it recomputes from where that cache's prefix ends when readmitted."""
         self.running.remove(req)
         self._release(req)
         req.status = Status.WAITING
@@ -84,7 +92,7 @@ class Scheduler:
 
     def _release(self, req: Request) -> None:
         if req.slot is not None:
-            self.cache.release(req.slot)
+            self.cache.release(req.slot, self.replay.computed_page_keys(req))
             req.slot = None
 
     def finish(self, req: Request) -> None:

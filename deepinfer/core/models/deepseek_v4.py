@@ -33,6 +33,9 @@ class StepInput:
     slots: torch.Tensor  # [B] cache slot of each sequence
     starts: torch.Tensor  # [B] position of each sequence's first new token
     lens: torch.Tensor  # [B] new tokens per sequence (>= 1)
+    # after a prefix-cache hit (core/replay.py); None = zeros
+    window_floor: torch.Tensor | None = None  # [B] tokens from here on read no window key below it
+    num_restored: torch.Tensor | None = None  # [B] compressed entries of positions below it are cached: not rewritten
 
 
 def _arange_within(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,6 +67,10 @@ class StepMeta:
         self._compress_inv_freq = config.rope_compress.inv_freq()
         window = config.sliding_window
         key_pos = self.positions[:, None] + torch.arange(-(window - 1), 1)
+        if inp.window_floor is not None:  # keys never computed after a prefix-cache hit read as absent
+            floor = inp.window_floor[self.seq]
+            floor = torch.where(self.positions >= floor, floor, torch.zeros_like(floor))
+            key_pos = torch.where(key_pos >= floor[:, None], key_pos, torch.full_like(key_pos, -1))
         self.window_rows = self.rows(key_pos, self.seq[:, None].expand_as(key_pos), cache.ring, 0)
         self.window_commit = self._commit(cache.ring, 0)
         self._by_rate: dict[tuple[str, int], dict] = {}
@@ -124,9 +131,11 @@ class StepMeta:
         if key in self._by_rate:
             return self._by_rate[key]
         rate, ring, cache, inp = layer.rate, layer.comp_ring_size, self.cache, self.inp
-        # windows w whose last token arrives in this step: starts//rate <= w < ends//rate
-        w_lo = torch.div(inp.starts, rate, rounding_mode="floor")
-        counts = torch.div(self.ends, rate, rounding_mode="floor") - w_lo
+        # windows w whose last token arrives in this step: starts//rate <= w < ends//rate,
+        # except the restored ones of a prefix-cache hit (shared pages: read-only)
+        first = inp.starts if inp.num_restored is None else torch.maximum(inp.starts, inp.num_restored)
+        w_lo = torch.div(first, rate, rounding_mode="floor")
+        counts = (torch.div(self.ends, rate, rounding_mode="floor") - w_lo).clamp(min=0)
         win_seq, within = _arange_within(counts)
         win = w_lo[win_seq] + within
         # CSA entries mix the previous window (first half) with their own (second half)
