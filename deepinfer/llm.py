@@ -168,5 +168,15 @@ class LLM:
             bar.close()
 
     def stats(self) -> dict[str, float]:
-        """Engine counters since start-up: prefix cache hits, replayed tokens, evictions, preemptions."""
-        return self.engine.stats()
+        """Engine counters since start-up: prefix cache hits, replayed tokens, evictions, preemptions.
+        With parallel ranks: summed over the data-parallel groups."""
+        if self.parallel is None:
+            return self.engine.stats()
+        from deepinfer.parallel.worker import engine_stats
+
+        per_group = [s for s in self.parallel.collective_rpc(engine_stats) if s is not None]
+        total = {k: sum(s[k] for s in per_group) for k in per_group[0]}
+        if "prefix_cache_query_tokens" in total:
+            queried = total["prefix_cache_query_tokens"]
+            total["prefix_cache_hit_rate"] = total["prefix_cache_hit_tokens"] / queried if queried else 0.0
+        return total

@@ -132,6 +132,13 @@ class RankWorker:
         return out
 
 
+def engine_stats(worker: "RankWorker") -> dict | None:
+    """The engine counters of a request group's first rank (the others serve the same requests
+    and would count them again); None on the others. For ParallelExecutor.collective_rpc."""
+    group_size = worker.rank.world_size // worker.parallel.data_parallel_size
+    return worker.engine.stats() if worker.rank.rank % group_size == 0 else None
+
+
 def _agree_on_free_memory(accel) -> None:
     """Ranks that serve the same requests must schedule (and preempt) identically, so their
     caches must hold the same number of pages; each would size its cache from the memory it

@@ -36,9 +36,12 @@ def test_eplb_rearrangement_mid_run_changes_nothing(moe_model_dir, reference_out
     try:
         outputs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=greedy_params(), use_tqdm=False)
         stats = llm.parallel.collective_rpc(worker_stats)
+        engine_stats = llm.stats()
     finally:
         llm.close()
     assert_same_outputs(reference_outputs, outputs)
+    # LLM.stats() sums the two data-parallel groups: every prompt looked up in a prefix cache once
+    assert engine_stats["prefix_cache_queries"] == len(PROMPTS) and engine_stats["num_preemptions"] == 0
     assert all(s["rearrangements"] >= 2 for s in stats)
     initial = plan_placement([0] * 8, 10, 2)
     assert any(p != initial for p in stats[0]["placements"]), "load never moved an expert"
