@@ -20,6 +20,7 @@ from deepinfer.core.request import Request
 from deepinfer.core.sampler import Sampler, top_logprobs
 from deepinfer import envs
 from deepinfer.core.scheduler import ScheduledChunk, Scheduler
+from deepinfer.core.spec.decoder import SpecDecoder
 from deepinfer.core.tokenizer import IncrementalDetokenizer, Tokenizer
 
 PAGE_TOKENS = 128  # positions per page: a multiple of every V4 compress rate
@@ -80,6 +81,7 @@ class StepPlan:
     prompt_rows: list[tuple[int, int, bool]] = field(default_factory=list)
     sampling: list[Request] = field(default_factory=list)
     sampling_inputs: tuple = ()
+    drafts: list = field(default_factory=list)  # per sampling row: its spec Draft, or None
     grammar: bool = False
     prefill_tokens: int = 0
     decode_tokens: int = 0
@@ -104,12 +106,16 @@ class LLMEngine:
         accel.tune_for_model(cfg.hidden_size)
         self.model = DeepseekV4Model(cfg, weights, accel)
         del weights
+        # DSpark speculative decoding, when the checkpoint has a drafter and DEEPINFER_USE_NEXTN_DECODE > 0
+        self.spec = SpecDecoder.create(self.model, self.extra_weights, accel, config.max_num_seqs)
         self.tokenizer = Tokenizer(tokenizer or model_dir, bos_token_id=cfg.bos_token_id) \
             if tokenizer is not None or os.path.isfile(os.path.join(model_dir, "tokenizer.json")) else None
         self.max_model_len = min(config.max_model_len or min(cfg.max_position_embeddings, 8192),
                                  cfg.max_position_embeddings)
         dtype = torch.bfloat16 if config.dtype == "bfloat16" else torch.float32
         self.cache = self._make_cache(dtype)
+        if self.spec is not None:
+            self.spec.start(self.cache, config.max_num_batched_tokens)
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler(accel)
         self.requests: dict[str, Request] = {}
@@ -128,6 +134,7 @@ class LLMEngine:
         def build(pages: int) -> StateCache:
             return StateCache(cfg, max_seqs=ec.max_num_seqs, num_pages=pages,
                               max_step_tokens=ec.max_num_batched_tokens, max_model_len=self.max_model_len,
+                              margin=self.spec.margin if self.spec is not None else 0,
                               page_tokens=PAGE_TOKENS, dtype=dtype, device=self.accel.device)
         if ec.num_cache_pages is not None:
             return build(ec.num_cache_pages)
@@ -192,6 +199,8 @@ class LLMEngine:
             return
         if self.structured is not None:  # structured outputs
             self.structured.discard(req)
+        if self.spec is not None:
+            self.spec.forget(req.request_id)
         self.scheduler.finish(req)
         req.finish("abort")
 
@@ -246,7 +255,10 @@ class LLMEngine:
 
     def _needs_sync(self) -> bool:
         """Overlap would be wrong when a grammar must see step N's token before it masks step
-        N+1's logits: any request under a grammar makes the step synchronous."""
+        N+1's logits: any request under a grammar makes the step synchronous. So does drafting:
+        the drafter's anchor and the next step's positions depend on how many drafts were accepted."""
+        if self.spec is not None and self.scheduler.running:
+            return True
         if self.structured is None:
             return False
         return any(r.grammar is not None for r in self.scheduler.running) or \
@@ -278,31 +290,37 @@ class LLMEngine:
         plan = StepPlan(chunks=chunks)
         offset = 0
         now = time.perf_counter()
+        drafts = {} if self.spec is None else self.spec.propose(
+            chunks, self.engine_config.max_num_batched_tokens - sum(c.num_tokens for c in chunks), self.cache,
+            self.max_model_len)
         for c in chunks:
             req = c.request
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
             start = req.num_computed
-            ids.extend(req.tokens(start, start + c.num_tokens))
+            draft = drafts.get(req.request_id)
+            fed = req.tokens(start, start + c.num_tokens) + (draft.tokens if draft else [])
+            ids.extend(fed)
             slots.append(req.slot)
             starts.append(start)
-            lens.append(c.num_tokens)
+            lens.append(len(fed))
             if start < req.num_prompt_tokens:
                 plan.prefill_tokens += c.num_tokens
             else:
-                plan.decode_tokens += c.num_tokens
+                plan.decode_tokens += len(fed)
             n_prompt_rows = 0
             if req.wants_prompt_logprobs and start < req.num_prompt_tokens - 1:
                 n_prompt_rows = min(start + c.num_tokens, req.num_prompt_tokens - 1) - start
                 plan.logit_rows.extend(range(offset, offset + n_prompt_rows))
             completes = c.completes
             plan.prompt_rows.append((start, n_prompt_rows, completes))
-            if completes:
+            if completes:  # with drafts: one row per draft position plus the bonus row
                 plan.sample_rows.append(len(plan.logit_rows))
-                plan.logit_rows.append(offset + c.num_tokens - 1)
+                plan.logit_rows.extend(range(offset + c.num_tokens - 1, offset + len(fed)))
                 plan.sampling.append(req)
-            offset += c.num_tokens
-            req.num_computed += c.num_tokens
+                plan.drafts.append(draft)
+            offset += len(fed)
+            req.num_computed += c.num_tokens  # accepted drafts are added when the step is post-processed
         positions = [r.num_tokens for r in plan.sampling]  # the position each sampled token will take
         for row, req in enumerate(plan.sampling):
             req.output_token_ids.append(-(row + 1))
@@ -323,10 +341,18 @@ class LLMEngine:
             ids = torch.where(ids < 0, prev_tokens[(-ids - 1).clamp(min=0)], ids)
             plan.inp.ids = ids
         with self._timed("forward"):
-            logits = self.model.forward(plan.inp, self.cache, torch.tensor(plan.logit_rows, dtype=torch.int64),
-                                        plan.meta)
+            rows = torch.tensor(plan.logit_rows, dtype=torch.int64)
+            if self.spec is None:
+                logits = self.model.forward(plan.inp, self.cache, rows, plan.meta)
+            else:
+                logits, features = self.model.forward(plan.inp, self.cache, rows, plan.meta,
+                                                      **self.spec.feature_args(plan.inp))
+                self.spec.absorb(features)
         tokens = None
-        if plan.sampling:
+        if any(d is not None for d in plan.drafts):
+            with self._timed("verify"):
+                tokens = self.spec.verify(logits, plan, self.sampler, self.structured)
+        elif plan.sampling:
             with self._timed("sample"):
                 sample_logits = logits[plan.sample_rows]
                 if plan.grammar:  # structured outputs: grammar bitmask before sampling (such steps are synchronous)
@@ -348,28 +374,41 @@ class LLMEngine:
             cursor += n_rows + (1 if completes else 0)
         if not plan.sampling:
             return []
+        # per sampling row: the tokens it produced (several when drafts were accepted)
+        produced = tokens if isinstance(tokens, list) else [[t] for t in tokens.tolist()]
         logprobs = None
         if any(r.params.top_logprobs for r in plan.sampling):
             k = max(r.params.top_logprobs for r in plan.sampling)
-            logprobs = top_logprobs(logits[plan.sample_rows], tokens, k)
+            rows = [plan.sample_rows[i] + j for i, toks in enumerate(produced) for j in range(len(toks))]
+            flat = torch.tensor([t for toks in produced for t in toks], dtype=torch.int64)
+            logprobs = iter(top_logprobs(logits[rows], flat, k))
         finished = []
-        for row, (req, token) in enumerate(zip(plan.sampling, tokens.tolist())):
-            if req.is_finished:  # aborted, or stopped by the previous step: this token is discarded
+        for req, new_tokens in zip(plan.sampling, produced):
+            if req.is_finished:  # aborted, or stopped by the previous step: these tokens are discarded
                 continue
             # the oldest placeholder belongs to this step: steps are post-processed in order
-            req.output_token_ids[len(req.output_token_ids) - req.pending] = token
+            req.output_token_ids[len(req.output_token_ids) - req.pending] = new_tokens[0]
             req.pending -= 1
+            req.num_computed += len(new_tokens) - 1  # accepted drafts were fed in this step
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = time.perf_counter()
-            if req.output_logprobs is not None:
-                req.output_logprobs.append({t: v for j, (t, v) in enumerate(logprobs[row].items())
-                                            if j <= req.params.top_logprobs})
-            self._check_stop(req, token)
-            if req.grammar is not None:  # structured outputs: advance the matcher, stop when it terminates
-                self.structured.accept(req, token)
+            for i, token in enumerate(new_tokens):
+                row_logprobs = next(logprobs) if logprobs is not None else None
+                if req.is_finished:  # stopped by an earlier token of this step: the rest is discarded
+                    continue
+                if i:
+                    req.output_token_ids.append(token)
+                if req.output_logprobs is not None:
+                    req.output_logprobs.append({t: v for j, (t, v) in enumerate(row_logprobs.items())
+                                                if j <= req.params.top_logprobs})
+                self._check_stop(req, token)
+                if req.grammar is not None:  # structured outputs: advance the matcher, stop when it terminates
+                    self.structured.accept(req, token)
             if req.is_finished:
                 if req.detok is not None and not isinstance(req.stop_reason, str):
                     req.text += req.detok.flush()
+                if self.spec is not None:
+                    self.spec.forget(req.request_id)
                 self.scheduler.finish(req)
                 finished.append(req)
         return finished

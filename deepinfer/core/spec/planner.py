@@ -1,0 +1,116 @@
+"""How many drafts each request verifies (DSPARK.md, "Verification length").
+
+Fixed: every request verifies min(max_draft, its cap). Dynamic (DEEPINFER_ENABLE_MTP_VARLEN=1):
+1. the total budget K of draft tokens maximises expected tokens per second,
+   (R + sum of the K largest lagged survivals) / step_seconds(R + K), where the survivals are
+   each request's prefix-survival probabilities a_j = prod_{i<=j} c_i from its previous draft
+   step (a new request counts as 1.0), so the budget never waits for this step's drafter;
+2. the K slots go to the K largest current survivals; survival is non-increasing along a block,
+   so each request gets a prefix.
+Upstream lags the budget by two steps because its drafter runs asynchronously; our drafting
+steps are synchronous, so the freshest lagged value is the previous step's.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+
+class StepCost:
+    """Seconds of one target forward for a batch of `tokens` verify tokens, piecewise linear
+    between profiled points."""
+
+    def __init__(self, tokens: list[int], seconds: list[float]):
+        self.tokens, self.seconds = tokens, seconds
+
+    def __call__(self, tokens: int) -> float:
+        xs, ys = self.tokens, self.seconds
+        if tokens <= xs[0]:
+            return ys[0]
+        i = min(bisect.bisect_left(xs, tokens), len(xs) - 1)
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
+
+
+def profile_grid(max_tokens: int) -> list[int]:
+    grid, t = [], 1
+    while t < max_tokens:
+        grid.append(t)
+        t = t * 2 if t < 8 else int(t * 1.5)
+    return grid + [max_tokens]
+
+
+def cached_step_cost(key: dict, measure, cache_dir: str) -> StepCost:
+    """The profile for `key` from DEEPINFER_DECODE_PERF_CACHE_DIR, or `measure()` -> (tokens, seconds)
+    written there. The key names everything the timing depends on (model config, backend, shape)."""
+    root = Path(cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "deepinfer", "decode_perf"))
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    path = root / f"step_cost_{digest}.json"
+    try:
+        data = json.loads(path.read_text())
+        return StepCost(data["tokens"], data["seconds"])
+    except (OSError, ValueError, KeyError):
+        pass
+    tokens, seconds = measure()
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps({"key": key, "tokens": tokens, "seconds": seconds}))
+        tmp.replace(path)
+    except OSError:
+        pass  # a read-only cache dir only costs a re-profile next start
+    return StepCost(tokens, seconds)
+
+
+def time_call(fn, repeats: int = 3) -> float:
+    """Median wall time of fn() after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+class VerifyLengthPlanner:
+    def __init__(self, max_draft: int, cost: StepCost | None):
+        self.max_draft = max_draft
+        self.cost = cost  # None = fixed length
+        self.lagged: dict[str, list[float]] = {}  # request id -> survivals of its previous draft step
+
+    def lengths(self, request_ids: list[str], survival: torch.Tensor, caps: list[int]) -> list[int]:
+        """survival [B, block] (current), caps [B] (most drafts each request may verify)."""
+        caps = [min(c, self.max_draft) for c in caps]
+        if self.cost is None:
+            return caps
+        current = survival.tolist()
+        lagged = [a for rid, cap in zip(request_ids, caps) for a in self.lagged.get(rid, [1.0] * cap)[:cap]]
+        for rid, row in zip(request_ids, current):
+            self.lagged[rid] = row
+        budget = self._budget(len(request_ids), sorted(lagged, reverse=True))
+        # top-`budget` of the current survivals; ties go to the earlier slot so each request keeps a prefix
+        ranked = sorted(((-row[j], j, r) for r, (row, cap) in enumerate(zip(current, caps)) for j in range(cap)))
+        out = [0] * len(caps)
+        for _, _, r in ranked[:budget]:
+            out[r] += 1
+        return out
+
+    def _budget(self, num_requests: int, survivals: list[float]) -> int:
+        best, best_rate, expected = 0, num_requests / self.cost(num_requests), float(num_requests)
+        for k, a in enumerate(survivals, start=1):
+            expected += a
+            rate = expected / self.cost(num_requests + k)
+            if rate > best_rate:
+                best, best_rate = k, rate
+        return best
+
+    def forget(self, request_id: str) -> None:
+        self.lagged.pop(request_id, None)
