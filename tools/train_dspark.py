@@ -14,11 +14,15 @@
                Per step: --anchors random anchor positions per sequence; each block is
                [token at anchor, noise x (block-1)], attending to the 128 context positions
                before the anchor and non-causally to itself. Markov input: the true previous token.
+   Half the steps use the corpus, half the target's own greedy continuations of
+               --self-distill training-split prompts (a quarter of --seq-len each).
 4. loss     -- 0.1 CE(draft, target argmax) + 0.9 L1(p_draft, p_target)
                + 1.0 BCE(confidence, 1 - 0.5 L1), position weights exp(-k/4).
-5. calibrate-- per block position a temperature T_k for the confidence logit, fitted on
-               held-out blocks against greedy acceptance (draft argmax == target argmax),
-               grid search minimising BCE.
+5. calibrate-- per block position a temperature T_k for the confidence logit, fitted against
+               greedy acceptance (draft argmax == target argmax) on blocks anchored in the
+               target's own greedy continuations of held-out prompts (what the drafter
+               continues while serving), grid search minimising BCE. --calibrate-only
+               refits the temperatures of the drafter already in --model.
 6. output   -- dspark.safetensors (bf16, upstream mtp.0.* names) + dspark_* keys in
                config.json, and dspark_log.json with the held-out acceptance statistics.
 
@@ -28,6 +32,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import pathlib
@@ -232,6 +237,42 @@ def calibrate(acc: torch.Tensor, conf: torch.Tensor) -> list[float]:
     return temps
 
 
+def greedy_continuations(model_dir: pathlib.Path, stream: torch.Tensor, count: int, prompt_len: int,
+                         new_tokens: int) -> torch.Tensor:
+    """[count, prompt_len + new_tokens]: prompts spread over `stream`, each followed by the target's
+    own greedy continuation, which is what the drafter sees while serving greedy requests."""
+    import os
+
+    from deepinfer import LLM, SamplingParams
+
+    os.environ["DEEPINFER_USE_NEXTN_DECODE"] = "0"
+    llm = LLM(str(model_dir), max_num_seqs=min(count, 64))
+    step = (len(stream) - prompt_len) // count
+    prompts = [stream[i * step:i * step + prompt_len].tolist() for i in range(count)]
+    outs = llm.generate(prompt_token_ids=prompts, use_tqdm=False,
+                        sampling_params=SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True))
+    llm.engine.close()
+    return torch.tensor([p + o.outputs[0].token_ids for p, o in zip(prompts, outs)])
+
+
+def evaluate_generated(drafter, params, target, seqs: torch.Tensor, prompt_len: int, per_seq: int, gen):
+    """Teacher-forced blocks anchored inside the greedy continuations: per-slot acceptance and
+    confidence logits."""
+    acc, confs = [], []
+    g = drafter.dcfg.block_size
+    with torch.no_grad():
+        for x in seqs.split(target.batch):
+            if len(x) < target.batch:
+                break
+            tl, feats = target(x)
+            pos = torch.randint(prompt_len, x.shape[1] - g - 1, (len(x), per_seq), generator=gen)
+            anchors = torch.stack([torch.arange(len(x))[:, None].expand_as(pos).flatten(), pos.flatten()], dim=1)
+            logits, conf = block_outputs(drafter, params, x, feats, anchors)
+            acc.append((logits.argmax(-1) == targets_for(tl, anchors, g).argmax(-1)).float())
+            confs.append(conf)
+    return torch.cat(acc), torch.cat(confs)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=str(ROOT / "deepinfer" / "assets" / "tiny-dsv4"))
@@ -241,6 +282,10 @@ def main():
     ap.add_argument("--anchors", type=int, default=24, help="anchor positions per sequence per step")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--self-distill", type=int, default=256,
+                    help="target greedy continuations of training prompts mixed into training (0 = corpus only)")
+    ap.add_argument("--calibrate-only", action="store_true",
+                    help="keep the drafter in --model, only refit the confidence temperatures")
     args = ap.parse_args()
     torch.set_num_threads(1)
     model_dir = pathlib.Path(args.model)
@@ -252,17 +297,31 @@ def main():
     train, held = token_streams(model_dir)
     print(f"train {len(train)} tokens, held-out {len(held)} tokens ({time.time() - t_start:.0f}s)", flush=True)
     target = Target(model_dir, dcfg.target_layer_ids, args.batch, args.seq_len)
-    params = {k: torch.nn.Parameter(v) for k, v in init_drafter(target, dcfg).items()}
+    if args.calibrate_only:
+        from safetensors.torch import load_file
+
+        params = {k: torch.nn.Parameter(v.float()) for k, v in load_file(str(model_dir / "dspark.safetensors")).items()}
+    else:
+        params = {k: torch.nn.Parameter(v) for k, v in init_drafter(target, dcfg).items()}
     trainable = [v for k, v in params.items() if not k.endswith("temperature")]
     drafter = DSparkDrafter(cfg, dcfg, {k: v.detach() for k, v in params.items()}, target.model.w,
                             target.model.accel)
     opt = torch.optim.AdamW(trainable, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     gen = torch.Generator().manual_seed(args.seed)
     it = batches(train, args.seq_len, args.batch, gen)
+    if args.self_distill and not args.calibrate_only:
+        # half the steps train on the target's own greedy continuations of training-split prompts:
+        # while serving, the drafter continues the target's text, not the corpus
+        quarter = args.seq_len // 4
+        sd = greedy_continuations(model_dir, train, args.self_distill, quarter, args.seq_len - quarter)
+        print(f"self-distillation: {len(sd)} greedy continuations ({time.time() - t_start:.0f}s)", flush=True)
+        own = batches(sd.flatten(), args.seq_len, args.batch, gen)
+        corpus = it
+        it = (next(own) if i % 2 else next(corpus) for i in itertools.count())
     log, step, budget = [], 0, args.minutes * 60
     t0 = time.time()
     est_steps = None
-    while time.time() - t0 < budget:
+    while not args.calibrate_only and time.time() - t0 < budget:
         x = next(it)
         with torch.no_grad():
             tl, feats = target(x)
@@ -291,21 +350,35 @@ def main():
 
     eval_gen = torch.Generator().manual_seed(1234)
     acc, l1, conf = evaluate(drafter, params, target, held, args.seq_len, args.batch, 32, eval_gen, 12)
-    temps = calibrate(acc, conf)
+    # calibrate on the target's own greedy continuations of held-out prompts: while serving, the
+    # drafter continues the target's text, which is more predictable than held-out code
+    half = args.seq_len // 2
+    generated = greedy_continuations(model_dir, held, 4 * args.batch, half, args.seq_len - half)
+    gen_acc, gen_conf = evaluate_generated(drafter, params, target, generated, half, 24, eval_gen)
+    temps = calibrate(gen_acc, gen_conf)
     params["mtp.0.confidence_head.temperature"].data = torch.tensor(temps)
-    cal = torch.sigmoid(conf / torch.tensor(temps))
-    survival = torch.cumprod(acc, dim=1)  # greedy, drafts chained after the true prefix
+    cal = torch.sigmoid(gen_conf / torch.tensor(temps))
+    # a draft counts only when every draft before it was accepted (greedy verification)
+    chained = lambda a: round(torch.cumprod(a, dim=1).sum(1).mean().item(), 3)  # noqa: E731
     summary = dict(
         steps=step, minutes=round((time.time() - t0) / 60, 1), seq_len=args.seq_len, batch=args.batch,
         anchors_per_seq=args.anchors, lr=args.lr, dspark=DSPARK_KEYS, num_stages=1,
         heldout_blocks=int(acc.shape[0]),
         heldout_greedy_accept_per_slot=[round(v, 3) for v in acc.mean(0).tolist()],
-        heldout_expected_accepted_len_of_5=round(survival.sum(1).mean().item(), 3),
+        heldout_expected_accepted_len_of_5=chained(acc),
         heldout_l1_per_slot=[round(v, 3) for v in l1.mean(0).tolist()],
+        generated_blocks=int(gen_acc.shape[0]),
+        generated_greedy_accept_per_slot=[round(v, 3) for v in gen_acc.mean(0).tolist()],
+        generated_expected_accepted_len_of_5=chained(gen_acc),
         calibration_temperature=[round(t, 3) for t in temps],
         calibrated_confidence_mean_per_slot=[round(v, 3) for v in cal.mean(0).tolist()],
         parameters=sum(v.numel() for v in params.values()),
     )
+    if args.calibrate_only:  # keep the training run's record
+        previous = json.loads((model_dir / "dspark_log.json").read_text())
+        summary = {**previous["summary"], **{k: v for k, v in summary.items() if k not in
+                                             ("steps", "minutes", "lr", "anchors_per_seq")}}
+        log = previous["log"]
     print(json.dumps(summary), flush=True)
     from safetensors.torch import save_file
 

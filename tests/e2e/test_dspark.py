@@ -198,3 +198,28 @@ def test_sampled_distribution_matches_target(vocab16_dir, monkeypatch):
         f_exp = torch.cat([expected[keep]] + pooled[1:] if pooled else [expected[keep]]).numpy()
         f_exp = f_exp * f_obs.sum() / f_exp.sum()
         assert chisquare(f_obs, f_exp).pvalue > 1e-3, (k, f_obs, f_exp)
+
+
+SHIPPED_PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n\nclass Config:\n    def __init__(self",
+                   "    for key, value in sorted(items):\n", "\"\"\"Utilities for parsing", "x = [",
+                   "class Queue:\n    \"\"\"A FIFO queue.\"\"\"\n\n    def put(self, item):\n        "]
+
+
+@pytest.mark.parametrize("mode", ["fixed", "dynamic"])
+def test_shipped_model_greedy_equals_no_drafting(monkeypatch, mode):
+    """The trained drafter shipped with tiny-dsv4: a mixed batch (lengths, max_tokens, a stop token,
+    logprobs) is token-for-token the no-drafting output, and drafts are accepted."""
+    from deepinfer.llm import DEFAULT_MODEL_DIR
+
+    params = [SamplingParams(temperature=0.0, max_tokens=24 + 12 * i, ignore_eos=True, top_logprobs=1 if i == 1 else 0,
+                             stop_token_ids=[25] if i == 3 else None) for i in range(len(SHIPPED_PROMPTS))]
+    off = _llm(DEFAULT_MODEL_DIR, monkeypatch, "off").generate(SHIPPED_PROMPTS, params, use_tqdm=False)
+    llm = _llm(DEFAULT_MODEL_DIR, monkeypatch, mode)
+    on = llm.generate(SHIPPED_PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in on] == [o.outputs[0].token_ids for o in off]
+    assert [o.outputs[0].finish_reason for o in on] == [o.outputs[0].finish_reason for o in off]
+    lp_on, lp_off = on[1].outputs[0].logprobs, off[1].outputs[0].logprobs
+    assert len(lp_on) == len(lp_off) and all(abs(a[t] - b[t]) < 1e-3 for a, b, t in
+                                            zip(lp_on, lp_off, on[1].outputs[0].token_ids))
+    stats = llm.engine.spec.stats
+    assert stats["accepted"] > 0.1 * stats["verified"]

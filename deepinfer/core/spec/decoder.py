@@ -60,8 +60,10 @@ class SpecDecoder:
         self.planner = VerifyLengthPlanner(self.max_draft, cost)
 
     def _profile(self, cache, max_tokens: int, per_seq: int) -> tuple[list[int], list[float]]:
-        """Seconds of a verify forward (logits and features for every token) for growing batches
-        of sequences with up to `per_seq` tokens each, at a position where the window is full."""
+        """Seconds of a drafting step's device work -- the drafter block of every sequence plus
+        the verify forward (logits and features for every token) -- for growing batches of
+        sequences with up to `per_seq` tokens each, at a position where the window is full.
+        The drafter's share is what makes a step cost more than its verify tokens alone."""
         from deepinfer.core.models.deepseek_v4 import StepInput
 
         tokens_grid, seconds = [], []
@@ -79,7 +81,13 @@ class SpecDecoder:
                 inp = StepInput(t([3] * tokens), t(slots), t([start] * seqs), t(lens))
                 rows = t(list(range(tokens)))
                 layers = self.drafter.dcfg.target_layer_ids
-                seconds.append(time_call(lambda: self.model.forward(inp, cache, rows, None, layers, rows), repeats=3))
+
+                def step():
+                    hidden = self.drafter.draft_block(inp.ids[:seqs], inp.slots, inp.starts)
+                    self.drafter.logits(hidden.flatten(0, 1))
+                    self.model.forward(inp, cache, rows, None, layers, rows)
+
+                seconds.append(time_call(step, repeats=3))
                 tokens_grid.append(tokens)
             finally:
                 for s in slots:
