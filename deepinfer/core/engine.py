@@ -341,13 +341,8 @@ class LLMEngine:
             ids = torch.where(ids < 0, prev_tokens[(-ids - 1).clamp(min=0)], ids)
             plan.inp.ids = ids
         with self._timed("forward"):
-            rows = torch.tensor(plan.logit_rows, dtype=torch.int64)
-            if self.spec is None:
-                logits = self.model.forward(plan.inp, self.cache, rows, plan.meta)
-            else:
-                logits, features = self.model.forward(plan.inp, self.cache, rows, plan.meta,
-                                                      **self.spec.feature_args(plan.inp))
-                self.spec.absorb(features)
+            forward = self.model.forward if self.spec is None else self.spec.forward  # spec: + drafter context
+            logits = forward(plan.inp, self.cache, torch.tensor(plan.logit_rows, dtype=torch.int64), plan.meta)
         tokens = None
         if any(d is not None for d in plan.drafts):
             with self._timed("verify"):

@@ -98,18 +98,17 @@ class SpecDecoder:
         return tokens_grid, seconds
 
     # ------------------------------------------------------------ per step
-    def feature_args(self, inp) -> dict:
-        """forward() arguments that capture the drafter's context for the positions its rings keep."""
+    def forward(self, inp, cache, logit_rows: torch.Tensor, meta) -> torch.Tensor:
+        """The target forward of any step while drafting is on: also captures the drafter's
+        context features of the positions its rings keep and writes them there."""
         lens, ring = inp.lens, self.drafter.ring
         seq = torch.repeat_interleave(torch.arange(len(lens), device=lens.device), lens)
         first = torch.cumsum(lens, 0) - lens
         positions = inp.starts[seq] + torch.arange(len(seq), device=lens.device) - first[seq]
         rows = (positions >= (inp.starts + lens)[seq] - ring).nonzero().squeeze(1)
-        self._absorb_at = (inp.slots[seq[rows]], positions[rows])
-        return {"feature_layers": self.drafter.dcfg.target_layer_ids, "feature_rows": rows}
-
-    def absorb(self, features: torch.Tensor) -> None:
-        self.drafter.absorb(features, *self._absorb_at)
+        logits, features = self.model.forward(inp, cache, logit_rows, meta, self.drafter.dcfg.target_layer_ids, rows)
+        self.drafter.absorb(features, inp.slots[seq[rows]], positions[rows])
+        return logits
 
     def propose(self, chunks, token_budget: int, cache, max_model_len: int) -> dict[str, Draft]:
         """Draft for every request whose chunk is its single newest token, within the step's
