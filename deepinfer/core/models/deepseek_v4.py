@@ -173,7 +173,7 @@ class DeepseekV4Model:
         for i in range(cfg.num_hidden_layers):
             p = f"model.layers.{i}."
             if i in feature_layers:
-                features.append(streams[feature_rows].mean(dim=1))
+                features.append(streams[feature_rows.to(streams.device)].mean(dim=1))
             streams = self._residual(streams, p + "attn_hc.", p + "input_layernorm.weight",
                                      lambda h: self._attention(i, h, meta, cache))
             streams = self._residual(streams, p + "ffn_hc.", p + "post_attention_layernorm.weight",

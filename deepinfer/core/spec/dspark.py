@@ -218,6 +218,7 @@ class DSparkDrafter:
         pairs must be distinct: callers pass at most the last `ring` positions of a sequence."""
         if not len(slots):
             return
+        slots, positions = slots.to(features.device), positions.to(features.device)
         ctx = self.context(features)
         cos_sin = self._cos_sin(positions)
         rows = slots * self.ring + positions.remainder(self.ring)
