@@ -92,7 +92,7 @@ def _oracle_drafts(monkeypatch, continuation: dict[tuple, list[int]], seed: int)
     def draft(self, reqs, depth):
         drafts = []
         for r in reqs:
-            full = continuation[tuple(r.prompt_token_ids)]
+            full = continuation.get(tuple(r.prompt_token_ids), [])
             pos = r.num_computed + 1 - len(r.prompt_token_ids)
             d = (full[pos:pos + depth] + [3] * depth)[:depth]
             wrong = rng.randint(0, depth)
@@ -127,6 +127,32 @@ def test_partial_acceptance_and_rollback(spec_model_dir, monkeypatch, mode):
     fresh = _tokens(_llm(spec_model_dir, monkeypatch, "off"), [p + r[:80] for p, r in zip(prompts, continued)],
                     [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True) for _ in prompts])
     assert [c[80:] for c in continued] == fresh
+
+
+def test_preemption_and_abort_while_drafting(spec_model_dir, monkeypatch):
+    """A cache too small for the batch forces preemption (recompute) between drafting steps, and
+    aborts free slots mid-run: the surviving greedy outputs are still the no-drafting ones."""
+    prompts, _ = _mixed_batch(seed=4, n=10)
+    params = [SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True) for _ in prompts]
+
+    def run(mode):
+        llm = _llm(spec_model_dir, monkeypatch, mode, num_cache_pages=7, max_num_batched_tokens=192)
+        engine = llm.engine
+        reqs = [engine.add_request(p, sp, request_id=str(i)) for i, (p, sp) in enumerate(zip(prompts, params))]
+        steps = 0
+        while engine.has_unfinished():
+            engine.step()
+            steps += 1
+            if steps == 25:
+                engine.abort_request("3")
+        engine.pop_finished()
+        assert engine.cache.num_free_pages == engine.cache.num_pages
+        return [r.output_token_ids for r in reqs if r.request_id != "3"], engine.scheduler.num_preemptions
+
+    reference, _ = run("off")
+    _oracle_drafts(monkeypatch, {tuple(p): r for p, r in zip(prompts[:3] + prompts[4:], reference)}, seed=5)
+    got, preemptions = run("fixed")
+    assert got == reference and preemptions > 0
 
 
 def test_structured_outputs_with_drafts(spec_model_dir, monkeypatch):
