@@ -37,7 +37,7 @@ def heldout_prompts(tokenizer, count: int, length: int) -> list[list[int]]:
     return [ids[i * step:i * step + length] for i in range(count)]
 
 
-def run(model: str, mode: str, prompts, new_tokens: int, perf_dir: str) -> dict:
+def run(model: str, mode: str, prompts, new_tokens: int, perf_dir: str, repeats: int):
     from deepinfer import LLM, SamplingParams
 
     os.environ["DEEPINFER_USE_NEXTN_DECODE"], os.environ["DEEPINFER_ENABLE_MTP_VARLEN"] = MODES[mode]
@@ -47,18 +47,24 @@ def run(model: str, mode: str, prompts, new_tokens: int, perf_dir: str) -> dict:
     llm.generate(prompt_token_ids=prompts[:1], sampling_params=SamplingParams(temperature=0.0, max_tokens=8),
                  use_tqdm=False)  # warm-up
     spec = llm.engine.spec
-    if spec is not None:
-        spec.stats.update(steps=0, verified=0, accepted=0)
-    start = time.perf_counter()
-    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-    seconds = time.perf_counter() - start
+    best = None
+    for _ in range(repeats):  # the fastest of a few runs: the cores are shared, slow runs are noise
+        if spec is not None:
+            spec.stats.update(steps=0, verified=0, accepted=0)
+        start = time.perf_counter()
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        stats = dict(spec.stats) if spec is not None else {"steps": 0}
+        if best is None or seconds < best[0]:
+            best = (seconds, outs, stats)
+    seconds, outs, stats = best
     tokens = [o.outputs[0].token_ids for o in outs]
     n = sum(len(t) for t in tokens)
-    steps = spec.stats["steps"] if spec is not None else 0
+    steps = stats["steps"]
     out = dict(mode=mode, concurrency=len(prompts), seconds=round(seconds, 3), output_tokens=n,
                tok_s=round(n / seconds, 2),
-               mean_verified_len=round(spec.stats["verified"] / steps, 3) if steps else 0.0,
-               mean_accepted_len=round(spec.stats["accepted"] / steps, 3) if steps else 0.0)
+               mean_verified_len=round(stats["verified"] / steps, 3) if steps else 0.0,
+               mean_accepted_len=round(stats["accepted"] / steps, 3) if steps else 0.0)
     llm.engine.close()
     return out, tokens
 
@@ -69,6 +75,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32, 64])
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=2, help="timed runs per cell; the fastest is kept")
     parser.add_argument("--perf-dir", default=os.environ.get("DEEPINFER_DECODE_PERF_CACHE_DIR", ""),
                         help="DEEPINFER_DECODE_PERF_CACHE_DIR for the dynamic planner's step-cost profile")
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "dspark.json"))
@@ -83,7 +90,7 @@ def main() -> None:
     for c in args.concurrency:
         reference = None
         for mode in MODES:
-            row, tokens = run(args.model, mode, pool[:c], args.new_tokens, args.perf_dir)
+            row, tokens = run(args.model, mode, pool[:c], args.new_tokens, args.perf_dir, args.repeats)
             reference = tokens if reference is None else reference
             row["same_tokens_as_off"] = tokens == reference
             rows.append(row)
@@ -107,6 +114,7 @@ def main() -> None:
     table = "\n".join(lines)
     print(table)
     meta = dict(model=os.path.relpath(args.model, ROOT), new_tokens=args.new_tokens, prompt_len=args.prompt_len,
+                repeats=args.repeats,
                 greedy=True, torch=torch.__version__, threads=torch.get_num_threads(), cpu_count=os.cpu_count(),
                 lossless_all_concurrency=same)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
