@@ -279,8 +279,8 @@ def main():
     ap.add_argument("--minutes", type=float, default=22.0, help="wall-clock training budget")
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--anchors", type=int, default=24, help="anchor positions per sequence per step")
-    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--anchors", type=int, default=48, help="anchor positions per sequence per step")
+    ap.add_argument("--lr", type=float, default=1.5e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--self-distill", type=int, default=256,
                     help="target greedy continuations of training prompts mixed into training (0 = corpus only)")
