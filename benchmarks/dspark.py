@@ -1,6 +1,6 @@
 """DSpark speculative decoding A/B on this machine: concurrency x {off, fixed-5, dynamic}.
 
-Per cell: mean verified length (drafts verified per request-step), mean accepted length
+Per cell: at least --min-requests requests, `concurrency` at a time; mean verified length (drafts verified per request-step), mean accepted length
 (accepted drafts per request-step), tokens per request-step (accepted + the target's own
 token), output tokens/s, and dynamic vs fixed-5. Greedy decoding of held-out code (the
 shipped model's held-out stdlib files: prompts are 64-token windows of them), so every
@@ -37,12 +37,12 @@ def heldout_prompts(tokenizer, count: int, length: int) -> list[list[int]]:
     return [ids[i * step:i * step + length] for i in range(count)]
 
 
-def run(model: str, mode: str, prompts, new_tokens: int, perf_dir: str, repeats: int):
+def run(model: str, mode: str, prompts, concurrency: int, new_tokens: int, perf_dir: str, repeats: int):
     from deepinfer import LLM, SamplingParams
 
     os.environ["DEEPINFER_USE_NEXTN_DECODE"], os.environ["DEEPINFER_ENABLE_MTP_VARLEN"] = MODES[mode]
     os.environ["DEEPINFER_DECODE_PERF_CACHE_DIR"] = perf_dir
-    llm = LLM(model, max_num_seqs=max(64, len(prompts)), max_num_batched_tokens=1024)
+    llm = LLM(model, max_num_seqs=max(64, concurrency), max_num_batched_tokens=1024)
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     llm.generate(prompt_token_ids=prompts[:1], sampling_params=SamplingParams(temperature=0.0, max_tokens=8),
                  use_tqdm=False)  # warm-up
@@ -52,7 +52,9 @@ def run(model: str, mode: str, prompts, new_tokens: int, perf_dir: str, repeats:
         if spec is not None:
             spec.stats.update(steps=0, verified=0, accepted=0)
         start = time.perf_counter()
-        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        outs = []
+        for i in range(0, len(prompts), concurrency):  # `concurrency` requests at a time
+            outs += llm.generate(prompt_token_ids=prompts[i:i + concurrency], sampling_params=params, use_tqdm=False)
         seconds = time.perf_counter() - start
         stats = dict(spec.stats) if spec is not None else {"steps": 0}
         if best is None or seconds < best[0]:
@@ -61,7 +63,7 @@ def run(model: str, mode: str, prompts, new_tokens: int, perf_dir: str, repeats:
     tokens = [o.outputs[0].token_ids for o in outs]
     n = sum(len(t) for t in tokens)
     steps = stats["steps"]
-    out = dict(mode=mode, concurrency=len(prompts), seconds=round(seconds, 3), output_tokens=n,
+    out = dict(mode=mode, concurrency=concurrency, requests=len(prompts), seconds=round(seconds, 3), output_tokens=n,
                tok_s=round(n / seconds, 2),
                mean_verified_len=round(stats["verified"] / steps, 3) if steps else 0.0,
                mean_accepted_len=round(stats["accepted"] / steps, 3) if steps else 0.0)
@@ -76,6 +78,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2, help="timed runs per cell; the fastest is kept")
+    parser.add_argument("--min-requests", type=int, default=8,
+                        help="requests per cell at least (run as rounds of `concurrency` requests)")
     parser.add_argument("--perf-dir", default=os.environ.get("DEEPINFER_DECODE_PERF_CACHE_DIR", ""),
                         help="DEEPINFER_DECODE_PERF_CACHE_DIR for the dynamic planner's step-cost profile")
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "dspark.json"))
@@ -85,12 +89,13 @@ def main() -> None:
     from deepinfer.core.tokenizer import Tokenizer
 
     tokenizer = Tokenizer(args.model)
-    pool = heldout_prompts(tokenizer, max(args.concurrency), args.prompt_len)
+    pool = heldout_prompts(tokenizer, max(args.concurrency + [args.min_requests]), args.prompt_len)
     rows, same = [], {}
     for c in args.concurrency:
         reference = None
+        prompts = pool[:max(c, args.min_requests // c * c)]  # low concurrency: several rounds of c requests
         for mode in MODES:
-            row, tokens = run(args.model, mode, pool[:c], args.new_tokens, args.perf_dir, args.repeats)
+            row, tokens = run(args.model, mode, prompts, c, args.new_tokens, args.perf_dir, args.repeats)
             reference = tokens if reference is None else reference
             row["same_tokens_as_off"] = tokens == reference
             rows.append(row)
@@ -114,7 +119,7 @@ def main() -> None:
     table = "\n".join(lines)
     print(table)
     meta = dict(model=os.path.relpath(args.model, ROOT), new_tokens=args.new_tokens, prompt_len=args.prompt_len,
-                repeats=args.repeats,
+                repeats=args.repeats, min_requests=args.min_requests,
                 greedy=True, torch=torch.__version__, threads=torch.get_num_threads(), cpu_count=os.cpu_count(),
                 lossless_all_concurrency=same)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
