@@ -75,3 +75,13 @@ def test_sampled_draft_from_the_target_distribution_is_always_accepted():
     target[0, 3] = -1e9
     out = accept(CpuAccelerator(), [_block(target, drafts, 1.0, logp[:3])])
     assert len(out[0]) == 1 and out[0][0] != 3
+
+
+def test_zero_budget_is_known_before_drafting():
+    """Drafts that do not pay give a budget of 0 from the lagged survivals alone, so the step can
+    skip the drafter; a request the planner has not seen yet counts as sure (1.0)."""
+    planner = VerifyLengthPlanner(5, StepCost([1, 65], [1.0, 33.0], [1, 8], [0.5, 0.5]))
+    assert planner.budget(["a"], [5]) == 5
+    planner.lengths(["a"], torch.full((1, 5), 0.05), [5])
+    assert planner.budget(["a"], [5]) == 0
+    assert planner.budget(["a", "new"], [5, 5]) > 0

@@ -53,20 +53,21 @@ class SpecDecoder:
             return
         per_seq = self.max_draft + 1
         max_tokens = min(max_step_tokens, cache.max_seqs * per_seq)
-        key = {"model": repr(self.model.config), "backend": self.accel.name, "threads": torch.get_num_threads(),
-               "tokens": max_tokens, "per_seq": per_seq, "dtype": str(cache.dtype)}
+        key = {"model": repr(self.model.config), "drafter": repr(self.drafter.dcfg), "backend": self.accel.name,
+               "threads": torch.get_num_threads(), "tokens": max_tokens, "per_seq": per_seq,
+               "dtype": str(cache.dtype), "version": 2}
         cost = cached_step_cost(key, lambda: self._profile(cache, max_tokens, per_seq),
                                 envs.get("DEEPINFER_DECODE_PERF_CACHE_DIR") if cache_dir is None else cache_dir)
         self.planner = VerifyLengthPlanner(self.max_draft, cost)
 
-    def _profile(self, cache, max_tokens: int, per_seq: int) -> tuple[list[int], list[float]]:
-        """Seconds of a drafting step's device work -- the drafter block of every sequence plus
-        the verify forward (logits and features for every token) -- for growing batches of
-        sequences with up to `per_seq` tokens each, at a position where the window is full.
-        The drafter's share is what makes a step cost more than its verify tokens alone."""
+    def _profile(self, cache, max_tokens: int, per_seq: int):
+        """Seconds of a verify forward (logits and features for every token) for growing batches
+        of sequences with up to `per_seq` tokens each, at a position where the window is full, and
+        of the drafter block for those sequences. Returns (tokens, seconds, seqs, drafter seconds)."""
         from deepinfer.core.models.deepseek_v4 import StepInput
 
-        tokens_grid, seconds = [], []
+        tokens_grid, seconds, seqs_grid, drafter_seconds = [], [], [], []
+        layers = self.drafter.dcfg.target_layer_ids
         for tokens in profile_grid(max_tokens):
             seqs = min(-(-tokens // per_seq), cache.num_free_slots)
             lens = [tokens // seqs + (1 if i < tokens % seqs else 0) for i in range(seqs)]
@@ -80,22 +81,21 @@ class SpecDecoder:
                 t = lambda xs: torch.tensor(xs, dtype=torch.int64, device=self.accel.device)  # noqa: E731
                 inp = StepInput(t([3] * tokens), t(slots), t([start] * seqs), t(lens))
                 rows = t(list(range(tokens)))
-                layers = self.drafter.dcfg.target_layer_ids
-
-                def step():
-                    hidden = self.drafter.draft_block(inp.ids[:seqs], inp.slots, inp.starts)
-                    self.drafter.logits(hidden.flatten(0, 1))
-                    self.model.forward(inp, cache, rows, None, layers, rows)
-
-                seconds.append(time_call(step, repeats=3))
+                seconds.append(time_call(lambda: self.model.forward(inp, cache, rows, None, layers, rows), repeats=3))
                 tokens_grid.append(tokens)
+                if seqs not in seqs_grid:
+                    drafter = lambda: self.drafter.logits(  # noqa: E731
+                        self.drafter.draft_block(t([3] * seqs), t(slots), t([start] * seqs)).flatten(0, 1))
+                    drafter_seconds.append(time_call(drafter, repeats=3))
+                    seqs_grid.append(seqs)
             finally:
                 for s in slots:
                     cache.release(s)
-        # more tokens never cost less: a dip is timing noise (e.g. another process on the cores)
-        for i in range(1, len(seconds)):
-            seconds[i] = max(seconds[i], seconds[i - 1])
-        return tokens_grid, seconds
+        # more work never costs less: a dip is timing noise (e.g. another process on the cores)
+        for ys in (seconds, drafter_seconds):
+            for i in range(1, len(ys)):
+                ys[i] = max(ys[i], ys[i - 1])
+        return tokens_grid, seconds, seqs_grid, drafter_seconds
 
     # ------------------------------------------------------------ per step
     def forward(self, inp, cache, logit_rows: torch.Tensor, meta) -> torch.Tensor:
@@ -127,10 +127,12 @@ class SpecDecoder:
                 reqs.append(req)
                 caps.append(cap)
                 token_budget -= cap
-        if not reqs:
+        ids = [r.request_id for r in reqs]
+        budget = self.planner.budget(ids, caps)
+        if not budget:  # nothing worth verifying: a plain decode step, the drafter does not run
             return {}
-        drafts, logprobs, survival = self._draft(reqs, max(caps))
-        lengths = self.planner.lengths([r.request_id for r in reqs], survival, caps)
+        drafts, logprobs, survival = self._draft(reqs, min(max(caps), budget))
+        lengths = self.planner.lengths(ids, survival, [min(c, survival.shape[1]) for c in caps], budget)
         out = {}
         for i, (req, n) in enumerate(zip(reqs, lengths)):
             if n:
