@@ -32,7 +32,8 @@ class SpecDecoder:
         self.model, self.drafter, self.accel = model, drafter, accel
         self.max_draft, self.margin = max_draft, margin
         self.planner = VerifyLengthPlanner(max_draft, None)
-        self.stats = {"steps": 0, "verified": 0, "accepted": 0}  # per drafting request-step
+        # steps: request-steps that could draft (drafted or not); verified / accepted: draft tokens
+        self.stats = {"steps": 0, "verified": 0, "accepted": 0}
 
     @classmethod
     def create(cls, model, extra: dict[str, torch.Tensor], accel: Accelerator, max_seqs: int) -> "SpecDecoder | None":
@@ -128,6 +129,7 @@ class SpecDecoder:
                 caps.append(cap)
                 token_budget -= cap
         ids = [r.request_id for r in reqs]
+        self.stats["steps"] += len(reqs)
         budget = self.planner.budget(ids, caps)
         if not budget:  # nothing worth verifying: a plain decode step, the drafter does not run
             return {}
@@ -210,7 +212,6 @@ class SpecDecoder:
             where.append(i)
         for i, tokens, b in zip(where, accept(self.accel, blocks), blocks):
             out[i] = tokens
-            self.stats["steps"] += 1
             self.stats["verified"] += len(b.drafts)
             self.stats["accepted"] += len(tokens) - 1
         return out
