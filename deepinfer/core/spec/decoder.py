@@ -125,6 +125,8 @@ class SpecDecoder:
             while cap > 0 and not cache.can_grow(req.slot, anchor_pos + 1 + cap):
                 cap -= 1
             if cap > 0:
+                # pages for every position a draft may take, now: the next request's check must see them gone
+                cache.grow(req.slot, anchor_pos + 1 + cap)
                 reqs.append(req)
                 caps.append(cap)
                 token_budget -= cap
@@ -138,7 +140,6 @@ class SpecDecoder:
         out = {}
         for i, (req, n) in enumerate(zip(reqs, lengths)):
             if n:
-                cache.grow(req.slot, req.num_computed + 1 + n)
                 lp = logprobs[i][:n] if logprobs[i] is not None else None
                 out[req.request_id] = Draft(drafts[i][:n], lp)
         return out
