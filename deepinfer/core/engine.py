@@ -238,7 +238,7 @@ class LLMEngine:
         with self._timed("schedule"):
             chunks = self.scheduler.schedule()
         with self._timed("prepare"):
-            plan = self._plan(chunks) if chunks else None
+            plan = self._plan(chunks, draft=not overlap) if chunks else None
         finished = list(grammar_failed)
         if plan is not None and not overlap:
             plan.future = _Done(self._execute(plan, None))
@@ -257,7 +257,7 @@ class LLMEngine:
         """Overlap would be wrong when a grammar must see step N's token before it masks step
         N+1's logits: any request under a grammar makes the step synchronous. So does drafting:
         the drafter's anchor and the next step's positions depend on how many drafts were accepted."""
-        if self.spec is not None and self.scheduler.running:
+        if self.spec is not None and self.spec.wants_to_draft(self.scheduler.running):
             return True
         if self.structured is None:
             return False
@@ -282,7 +282,7 @@ class LLMEngine:
         finally:
             self.timeline[phase] += time.perf_counter() - t0
 
-    def _plan(self, chunks: list[ScheduledChunk]) -> "StepPlan":
+    def _plan(self, chunks: list[ScheduledChunk], draft: bool = True) -> "StepPlan":
         """Build the step's inputs on the CPU and advance the requests as if it had run: fed
         positions count as computed, and each sampling request gets a placeholder token
         (-(row+1): row `row` of this step's samples) that _finish replaces."""
@@ -292,7 +292,7 @@ class LLMEngine:
         now = time.perf_counter()
         drafts = {} if self.spec is None else self.spec.propose(
             chunks, self.engine_config.max_num_batched_tokens - sum(c.num_tokens for c in chunks), self.cache,
-            self.max_model_len)
+            self.max_model_len, allowed=draft)
         for c in chunks:
             req = c.request
             if req.metrics.first_scheduled_time is None:

@@ -83,6 +83,26 @@ def test_greedy_equals_no_drafting_random_drafter(spec_model_dir, monkeypatch, m
     assert stats["verified"] > 100  # drafting really happened; random drafts are nearly all rejected
 
 
+def test_dynamic_steps_that_skip_drafting_overlap(spec_model_dir, monkeypatch):
+    """With a cost table where only near-certain drafts pay, dynamic mode drafts for new requests
+    (survival 1.0), then stops: those steps skip the drafter and go back to zero-overhead
+    (overlapped) scheduling; outputs stay the no-drafting ones throughout."""
+    from deepinfer.core.spec.planner import StepCost
+
+    prompts, params = _mixed_batch(seed=6)
+    reference = _tokens(_llm(spec_model_dir, monkeypatch, "off"), prompts, params)
+    llm = _llm(spec_model_dir, monkeypatch, "dynamic")
+    engine = llm.engine
+    engine.spec.planner.cost = StepCost([1, 65], [1.0, 33.0])  # a verify token costs half a step
+    drafting = []
+    plan = engine._plan
+    monkeypatch.setattr(engine, "_plan", lambda chunks, draft=True: drafting.append(draft) or plan(chunks, draft))
+    got = _tokens(llm, prompts, params)
+    greedy = [i for i, p in enumerate(params) if p.temperature == 0]
+    assert [got[i] for i in greedy] == [reference[i] for i in greedy]
+    assert engine.spec.stats["verified"] > 0 and drafting.count(False) > drafting.count(True) > 0
+
+
 def _oracle_drafts(monkeypatch, continuation: dict[tuple, list[int]], seed: int):
     """Replace the drafter by one that proposes the true greedy continuation, corrupted at a random
     slot (sometimes none): partial acceptances of every length, rejections that cross compressor

@@ -111,14 +111,26 @@ class SpecDecoder:
         self.drafter.absorb(features, inp.slots[seq[rows]], positions[rows])
         return logits
 
-    def propose(self, chunks, token_budget: int, cache, max_model_len: int) -> dict[str, Draft]:
+    def wants_to_draft(self, running) -> bool:
+        """Whether the next step drafts, which makes it synchronous. Fixed length: whenever a request
+        runs. Dynamic: when the budget from lagged survivals is positive; a step that will not draft
+        keeps zero-overhead scheduling (its anchors may still be placeholders)."""
+        if not running:
+            return False
+        if self.planner.cost is None:
+            return True
+        return self.planner.budget([r.request_id for r in running], [self.max_draft] * len(running)) > 0
+
+    def propose(self, chunks, token_budget: int, cache, max_model_len: int, allowed: bool = True) -> dict[str, Draft]:
         """Draft for every request whose chunk is its single newest token, within the step's
-        token budget, the cache and each request's remaining max_tokens / max_model_len."""
+        token budget, the cache and each request's remaining max_tokens / max_model_len.
+        `allowed` False (an overlapped step): count the request-steps, draft nothing."""
+        decoding = [c.request for c in chunks if c.completes and c.num_tokens == 1 and not c.request.wants_prompt_logprobs]
+        if not allowed:
+            self.stats["steps"] += len(decoding)
+            return {}
         reqs, caps = [], []
-        for c in chunks:
-            req = c.request
-            if not (c.completes and c.num_tokens == 1) or req.wants_prompt_logprobs:
-                continue
+        for req in decoding:
             anchor_pos = req.num_computed
             cap = min(self.max_draft, req.params.max_tokens - len(req.output_token_ids) - 1,
                       max_model_len - anchor_pos - 2, max(token_budget, 0))
