@@ -212,32 +212,44 @@ def vocab16_dir(tmp_path_factory):
 PROMPT16 = [0, 5, 9, 3, 12, 7, 7, 4]
 
 
-def _exact_marginals(hf, temperature: float):
+def _exact_marginals(hf, temperature: float, top_k: int):
     """P(second token) and P(third token) under the target, by enumerating the tokens before them."""
+    def dist(logits):
+        logits = logits / temperature
+        if top_k > 0:
+            kth = logits.topk(top_k, dim=-1).values[..., -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        return torch.softmax(logits, -1)
+
     with torch.no_grad():
-        p1 = torch.softmax(hf(torch.tensor([PROMPT16])).logits[0, -1] / temperature, -1)
+        p1 = dist(hf(torch.tensor([PROMPT16])).logits[0, -1])
         ctx2 = torch.tensor([PROMPT16 + [a] for a in range(16)])
-        p2 = torch.softmax(hf(ctx2).logits[:, -1] / temperature, -1)  # [a, b]
+        p2 = dist(hf(ctx2).logits[:, -1])  # [a, b]
         ctx3 = torch.tensor([PROMPT16 + [a, b] for a in range(16) for b in range(16)])
-        p3 = torch.softmax(hf(ctx3).logits[:, -1] / temperature, -1).view(16, 16, 16)
+        p3 = dist(hf(ctx3).logits[:, -1]).view(16, 16, 16)
     joint12 = p1[:, None] * p2
     return joint12.sum(0), (joint12[:, :, None] * p3).sum((0, 1))
 
 
-def test_sampled_distribution_matches_target(vocab16_dir, monkeypatch):
+@pytest.mark.parametrize("temperature,top_k", [(1.0, 0), (0.7, 6)])
+def test_sampled_distribution_matches_target(vocab16_dir, monkeypatch, temperature, top_k):
     """Chi-square goodness of fit of the 2nd and 3rd generated tokens (the first drafted positions)
     against the enumerated target marginals: 3000 fixed seq_seeds, each test must have p > 0.001."""
     path, hf = vocab16_dir
-    n, temperature = 3000, 1.0
+    n = 3000
     llm = _llm(path, monkeypatch, "fixed", max_num_seqs=64, max_num_batched_tokens=512)
-    params = [SamplingParams(temperature=temperature, max_tokens=3, seq_seed=s, ignore_eos=True) for s in range(n)]
+    params = [SamplingParams(temperature=temperature, top_k=top_k, max_tokens=3, seq_seed=s, ignore_eos=True)
+              for s in range(n)]
     outs = _tokens(llm, [PROMPT16] * n, params)
     stats = llm.engine.spec.stats
     assert 0.1 * stats["verified"] < stats["accepted"] < 0.9 * stats["verified"]  # both branches exercised
-    m2, m3 = _exact_marginals(hf, temperature)
+    m2, m3 = _exact_marginals(hf, temperature, top_k)
     for k, marginal in ((1, m2), (2, m3)):
         counts = torch.bincount(torch.tensor([o[k] for o in outs]), minlength=16).double()
         expected = marginal.double() * n
+        impossible = expected == 0  # e.g. outside every context's top-k: must never be drawn
+        assert counts[impossible].sum() == 0, (k, counts)
+        counts, expected = counts[~impossible], expected[~impossible]
         keep = expected >= 5  # pool rare cells so the chi-square approximation holds
         pooled = [counts[~keep].sum().view(1), expected[~keep].sum().view(1)] if bool((~keep).any()) else None
         f_obs = torch.cat([counts[keep]] + pooled[:1] if pooled else [counts[keep]]).numpy()
