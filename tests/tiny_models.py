@@ -53,3 +53,35 @@ def make_hf_model(name: str, seed: int = 0):
 
 def save_hf_model(model, path) -> None:
     model.save_pretrained(path, safe_serialization=True)
+
+
+def add_random_drafter(model_dir, seed: int = 0, block_size: int = 5, target_layer_ids=(1, 3),
+                       markov_rank: int = 16, num_stages: int = 2) -> None:
+    """Give a saved model directory a DSpark drafter with random weights (dspark_* config keys +
+    `mtp.*` tensors in dspark.safetensors): its drafts are mostly rejected, which is the point."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from deepinfer.core.config import ModelConfig
+    from deepinfer.core.spec.dspark import DSparkConfig, stage_names
+
+    model_dir = Path(model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    config.update(dspark_block_size=block_size, dspark_noise_token_id=2, dspark_markov_rank=markov_rank,
+                  dspark_target_layer_ids=list(target_layer_ids))
+    (model_dir / "config.json").write_text(json.dumps(config, indent=2))
+    cfg = ModelConfig.from_dir(model_dir)
+    dcfg = DSparkConfig(block_size, 2, tuple(target_layer_ids), markov_rank, num_stages)
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, shape in stage_names(cfg, dcfg).items():
+        if name.endswith(("norm.weight", "temperature")):
+            t = 1 + 0.1 * torch.randn(shape, generator=gen)
+        elif name.endswith(("_base", "_scale", "attn_sink", "gate.bias")):
+            t = 0.3 * torch.randn(shape, generator=gen)
+        else:
+            t = 0.08 * torch.randn(shape, generator=gen)
+        tensors[name] = t.contiguous()
+    save_file(tensors, str(model_dir / "dspark.safetensors"))

@@ -3,8 +3,14 @@
 Per sequence slot and layer:
 - a sliding-window ring of KV: `window + margin` rows (margin = rollback room for drafts);
 - on CSA/HCA layers, a compressor ring holding the raw (kv, gate) projections of the
-  tokens whose window is not finished (CSA keeps two windows for the overlap);
+  tokens whose window is not finished (CSA keeps two windows for the overlap), plus the
+  same margin;
 - on CSA layers the same for the indexer's compressor.
+Rings are indexed by position modulo their size, so speculative tokens that are rejected
+need no undo: with `margin` >= the longest draft, a stale row written for a rejected
+position can never alias a position that is still read, and the compressed entry a
+rejected token finished is rewritten by the step that feeds the real token at that
+position before any later token can see it.
 Compressed entries (and CSA indexer keys) grow with the sequence; they live in pages.
 One page covers `page_tokens` positions of a sequence (a multiple of every compress
 rate), i.e. page_tokens/rate entries on each compressing layer, so a single block
@@ -41,10 +47,11 @@ class LayerState:
     comp_ring: torch.Tensor | None = None  # [slots*ring + scratch, 2*C] raw kv|gate per token
     index_ring: torch.Tensor | None = None  # CSA: [slots*ring + scratch, 2*2*Di]
     index_keys: torch.Tensor | None = None  # CSA: [entry_rows, Di]
+    margin: int = 0  # rollback room of the compressor rings (see the module docstring)
 
     @property
     def comp_ring_size(self) -> int:
-        return 2 * self.rate if self.kind == CSA else self.rate
+        return (2 * self.rate if self.kind == CSA else self.rate) + self.margin
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -80,7 +87,7 @@ class StateCache:
         for i, rate in enumerate(rates):
             kind = config.layer_types[i]
             entry_rows = num_pages * (page_tokens // rate) if rate else 0
-            state = LayerState(kind, rate, empty(self.ring_rows + max_step_tokens + entry_rows, d))
+            state = LayerState(kind, rate, empty(self.ring_rows + max_step_tokens + entry_rows, d), margin=margin)
             if rate:
                 width = 2 * d if kind == CSA else d
                 state.comp_ring = empty(max_seqs * state.comp_ring_size + max_step_tokens, 2 * width)

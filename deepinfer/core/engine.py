@@ -21,6 +21,7 @@ from deepinfer.core.request import Request
 from deepinfer.core.sampler import Sampler, top_logprobs
 from deepinfer import envs
 from deepinfer.core.scheduler import ScheduledChunk, Scheduler
+from deepinfer.core.spec.decoder import SpecDecoder
 from deepinfer.core.tokenizer import IncrementalDetokenizer, Tokenizer
 
 PAGE_TOKENS = 128  # positions per page: a multiple of every V4 compress rate
@@ -35,6 +36,9 @@ class EngineConfig:
     num_cache_pages: int | None = None  # or an explicit page count
     dtype: str = "auto"  # storage dtype of the decode state: auto | float32 | bfloat16
     seed: int = 0
+    # DSpark drafting when the checkpoint has a drafter and DEEPINFER_USE_NEXTN_DECODE > 0; parallel
+    # ranks turn it off (their verify lengths come from per-rank timings and would diverge)
+    speculative: bool = True
 
     def validate(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
@@ -81,6 +85,7 @@ class StepPlan:
     prompt_rows: list[tuple[int, int, bool]] = field(default_factory=list)
     sampling: list[Request] = field(default_factory=list)
     sampling_inputs: tuple = ()
+    drafts: list = field(default_factory=list)  # per sampling row: its spec Draft, or None
     grammar: bool = False
     prefill_tokens: int = 0
     decode_tokens: int = 0
@@ -105,12 +110,17 @@ class LLMEngine:
         accel.tune_for_model(cfg.hidden_size)
         self.model = DeepseekV4Model(cfg, weights, accel)
         del weights
+        # DSpark speculative decoding, when the checkpoint has a drafter and DEEPINFER_USE_NEXTN_DECODE > 0
+        self.spec = (SpecDecoder.create(self.model, self.extra_weights, accel, config.max_num_seqs)
+                     if config.speculative else None)
         self.tokenizer = Tokenizer(tokenizer or model_dir, bos_token_id=cfg.bos_token_id) \
             if tokenizer is not None or os.path.isfile(os.path.join(model_dir, "tokenizer.json")) else None
         self.max_model_len = min(config.max_model_len or min(cfg.max_position_embeddings, 8192),
                                  cfg.max_position_embeddings)
         dtype = torch.bfloat16 if config.dtype == "bfloat16" else torch.float32
         self.cache = self._make_cache(dtype)
+        if self.spec is not None:
+            self.spec.start(self.cache, config.max_num_batched_tokens)
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens,
                                    BoundedReplay.from_env(cfg, self.cache))
         self.sampler = Sampler(accel)
@@ -130,6 +140,7 @@ class LLMEngine:
         def build(pages: int) -> StateCache:
             return StateCache(cfg, max_seqs=ec.max_num_seqs, num_pages=pages,
                               max_step_tokens=ec.max_num_batched_tokens, max_model_len=self.max_model_len,
+                              margin=self.spec.margin if self.spec is not None else 0,
                               page_tokens=PAGE_TOKENS, dtype=dtype, device=self.accel.device)
         if ec.num_cache_pages is not None:
             return build(ec.num_cache_pages)
@@ -194,6 +205,8 @@ class LLMEngine:
             return
         if self.structured is not None:  # structured outputs
             self.structured.discard(req)
+        if self.spec is not None:
+            self.spec.forget(req.request_id)
         self.scheduler.finish(req)
         req.finish("abort")
 
@@ -238,7 +251,7 @@ class LLMEngine:
         with self._timed("schedule"):
             chunks = self.scheduler.schedule()
         with self._timed("prepare"):
-            plan = self._plan(chunks) if chunks else None
+            plan = self._plan(chunks, draft=not overlap) if chunks else None
         finished = list(grammar_failed)
         if plan is not None and not overlap:
             plan.future = _Done(self._execute(plan, None))
@@ -255,7 +268,10 @@ class LLMEngine:
 
     def _needs_sync(self) -> bool:
         """Overlap would be wrong when a grammar must see step N's token before it masks step
-        N+1's logits: any request under a grammar makes the step synchronous."""
+        N+1's logits: any request under a grammar makes the step synchronous. So does drafting:
+        the drafter's anchor and the next step's positions depend on how many drafts were accepted."""
+        if self.spec is not None and self.spec.wants_to_draft(self.scheduler.running):
+            return True
         if self.structured is None:
             return False
         return any(r.grammar is not None for r in self.scheduler.running) or \
@@ -279,7 +295,7 @@ class LLMEngine:
         finally:
             self.timeline[phase] += time.perf_counter() - t0
 
-    def _plan(self, chunks: list[ScheduledChunk]) -> "StepPlan":
+    def _plan(self, chunks: list[ScheduledChunk], draft: bool = True) -> "StepPlan":
         """Build the step's inputs on the CPU and advance the requests as if it had run: fed
         positions count as computed, and each sampling request gets a placeholder token
         (-(row+1): row `row` of this step's samples) that _finish replaces."""
@@ -287,21 +303,26 @@ class LLMEngine:
         plan = StepPlan(chunks=chunks)
         offset = 0
         now = time.perf_counter()
+        drafts = {} if self.spec is None else self.spec.propose(
+            chunks, self.engine_config.max_num_batched_tokens - sum(c.num_tokens for c in chunks), self.cache,
+            self.max_model_len, allowed=draft)
         for c in chunks:
             req = c.request
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
             start = req.num_computed
-            ids.extend(req.tokens(start, start + c.num_tokens))
+            draft = drafts.get(req.request_id)
+            fed = req.tokens(start, start + c.num_tokens) + (draft.tokens if draft else [])
+            ids.extend(fed)
             slots.append(req.slot)
             starts.append(start)
-            lens.append(c.num_tokens)
+            lens.append(len(fed))
             floors.append(req.window_floor)
             restored.append(req.num_restored)
             if start < req.num_prompt_tokens:
                 plan.prefill_tokens += c.num_tokens
             else:
-                plan.decode_tokens += c.num_tokens
+                plan.decode_tokens += len(fed)
             n_prompt_rows = 0
             first = max(start, req.num_restored)  # logits of a prefix restored from the cache are not computed
             if req.wants_prompt_logprobs and first < min(start + c.num_tokens, req.num_prompt_tokens - 1):
@@ -309,12 +330,13 @@ class LLMEngine:
                 plan.logit_rows.extend(range(offset + first - start, offset + first - start + n_prompt_rows))
             completes = c.completes
             plan.prompt_rows.append((first, n_prompt_rows, completes))
-            if completes:
+            if completes:  # with drafts: one row per draft position plus the bonus row
                 plan.sample_rows.append(len(plan.logit_rows))
-                plan.logit_rows.append(offset + c.num_tokens - 1)
+                plan.logit_rows.extend(range(offset + c.num_tokens - 1, offset + len(fed)))
                 plan.sampling.append(req)
-            offset += c.num_tokens
-            req.num_computed += c.num_tokens
+                plan.drafts.append(draft)
+            offset += len(fed)
+            req.num_computed += c.num_tokens  # accepted drafts are added when the step is post-processed
         positions = [r.num_tokens for r in plan.sampling]  # the position each sampled token will take
         for row, req in enumerate(plan.sampling):
             req.output_token_ids.append(-(row + 1))
@@ -335,10 +357,13 @@ class LLMEngine:
             ids = plan.meta.ids
             plan.meta.ids = torch.where(ids < 0, prev_tokens[(-ids - 1).clamp(min=0)], ids)
         with self._timed("forward"):
-            logits = self.model.forward(plan.inp, self.cache, torch.tensor(plan.logit_rows, dtype=torch.int64),
-                                        plan.meta)
+            forward = self.model.forward if self.spec is None else self.spec.forward  # spec: + drafter context
+            logits = forward(plan.inp, self.cache, torch.tensor(plan.logit_rows, dtype=torch.int64), plan.meta)
         tokens = None
-        if plan.sampling:
+        if any(d is not None for d in plan.drafts):
+            with self._timed("verify"):
+                tokens = self.spec.verify(logits, plan, self.sampler, self.structured)
+        elif plan.sampling:
             with self._timed("sample"):
                 sample_logits = logits[plan.sample_rows]
                 if plan.grammar:  # structured outputs: grammar bitmask before sampling (such steps are synchronous)
@@ -360,28 +385,41 @@ class LLMEngine:
             cursor += n_rows + (1 if completes else 0)
         if not plan.sampling:
             return []
+        # per sampling row: the tokens it produced (several when drafts were accepted)
+        produced = tokens if isinstance(tokens, list) else [[t] for t in tokens.tolist()]
         logprobs = None
         if any(r.params.top_logprobs for r in plan.sampling):
             k = max(r.params.top_logprobs for r in plan.sampling)
-            logprobs = top_logprobs(logits[plan.sample_rows], tokens, k)
+            rows = [plan.sample_rows[i] + j for i, toks in enumerate(produced) for j in range(len(toks))]
+            flat = torch.tensor([t for toks in produced for t in toks], dtype=torch.int64)
+            logprobs = iter(top_logprobs(logits[rows], flat, k))
         finished = []
-        for row, (req, token) in enumerate(zip(plan.sampling, tokens.tolist())):
-            if req.is_finished:  # aborted, or stopped by the previous step: this token is discarded
+        for req, new_tokens in zip(plan.sampling, produced):
+            if req.is_finished:  # aborted, or stopped by the previous step: these tokens are discarded
                 continue
             # the oldest placeholder belongs to this step: steps are post-processed in order
-            req.output_token_ids[len(req.output_token_ids) - req.pending] = token
+            req.output_token_ids[len(req.output_token_ids) - req.pending] = new_tokens[0]
             req.pending -= 1
+            req.num_computed += len(new_tokens) - 1  # accepted drafts were fed in this step
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = time.perf_counter()
-            if req.output_logprobs is not None:
-                req.output_logprobs.append({t: v for j, (t, v) in enumerate(logprobs[row].items())
-                                            if j <= req.params.top_logprobs})
-            self._check_stop(req, token)
-            if req.grammar is not None:  # structured outputs: advance the matcher, stop when it terminates
-                self.structured.accept(req, token)
+            for i, token in enumerate(new_tokens):
+                row_logprobs = next(logprobs) if logprobs is not None else None
+                if req.is_finished:  # stopped by an earlier token of this step: the rest is discarded
+                    continue
+                if i:
+                    req.output_token_ids.append(token)
+                if req.output_logprobs is not None:
+                    req.output_logprobs.append({t: v for j, (t, v) in enumerate(row_logprobs.items())
+                                                if j <= req.params.top_logprobs})
+                self._check_stop(req, token)
+                if req.grammar is not None:  # structured outputs: advance the matcher, stop when it terminates
+                    self.structured.accept(req, token)
             if req.is_finished:
                 if req.detok is not None and not isinstance(req.stop_reason, str):
                     req.text += req.detok.flush()
+                if self.spec is not None:
+                    self.spec.forget(req.request_id)
                 self.scheduler.finish(req)
                 finished.append(req)
         return finished

@@ -9,6 +9,7 @@ of forwards per engine step vary between ranks.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -58,7 +59,9 @@ class RankWorker:
         self.rank, self.parallel = rank, args.parallel
         accel = get_accelerator(args.accelerator)  # this rank's own instance
         _agree_on_free_memory(accel)
-        self.engine = LLMEngine(args.model, accel, args.engine, args.tokenizer)
+        # no DSpark on parallel ranks yet: ranks that share requests must pick identical verify
+        # lengths, and the dynamic policy's step-cost table is timed on each rank
+        self.engine = LLMEngine(args.model, accel, dataclasses.replace(args.engine, speculative=False), args.tokenizer)
         self.engine.close()  # synchronous scheduling (see module doc)
         self.engine.zero_overhead = False
         model = self.engine.model

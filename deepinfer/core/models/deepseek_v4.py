@@ -192,18 +192,24 @@ class DeepseekV4Model:
     # ------------------------------------------------------------ forward
     @torch.inference_mode()
     def forward(self, inp: StepInput, cache: StateCache, logit_rows: torch.Tensor,
-                meta: StepMeta | None = None) -> torch.Tensor:
+                meta: StepMeta | None = None, feature_layers: tuple[int, ...] = (),
+                feature_rows: torch.Tensor | None = None):
         """Run one step, update `cache`, return logits [len(logit_rows), V] for the given flat
         token indices (e.g. each sequence's last token, or every prompt token for logprobs).
         `meta` (from `self.prepare(inp, cache)`) may be built ahead, on the CPU, while an
-        earlier step runs."""
+        earlier step runs. With `feature_layers` (the DSpark drafter's context), returns
+        (logits, features [len(feature_rows), len(feature_layers), D]): the attention input of
+        those layers, averaged over the hc streams, at the flat token indices `feature_rows`."""
         cfg, ops, w = self.config, self.accel, self.w
         meta = meta if meta is not None else self.prepare(inp, cache)
         ids = meta.ids[meta.own]
         x = ops.embedding(ids, w["model.embed_tokens.weight"])
         streams = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
+        features = []
         for i in range(cfg.num_hidden_layers):
             p = f"model.layers.{i}."
+            if i in feature_layers:
+                features.append(streams[feature_rows.to(streams.device)].mean(dim=1))
             streams = self._residual(streams, p + "attn_hc.", p + "input_layernorm.weight",
                                      lambda h: self._attention(i, h, meta, cache))
             streams = self._residual(streams, p + "ffn_hc.", p + "post_attention_layernorm.weight",
@@ -212,7 +218,8 @@ class DeepseekV4Model:
         h = ops.hc_head(streams, w["model.hc_head.hc_fn"], w["model.hc_head.hc_base"],
                         w["model.hc_head.hc_scale"], cfg.rms_norm_eps, cfg.hc_eps)
         h = ops.rms_norm(h, w["model.norm.weight"], cfg.rms_norm_eps)
-        return ops.linear(h, w["lm_head.weight"])
+        logits = ops.linear(h, w["lm_head.weight"])
+        return (logits, torch.stack(features, dim=1)) if feature_layers else logits
 
     def prepare(self, inp: StepInput, cache: StateCache) -> StepMeta:
         return StepMeta(inp, cache, self.config)

@@ -1,0 +1,1 @@
+"""Speculative decoding: the DSpark drafter, lossless verification, the verify-length policy."""

@@ -1,0 +1,233 @@
+"""DSpark speculative decoding as the engine sees it: which requests draft, how many tokens
+each verifies, feeding the drafter's context, and verification.
+
+A drafting step is: drafter block per decoding request (anchor = its newest token) ->
+verify lengths -> one target forward over [anchor + drafts] per request (features of the
+fed tokens go to the drafter's rings) -> acceptance -> the request advances by the accepted
+drafts plus one target token. Rejected positions need no undo (core/cache.py: rings keep
+DEEPINFER_MAX_BACKTRACKING_TOKENS of margin; stale rows are never read and get overwritten).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer import envs
+from deepinfer.backends.base import Accelerator
+from deepinfer.core.spec.accept import GREEDY_BELOW, DRAFT_SALT, Block, accept, draw, salted, target_logprobs
+from deepinfer.core.spec.dspark import DSparkConfig, DSparkDrafter
+from deepinfer.core.spec.planner import VerifyLengthPlanner, cached_step_cost, profile_grid, time_call
+
+
+@dataclass(slots=True)
+class Draft:
+    tokens: list[int]
+    logprobs: torch.Tensor | None  # [L, V] the drafter's distribution of each draft (sampled requests)
+
+
+class SpecDecoder:
+    def __init__(self, model, drafter: DSparkDrafter, accel: Accelerator, max_draft: int, margin: int):
+        self.model, self.drafter, self.accel = model, drafter, accel
+        self.max_draft, self.margin = max_draft, margin
+        self.planner = VerifyLengthPlanner(max_draft, None)
+        # steps: request-steps that could draft (drafted or not); verified / accepted: draft tokens
+        self.stats = {"steps": 0, "verified": 0, "accepted": 0}
+
+    @classmethod
+    def create(cls, model, extra: dict[str, torch.Tensor], accel: Accelerator, max_seqs: int) -> "SpecDecoder | None":
+        """None when drafting is off (DEEPINFER_USE_NEXTN_DECODE=0) or the checkpoint has no drafter:
+        then nothing here runs and the cache keeps no rollback margin."""
+        max_draft = envs.nextn_decode()
+        dcfg = DSparkConfig.from_model(model.config, extra) if max_draft else None
+        if dcfg is None:
+            return None
+        margin = envs.max_backtracking_tokens()
+        drafter = DSparkDrafter(model.config, dcfg, extra, model.w, accel, max_seqs=max_seqs, margin=margin)
+        return cls(model, drafter, accel, min(max_draft, dcfg.block_size), margin)
+
+    # ------------------------------------------------------------ start-up
+    def start(self, cache, max_step_tokens: int, cache_dir: str | None = None) -> None:
+        """Build the verify-length policy; the dynamic one profiles step cost (or reads it)."""
+        if not envs.mtp_varlen():
+            return
+        per_seq = self.max_draft + 1
+        max_tokens = min(max_step_tokens, cache.max_seqs * per_seq)
+        key = {"model": repr(self.model.config), "drafter": repr(self.drafter.dcfg), "backend": self.accel.name,
+               "threads": torch.get_num_threads(), "tokens": max_tokens, "per_seq": per_seq,
+               "dtype": str(cache.dtype), "version": 2}
+        cost = cached_step_cost(key, lambda: self._profile(cache, max_tokens, per_seq),
+                                envs.get("DEEPINFER_DECODE_PERF_CACHE_DIR") if cache_dir is None else cache_dir)
+        self.planner = VerifyLengthPlanner(self.max_draft, cost)
+
+    def _profile(self, cache, max_tokens: int, per_seq: int):
+        """Seconds of a verify forward (logits and features for every token) for growing batches
+        of sequences with up to `per_seq` tokens each, at a position where the window is full, and
+        of the drafter block for those sequences. Returns (tokens, seconds, seqs, drafter seconds)."""
+        from deepinfer.core.models.deepseek_v4 import StepInput
+
+        tokens_grid, seconds, seqs_grid, drafter_seconds = [], [], [], []
+        layers = self.drafter.dcfg.target_layer_ids
+        for tokens in profile_grid(max_tokens):
+            seqs = min(-(-tokens // per_seq), cache.num_free_slots)
+            lens = [tokens // seqs + (1 if i < tokens % seqs else 0) for i in range(seqs)]
+            slots = [cache.allocate_slot() for _ in range(seqs)]
+            try:
+                start = self.model.config.sliding_window
+                if not all(cache.can_grow(s, start + n) for s, n in zip(slots, lens)):
+                    start = 0
+                for s, n in zip(slots, lens):
+                    cache.grow(s, start + n)
+                t = lambda xs: torch.tensor(xs, dtype=torch.int64, device=self.accel.device)  # noqa: E731
+                inp = StepInput(t([3] * tokens), t(slots), t([start] * seqs), t(lens))
+                rows = t(list(range(tokens)))
+                seconds.append(time_call(lambda: self.model.forward(inp, cache, rows, None, layers, rows), repeats=3))
+                tokens_grid.append(tokens)
+                if seqs not in seqs_grid:
+                    drafter = lambda: self.drafter.logits(  # noqa: E731
+                        self.drafter.draft_block(t([3] * seqs), t(slots), t([start] * seqs)).flatten(0, 1))
+                    drafter_seconds.append(time_call(drafter, repeats=3))
+                    seqs_grid.append(seqs)
+            finally:
+                for s in slots:
+                    cache.release(s)
+        # more work never costs less: a dip is timing noise (e.g. another process on the cores)
+        for ys in (seconds, drafter_seconds):
+            for i in range(1, len(ys)):
+                ys[i] = max(ys[i], ys[i - 1])
+        return tokens_grid, seconds, seqs_grid, drafter_seconds
+
+    # ------------------------------------------------------------ per step
+    def forward(self, inp, cache, logit_rows: torch.Tensor, meta) -> torch.Tensor:
+        """The target forward of any step while drafting is on: also captures the drafter's
+        context features of the positions its rings keep and writes them there."""
+        lens, ring = inp.lens, self.drafter.ring
+        seq = torch.repeat_interleave(torch.arange(len(lens), device=lens.device), lens)
+        first = torch.cumsum(lens, 0) - lens
+        positions = inp.starts[seq] + torch.arange(len(seq), device=lens.device) - first[seq]
+        rows = (positions >= (inp.starts + lens)[seq] - ring).nonzero().squeeze(1)
+        logits, features = self.model.forward(inp, cache, logit_rows, meta, self.drafter.dcfg.target_layer_ids, rows)
+        self.drafter.absorb(features, inp.slots[seq[rows]], positions[rows])
+        return logits
+
+    def wants_to_draft(self, running) -> bool:
+        """Whether the next step drafts, which makes it synchronous. Fixed length: whenever a request
+        runs. Dynamic: when the budget from lagged survivals is positive; a step that will not draft
+        keeps zero-overhead scheduling (its anchors may still be placeholders)."""
+        if not running:
+            return False
+        if self.planner.cost is None:
+            return True
+        return self.planner.budget([r.request_id for r in running], [self.max_draft] * len(running)) > 0
+
+    def propose(self, chunks, token_budget: int, cache, max_model_len: int, allowed: bool = True) -> dict[str, Draft]:
+        """Draft for every request whose chunk is its single newest token, within the step's
+        token budget, the cache and each request's remaining max_tokens / max_model_len.
+        `allowed` False (an overlapped step): count the request-steps, draft nothing."""
+        decoding = [c.request for c in chunks if c.completes and c.num_tokens == 1 and not c.request.wants_prompt_logprobs]
+        if not allowed:
+            self.stats["steps"] += len(decoding)
+            return {}
+        reqs, caps = [], []
+        for req in decoding:
+            anchor_pos = req.num_computed
+            cap = min(self.max_draft, req.params.max_tokens - len(req.output_token_ids) - 1,
+                      max_model_len - anchor_pos - 2, max(token_budget, 0))
+            while cap > 0 and not cache.can_grow(req.slot, anchor_pos + 1 + cap):
+                cap -= 1
+            if cap > 0:
+                # pages for every position a draft may take, now: the next request's check must see them gone
+                cache.grow(req.slot, anchor_pos + 1 + cap)
+                reqs.append(req)
+                caps.append(cap)
+                token_budget -= cap
+        ids = [r.request_id for r in reqs]
+        self.stats["steps"] += len(reqs)
+        budget = self.planner.budget(ids, caps)
+        if not budget:  # nothing worth verifying: a plain decode step, the drafter does not run
+            return {}
+        drafts, logprobs, survival = self._draft(reqs, min(max(caps), budget))
+        lengths = self.planner.lengths(ids, survival, [min(c, survival.shape[1]) for c in caps], budget)
+        out = {}
+        for i, (req, n) in enumerate(zip(reqs, lengths)):
+            if n:
+                lp = logprobs[i][:n] if logprobs[i] is not None else None
+                out[req.request_id] = Draft(drafts[i][:n], lp)
+        return out
+
+    @torch.inference_mode()
+    def _draft(self, reqs, depth: int):
+        """Run the drafter block and choose `depth` drafts left to right (Markov head).
+        Returns (drafts [B][depth], per request [depth, V] log-probs or None, survival [B, depth])."""
+        dev, d = self.accel.device, self.drafter
+        t = lambda xs: torch.tensor(xs, dtype=torch.int64, device=dev)  # noqa: E731
+        anchors = t([r.token(r.num_computed) for r in reqs])
+        anchor_pos = t([r.num_computed for r in reqs])
+        hidden = d.draft_block(anchors, t([r.slot for r in reqs]), anchor_pos)
+        base = d.logits(hidden[:, :depth].reshape(-1, hidden.shape[-1])).view(len(reqs), depth, -1)
+        sampled = [i for i, r in enumerate(reqs) if r.params.temperature >= GREEDY_BELOW]
+        if sampled:
+            params = [reqs[i].params for i in sampled]
+            temp = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
+            top_k, top_p = t([p.top_k for p in params]), torch.tensor([p.top_p for p in params], device=dev)
+            seeds = salted(torch.tensor([reqs[i].seed - (1 << 64) if reqs[i].seed >= 1 << 63 else reqs[i].seed
+                                         for i in sampled], dtype=torch.int64, device=dev), DRAFT_SALT)
+        prev, conf, chosen, logps = anchors, [], [], []
+        for k in range(depth):
+            e, bias = d.markov(prev)
+            logits = base[:, k] + bias
+            conf.append(torch.sigmoid(d.confidence_logit(hidden[:, k], e, k)))
+            token = logits.argmax(dim=-1)
+            if sampled:
+                lp = target_logprobs(logits[sampled], temp, top_k, top_p)
+                token[sampled] = draw(self.accel, lp, seeds, anchor_pos[sampled] + k + 1)
+                logps.append(lp)
+            chosen.append(token)
+            prev = token
+        drafts = torch.stack(chosen, dim=1).tolist()
+        per_req: list[torch.Tensor | None] = [None] * len(reqs)
+        if sampled:
+            stacked = torch.stack(logps, dim=1)
+            for j, i in enumerate(sampled):
+                per_req[i] = stacked[j]
+        return drafts, per_req, torch.cumprod(torch.stack(conf, dim=1), dim=1)
+
+    def verify(self, logits: torch.Tensor, plan, sampler, structured) -> list[list[int]]:
+        """Tokens each sampling request of `plan` produced: drafted requests through acceptance,
+        the others through the ordinary sampler (one row each)."""
+        temp, top_k, top_p, seeds, positions = plan.sampling_inputs
+        out: list[list[int]] = [[] for _ in plan.sampling]
+        plain = [i for i, dr in enumerate(plan.drafts) if dr is None]
+        if plain:
+            rows = logits[[plan.sample_rows[i] for i in plain]]
+            reqs = [plan.sampling[i] for i in plain]
+            if structured is not None and any(r.grammar is not None for r in reqs):
+                structured.apply_bitmask(rows, reqs)
+            idx = torch.tensor(plain, device=temp.device)
+            tokens = sampler.sample(rows, (temp[idx], top_k[idx], top_p[idx], seeds[idx], positions[idx]))
+            for i, tok in zip(plain, tokens.tolist()):
+                out[i] = [tok]
+        blocks, where = [], []
+        for i, (req, dr) in enumerate(zip(plan.sampling, plan.drafts)):
+            if dr is None:
+                continue
+            first = plan.sample_rows[i]
+            target = logits[first:first + len(dr.tokens) + 1]
+            if req.grammar is not None:  # one bitmask row per draft position (+ the bonus row)
+                target = target.clone()  # logprobs report the unmasked distribution
+                bitmask = structured.xgr.allocate_token_bitmask(len(dr.tokens) + 1, logits.shape[-1])
+                req.grammar.fill_bitmask_rows(dr.tokens, bitmask)
+                self.accel.apply_token_bitmask(target, bitmask.to(target.device))
+            p = req.params
+            blocks.append(Block(target, dr.tokens, dr.logprobs, p.temperature, p.top_k, p.top_p, seeds[i],
+                                int(positions[i]) - 1))
+            where.append(i)
+        for i, tokens, b in zip(where, accept(self.accel, blocks), blocks):
+            out[i] = tokens
+            self.stats["verified"] += len(b.drafts)
+            self.stats["accepted"] += len(tokens) - 1
+        return out
+
+    def forget(self, request_id: str) -> None:
+        self.planner.forget(request_id)
