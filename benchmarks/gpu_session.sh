@@ -7,9 +7,9 @@
 #
 # Steps, in order of value: build csrc/cuda in place (so the backend uses it); every kernel against
 # the cpu reference at DeepSeek-V4-Flash shapes, timed; the engine end to end (CLI on the shipped
-# model); throughput vs transformers on the GPU (test model and shipped model); a profile of
-# decode steps (where the time goes); the conformance
-# suite with compiled kernels (TRITON_INTERPRET=0). If the image's transformers predates
+# model); throughput vs transformers on the GPU (test model and shipped model); a profile of decode
+# steps (where the time goes); the conformance suite with compiled kernels (TRITON_INTERPRET=0);
+# DSpark and prefix-cache end-to-end tests. If the image's transformers predates
 # DeepseekV4ForCausalLM, a wheel in .gpu_wheels/ (git-ignored; `pip download transformers==5.24.0
 # --no-deps -d .gpu_wheels`) is installed into /tmp/pydeps first.
 set -uo pipefail
@@ -23,7 +23,7 @@ nvidia-smi -L
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
 'transformers', transformers.__version__, torch.cuda.get_device_name())"
 
-STEPS="${STEPS:-build_cuda kernels cli throughput profile conformance}"
+STEPS="${STEPS:-build_cuda kernels cli throughput profile conformance e2e}"
 step() {  # step NAME SECONDS CMD...: runs CMD under a time limit into $OUT/NAME.log, prints its tail
   local name=$1 limit=$2 start rc
   shift 2
@@ -43,3 +43,6 @@ step throughput 130 bash -c "python3 benchmarks/throughput.py --new-tokens 64 --
 TAIL=60 step profile 60 python3 benchmarks/gpu_profile.py --out "$OUT/gpu_profile.json"
 TAIL=40 step conformance 150 env TRITON_INTERPRET=0 python3 -m pytest tests/conformance tests/e2e/test_determinism.py -q \
   -n 8 -p no:cacheprovider --timeout 140 --maxfail 25 -rf
+# DSpark and the prefix cache on the GPU (the e2e tests pick the nvidia backend when CUDA is usable)
+TAIL=30 step e2e 170 python3 -m pytest tests/e2e/test_dspark.py tests/e2e/test_prefix_cache.py -q -n 8 \
+  -p no:cacheprovider --timeout 160 -rf
