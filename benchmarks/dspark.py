@@ -83,7 +83,11 @@ def main() -> None:
     parser.add_argument("--perf-dir", default=os.environ.get("DEEPINFER_DECODE_PERF_CACHE_DIR", ""),
                         help="DEEPINFER_DECODE_PERF_CACHE_DIR for the dynamic planner's step-cost profile")
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "dspark.json"))
+    parser.add_argument("--plot-only", metavar="JSON", help="redraw the plot of an earlier run's JSON and exit")
     args = parser.parse_args()
+    if args.plot_only:
+        with open(args.plot_only) as f:
+            return plot(json.load(f)["rows"], args.plot_only)
 
     import torch
     from deepinfer.core.tokenizer import Tokenizer
@@ -125,6 +129,11 @@ def main() -> None:
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(dict(meta=meta, rows=rows, table=table), f, indent=1)
+    plot(rows, args.out)
+
+
+def plot(rows: list[dict], out: str) -> None:
+    """Output tok/s per mode over concurrency, next to the JSON (`--plot-only JSON` redraws it)."""
     try:
         import matplotlib
 
@@ -133,16 +142,19 @@ def main() -> None:
     except ImportError:
         print("matplotlib is not installed: no plot (pip install matplotlib to get benchmarks/results/dspark.png)")
         return
+    concurrency = sorted({r["concurrency"] for r in rows})
+    by = {(r["concurrency"], r["mode"]): r for r in rows}
     fig, ax = plt.subplots(figsize=(6, 4))
     for mode in MODES:
-        ax.plot(args.concurrency, [by[(c, mode)]["tok_s"] for c in args.concurrency], marker="o", label=mode)
+        ax.plot(concurrency, [by[(c, mode)]["tok_s"] for c in concurrency], marker="o", label=mode)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("concurrency")
     ax.set_ylabel("output tokens/s")
-    ax.set_title("DSpark on " + os.path.basename(os.path.normpath(args.model)))
+    ax.set_title("DSpark on the shipped tiny-dsv4 (CPU, 1 thread)")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(os.path.splitext(args.out)[0] + ".png", dpi=120)
+    fig.savefig(os.path.splitext(out)[0] + ".png", dpi=120)
+    print("plot:", os.path.splitext(out)[0] + ".png")
 
 
 if __name__ == "__main__":
