@@ -85,3 +85,14 @@ def add_random_drafter(model_dir, seed: int = 0, block_size: int = 5, target_lay
             t = 0.08 * torch.randn(shape, generator=gen)
         tensors[name] = t.contiguous()
     save_file(tensors, str(model_dir / "dspark.safetensors"))
+
+
+def hf_greedy(hf, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy generate with no stopping (eos suppression would bias it)."""
+    from transformers import GenerationConfig
+
+    gc = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    hf.generation_config.eos_token_id = None  # else generate() falls back to the model's eos and stops
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), generation_config=gc)
+    return out[0, len(prompt):].tolist()

@@ -343,7 +343,8 @@ class LLMEngine:
             req.pending += 1
         t = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731  (host metadata; StepMeta moves it)
         plan.inp = StepInput(t(ids), t(slots), t(starts), t(lens))
-        plan.inp.window_floor, plan.inp.num_restored = t(floors), t(restored)  # prefix-cache replay
+        if any(restored):  # a prefix-cache hit is being replayed in this step
+            plan.inp.window_floor, plan.inp.num_restored = t(floors), t(restored)
         plan.meta = self.model.prepare(plan.inp, self.cache)
         plan.sampling_inputs = self.sampler.inputs(plan.sampling, positions)
         plan.grammar = any(r.grammar is not None for r in plan.sampling)

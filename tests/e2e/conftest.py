@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tiny_models import make_hf_model
 
@@ -33,14 +32,3 @@ def tiny_model_dir(tmp_path_factory):
     hf.save_pretrained(path, safe_serialization=True)
     _write_tokenizer(path, hf.config.vocab_size)
     return path, hf
-
-
-def hf_greedy(hf, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """transformers' greedy generate with no stopping (eos suppression would bias it)."""
-    from transformers import GenerationConfig
-
-    gc = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
-    hf.generation_config.eos_token_id = None  # else generate() falls back to the model's eos and stops
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), generation_config=gc)
-    return out[0, len(prompt):].tolist()

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from conftest import hf_greedy
+from tiny_models import hf_greedy
 from deepinfer import LLM, SamplingParams
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)

@@ -163,6 +163,12 @@ class DeepseekV4Model:
         self.config, self.accel = config, accel
         weights = dict(weights)
         self.input_proj_splits = [self._fuse_input_projections(weights, i) for i in range(config.num_hidden_layers)]
+        # keys and compressor inputs are needed for every token of the step, queries only for own
+        # rows (context parallelism): the former are one contiguous column block of the fused GEMM
+        self._key_cols = []
+        for splits in self.input_proj_splits:
+            every = [name for name in splits if name not in ("q_a_proj", "compressor.indexer.scorer.weights_proj")]
+            self._key_cols.append((every, splits[every[0]][0], splits[every[-1]][1]))
         self.w = {name: accel.prepare_weight(name, t) for name, t in weights.items()}
         if config.tie_word_embeddings and "lm_head.weight" not in self.w:
             self.w["lm_head.weight"] = self.w["model.embed_tokens.weight"]
@@ -242,9 +248,7 @@ class DeepseekV4Model:
 
         fused = ops.linear(h, w[p + "input_proj.weight"])
         splits = self.input_proj_splits[i]
-        # keys and compressor inputs are needed for every token of the step, queries only for own ones
-        every = [name for name in splits if name not in ("q_a_proj", "compressor.indexer.scorer.weights_proj")]
-        lo, hi = splits[every[0]][0], splits[every[-1]][1]
+        every, lo, hi = self._key_cols[i]
         all_rows = meta.all_tokens(fused[:, lo:hi])
         proj = {name: all_rows[:, a - lo:b - lo] if name in every else fused[:, a:b] for name, (a, b) in splits.items()}
         q_lora = ops.rms_norm(proj["q_a_proj"], w[p + "q_a_norm.weight"], cfg.rms_norm_eps)
