@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer.backends.cpu.ops import _QUERY_BLOCK, rms_norm
+from deepinfer.backends.cpu.ops import _QUERY_BLOCK, pick_topk, rms_norm
 
 ROW_BLOCK = 16
 KEY_BLOCK = 64
@@ -117,10 +117,7 @@ def indexer_topk(q, weights, keys, candidates, topk, scale):
             gathered = keys[blk.clamp(min=0)].float()  # [t, KB, Di]
             per_head = torch.relu(torch.bmm(qs, gathered.transpose(1, 2))) * scale  # [t, H, KB]
             scores[:, b:b + KEY_BLOCK] = torch.bmm(head_w, per_head).squeeze(1)
-        scores = scores[:, :num_cand].masked_fill(cand[:, :num_cand] < 0, float("-inf"))
-        values, order = scores.sort(dim=-1, descending=True, stable=True)
-        picked = cand.gather(1, order[:, :k])
-        out[sl] = torch.where(torch.isfinite(values[:, :k]), picked, torch.full_like(picked, -1))
+        out[sl] = pick_topk(scores[:, :num_cand].masked_fill(cand[:, :num_cand] < 0, float("-inf")), cand, k)
     return out
 
 

@@ -129,12 +129,16 @@ def indexer_topk(q, weights, keys, candidates, topk, scale):
         gathered = keys[cand.clamp(min=0)].float()  # [t, M, Di]
         scores = torch.relu(torch.einsum("thd,tmd->thm", q[sl].float(), gathered)) * scale
         scores = (scores * weights[sl].float().unsqueeze(-1)).sum(dim=1)  # [t, M]
-        scores = scores.masked_fill(~valid, float("-inf"))
-        # stable sort: equal scores keep candidate order, so the pick never depends on padding width
-        values, order = scores.sort(dim=-1, descending=True, stable=True)
-        picked = cand.gather(1, order[:, :k])
-        out[sl] = torch.where(torch.isfinite(values[:, :k]), picked, torch.full_like(picked, -1))
+        out[sl] = pick_topk(scores.masked_fill(~valid, float("-inf")), cand, k)
     return out
+
+
+def pick_topk(scores: torch.Tensor, cand: torch.Tensor, k: int) -> torch.Tensor:
+    """The k best candidates per row (-1 where fewer are valid, i.e. score -inf). A stable sort:
+    equal scores keep candidate order, so the pick never depends on padding width."""
+    values, order = scores.sort(dim=-1, descending=True, stable=True)
+    picked = cand.gather(1, order[:, :k])
+    return torch.where(torch.isfinite(values[:, :k]), picked, torch.full_like(picked, -1))
 
 
 def sparse_attention(q, kv, indices, sinks, scale):
