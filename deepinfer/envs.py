@@ -90,6 +90,8 @@ _VARS = [
     EnvVar("DEEPINFER_XGRAMMAR_CACHE_LIMIT_BYTES", 512 * 1024 * 1024, _int, "grammar compile cache size"),
     EnvVar("DEEPINFER_XGRAMMAR_DISABLE_CACHE", False, _bool, "disable the grammar compile cache"),
     EnvVar("DEEPINFER_HF_MODEL_DIR", "", _str, "local checkpoint used when LLM(model=None)"),
+    EnvVar("DEEPINFER_CPU_KERNELS", True, _bool,
+           "cpu backend: fused C++ kernels for the hot ops (compiled on first use); 0 = reference ops only"),
     EnvVar("DEEPINFER_CPU_THREADS", 0, _int,
            "intra-op threads of the cpu backend; 0 = 1 for small models (hidden <= 1024), else all cores"),
 ]

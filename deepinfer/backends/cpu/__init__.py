@@ -7,7 +7,7 @@ import os
 import torch
 
 from deepinfer.backends.base import Accelerator
-from deepinfer.backends.cpu import invariant, ops
+from deepinfer.backends.cpu import invariant, kernels, ops
 
 
 class CpuAccelerator(Accelerator):
@@ -29,6 +29,9 @@ class CpuAccelerator(Accelerator):
                 setattr(self, op, getattr(invariant, op))
             self.batch_invariant = True
             self.deterministic_sampling = True
+        elif envs.get("DEEPINFER_CPU_KERNELS") and kernels.load():
+            for op in kernels.OPS:
+                setattr(self, op, getattr(kernels, op))
 
     def prepare_weight(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         # bf16 matmuls run ~100x slower than fp32 on these CPUs: compute in float32.

@@ -1,0 +1,121 @@
+"""The cpu backend's fused C++ kernels (fused_ops.cpp), compiled on first use.
+
+The reference ops in `ops.py` are plain torch: dozens of small ops per call, which is what a
+decode step of a small model spends its time on (the mHC mix alone is ~80 ops, 8 calls a step).
+`fused_ops.cpp` does seven of them (hc_pre, hc_post, rms_norm, rope, sparse_attention,
+indexer_topk, and moe_experts for decode-sized batches) in one pass each. It is built with torch's C++ extension loader on the machine
+that runs it (so `-march=native` is safe) into ~/.cache/deepinfer/cpu_kernels/<hash>, once per
+source/torch/compiler version; later processes only load the library.
+
+`DEEPINFER_CPU_KERNELS=0` keeps the reference ops. Without a working C++ compiler the build
+fails, a warning says why, and the reference ops are used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import threading
+import warnings
+
+import torch
+
+from deepinfer.backends.cpu import ops
+
+_SOURCE = os.path.join(os.path.dirname(__file__), "fused_ops.cpp")
+_FLAGS = ["-O3", "-march=native", "-fopenmp-simd"]
+_lock = threading.Lock()
+_loaded: bool | None = None  # None: not tried yet
+
+
+def _build_dir() -> str:
+    with open(_SOURCE, "rb") as f:
+        digest = hashlib.sha256(f.read() + torch.__version__.encode() + " ".join(_FLAGS).encode()).hexdigest()[:16]
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    path = os.path.join(root, "deepinfer", "cpu_kernels", digest)
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def load() -> bool:
+    """Build (first time) and load the kernels; False (with a warning) when they cannot be."""
+    global _loaded
+    with _lock:
+        if _loaded is None:
+            _loaded = _try_load(_build_dir())
+        return _loaded
+
+
+def _try_load(path: str) -> bool:
+    from torch.utils import cpp_extension
+
+    built = os.path.exists(os.path.join(path, "deepinfer_cpu_kernels.so"))
+    if not built:
+        print("deepinfer: compiling the cpu backend's C++ kernels (once, ~30 s)...", file=sys.stderr, flush=True)
+    try:
+        cpp_extension.load(name="deepinfer_cpu_kernels", sources=[_SOURCE], extra_cflags=_FLAGS,
+                           build_directory=path, is_python_module=False, verbose=False)
+    except Exception as exc:  # no compiler, no ninja, a broken toolchain: the reference ops still work
+        warnings.warn(f"deepinfer: the cpu C++ kernels could not be built ({type(exc).__name__}: "
+                      f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}); using the reference "
+                      "ops (slower). Set DEEPINFER_CPU_KERNELS=0 to skip the attempt.", RuntimeWarning, stacklevel=3)
+        return False
+    return True
+
+
+# ---------------------------------------------------------------- the ops (same signatures as ops.py)
+# Each falls back to the reference for inputs the kernels do not take (non-float32 tensors,
+# e.g. a bfloat16 cache): the kernels are an optimisation, never a second set of semantics.
+_F32 = torch.float32
+
+
+def hc_pre(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters):
+    if streams.dtype != _F32 or fn.dtype != _F32:
+        return ops.hc_pre(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters)
+    return torch.ops.deepinfer_cpu.hc_pre(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters)
+
+
+def hc_post(block_out, streams, post, comb):
+    if block_out.dtype != _F32 or streams.dtype != _F32:
+        return ops.hc_post(block_out, streams, post, comb)
+    return torch.ops.deepinfer_cpu.hc_post(block_out, streams, post, comb)
+
+
+def rms_norm(x, weight, eps):
+    if x.dtype != _F32 or (weight is not None and weight.dtype != _F32):
+        return ops.rms_norm(x, weight, eps)
+    return torch.ops.deepinfer_cpu.rms_norm(x, weight, eps)
+
+
+def rope(x, cos, sin, inverse=False):
+    if x.dtype != _F32 or x.dim() not in (2, 3):
+        return ops.rope(x, cos, sin, inverse)
+    return torch.ops.deepinfer_cpu.rope(x, cos, sin, inverse)
+
+
+def sparse_attention(q, kv, indices, sinks, scale):
+    if kv.dtype != _F32 or q.dtype != _F32 or kv.stride(-1) != 1:
+        return ops.sparse_attention(q, kv, indices, sinks, scale)
+    return torch.ops.deepinfer_cpu.sparse_attention(q, kv, indices, sinks, scale)
+
+
+def indexer_topk(q, weights, keys, candidates, topk, scale):
+    if keys.dtype != _F32 or q.dtype != _F32 or weights.dtype != _F32 or keys.stride(-1) != 1:
+        return ops.indexer_topk(q, weights, keys, candidates, topk, scale)
+    return torch.ops.deepinfer_cpu.indexer_topk(q, weights, keys, candidates, topk, scale)
+
+
+# Above this many (token, expert) rows the reference's per-expert GEMMs win over row-by-row GEMVs
+# (each expert's weights are then read once per group instead of once per row).
+_MOE_MAX_ROWS = 256
+
+
+def moe_experts(x, weights, ids, gate_up, down, limit):
+    if (ids.numel() > _MOE_MAX_ROWS or x.dtype != _F32 or gate_up.dtype != _F32 or down.dtype != _F32
+            or x.shape[0] == 0):
+        return ops.moe_experts(x, weights, ids, gate_up, down, limit)
+    return torch.ops.deepinfer_cpu.moe_experts(x, weights, ids, gate_up, down, limit)
+
+
+OPS = ("hc_pre", "hc_post", "rms_norm", "rope", "sparse_attention", "indexer_topk", "moe_experts")

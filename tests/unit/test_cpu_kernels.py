@@ -1,0 +1,159 @@
+"""The cpu backend's fused C++ kernels (backends/cpu/fused_ops.cpp) against the reference ops.
+
+They are what the cpu backend runs by default, so every one is checked against `ops.py` on edge
+cases (absent indices, fewer valid candidates than k, exact score ties, strided inputs), and a
+token's result must not depend on the rest of its batch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer.backends.cpu import CpuAccelerator, kernels
+from deepinfer.backends.cpu import ops as ref
+from test_batch_invariance import _differences
+
+REL = 2e-6  # float32, different summation order than torch's
+
+
+def _close(got, want, rel=REL):
+    got, want = (got if isinstance(got, tuple) else (got,)), (want if isinstance(want, tuple) else (want,))
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        err = (g - w).abs().max().item() / max(w.abs().max().item(), 1e-30) if w.numel() else 0.0
+        assert err <= rel, f"relative error {err:.2e} > {rel:.0e}"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    assert kernels.load(), "the cpu kernels did not build (see the warning)"
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("tokens,n,d", [(1, 4, 64), (37, 4, 64), (5, 2, 48), (0, 4, 64)])
+def test_mhc_kernels_match_the_reference(seed, tokens, n, d):
+    g = _gen(seed)
+    streams = torch.randn(tokens, n, d, generator=g) * 3
+    fn, base = torch.randn((2 + n) * n, n * d, generator=g) * 0.1, torch.randn((2 + n) * n, generator=g)
+    scale = torch.rand(3, generator=g) * 2
+    for iters in (1, 20):
+        _close(kernels.hc_pre(streams, fn, base, scale, 1e-6, 1e-6, iters),
+               ref.hc_pre(streams, fn, base, scale, 1e-6, 1e-6, iters))
+    _, post, comb = ref.hc_pre(streams, fn, base, scale, 1e-6, 1e-6, 20)
+    block = torch.randn(tokens, d, generator=g)
+    _close(kernels.hc_post(block, streams, post, comb), ref.hc_post(block, streams, post, comb))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_norm_and_rope_match_the_reference_on_strided_and_3d_inputs(seed):
+    g = _gen(seed)
+    fused = torch.randn(23, 300, generator=g)
+    x = fused[:, 40:104]  # a column slice of a fused projection, as the model passes it
+    w = torch.randn(64, generator=g)
+    _close(kernels.rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6))
+    _close(kernels.rms_norm(x, None, 1e-6), ref.rms_norm(x, None, 1e-6))
+    q = torch.randn(23, 4, 32, generator=g)
+    _close(kernels.rms_norm(q, None, 1e-6), ref.rms_norm(q, None, 1e-6))
+    cos, sin = torch.randn(23, 4, generator=g), torch.randn(23, 4, generator=g)
+    for inverse in (False, True):
+        _close(kernels.rope(q, cos, sin, inverse), ref.rope(q, cos, sin, inverse))
+        _close(kernels.rope(x, cos, sin, inverse), ref.rope(x, cos, sin, inverse))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_sparse_attention_matches_the_reference_with_absent_rows(seed):
+    g = _gen(seed)
+    T, H, Dh, pool = 19, 4, 32, 300
+    q, kv, sinks = torch.randn(T, H, Dh, generator=g), torch.randn(pool, Dh, generator=g), torch.randn(H, generator=g)
+    idx = torch.randint(0, pool, (T, 45), generator=g)
+    idx[torch.rand(T, 45, generator=g) < 0.3] = -1
+    idx[0] = -1  # a token that sees nothing: the sink takes all the weight, the output is 0
+    out = kernels.sparse_attention(q, kv, idx, sinks, 0.2)
+    _close(out, ref.sparse_attention(q, kv, idx, sinks, 0.2), rel=1e-5)
+    assert out[0].abs().max() == 0
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_indexer_picks_the_reference_candidates_in_order(seed):
+    g = _gen(seed)
+    T, H, Di, pool, M = 17, 16, 16, 400, 90
+    q, w, keys = torch.randn(T, H, Di, generator=g), torch.randn(T, H, generator=g), torch.randn(pool, Di, generator=g)
+    cand = torch.randint(0, pool, (T, M), generator=g)
+    cand[torch.rand(T, M, generator=g) < 0.2] = -1
+    cand[1, 5:] = -1  # fewer valid candidates than k: the rest is -1
+    for k in (8, 24):
+        got = kernels.indexer_topk(q, w, keys, cand, k, 0.25)
+        assert torch.equal(got, ref.indexer_topk(q, w, keys, cand, k, 0.25))
+        assert (got[1, (cand[1] >= 0).sum():] == -1).all()
+
+
+def test_indexer_breaks_exact_ties_towards_the_earlier_candidate():
+    q, w = torch.ones(2, 4, 8), torch.ones(2, 4)
+    keys = torch.ones(10, 8)  # every candidate scores the same
+    cand = torch.tensor([[7, 3, 9, 1, 5], [2, -1, 8, 0, 6]])
+    got = kernels.indexer_topk(q, w, keys, cand, 3, 0.5)
+    assert got.tolist() == [[7, 3, 9], [2, 8, 0]]
+    assert torch.equal(got, ref.indexer_topk(q, w, keys, cand, 3, 0.5))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_moe_experts_match_the_reference(seed):
+    g = _gen(seed)
+    T, D, E, inter, k = 21, 64, 8, 32, 2
+    x = torch.randn(T, D, generator=g) * 2
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    w = torch.rand(T, k, generator=g)
+    gate_up, down = torch.randn(E, 2 * inter, D, generator=g) * 0.3, torch.randn(E, D, inter, generator=g) * 0.3
+    for limit in (1.0, 10.0):  # 1.0 clamps most gate/up values
+        _close(kernels.moe_experts(x, w, ids, gate_up, down, limit), ref.moe_experts(x, w, ids, gate_up, down, limit))
+
+
+def test_bad_indices_raise_instead_of_reading_out_of_bounds():
+    q, kv = torch.randn(2, 4, 32), torch.randn(10, 32)
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernels.sparse_attention(q, kv, torch.tensor([[0, 10], [1, 2]]), torch.zeros(4), 0.2)
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernels.indexer_topk(torch.randn(2, 4, 8), torch.randn(2, 4), torch.randn(5, 8),
+                             torch.tensor([[0, 5], [1, 2]]), 1, 0.5)
+
+
+def test_inputs_the_kernels_do_not_take_go_to_the_reference():
+    g = _gen(0)
+    q, kv = torch.randn(3, 4, 32, generator=g), torch.randn(50, 32, generator=g).bfloat16()
+    idx, sinks = torch.randint(0, 50, (3, 7), generator=g), torch.randn(4, generator=g)
+    assert torch.equal(kernels.sparse_attention(q, kv, idx, sinks, 0.2), ref.sparse_attention(q, kv, idx, sinks, 0.2))
+
+
+def test_the_backend_runs_the_kernels_unless_disabled(monkeypatch):
+    monkeypatch.delenv("DEEPINFER_BATCH_INVARIANT", raising=False)
+    monkeypatch.delenv("DEEPINFER_CPU_KERNELS", raising=False)
+    on = CpuAccelerator()
+    assert all(getattr(on, op) is getattr(kernels, op) for op in kernels.OPS)
+    monkeypatch.setenv("DEEPINFER_CPU_KERNELS", "0")
+    off = CpuAccelerator()
+    assert all(getattr(off, op) is getattr(ref, op) for op in kernels.OPS)
+
+
+def test_fused_kernels_are_row_invariant(monkeypatch):
+    """Each kernel works token by token: a row's result is bit-identical in any batch."""
+    monkeypatch.delenv("DEEPINFER_BATCH_INVARIANT", raising=False)
+    bad = _differences(CpuAccelerator())
+    fused = set(kernels.OPS) & set(bad)
+    assert fused and all(bad[op] == 0 for op in fused), {op: bad[op] for op in fused}
+
+
+def test_a_failed_build_warns_and_keeps_the_reference(monkeypatch, tmp_path):
+    from torch.utils import cpp_extension
+
+    def no_compiler(**_):
+        raise RuntimeError("Error building extension: c++: command not found")
+
+    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    with pytest.warns(RuntimeWarning, match="command not found.*DEEPINFER_CPU_KERNELS=0"):
+        assert kernels._try_load(str(tmp_path)) is False
