@@ -73,7 +73,7 @@ def run_transformers(model_dir: str, prompts, new_tokens: int) -> dict:
                                                                       eos_token_id=None, pad_token_id=0))
         _sync()
         first = time.perf_counter()
-        model(ids)  # time to first token ~ one prefill forward
+        model(ids, logits_to_keep=1)  # time to first token ~ one prefill forward (last-position logits, as generate)
         _sync()
         ttft = time.perf_counter() - first
         start = time.perf_counter()
@@ -82,8 +82,9 @@ def run_transformers(model_dir: str, prompts, new_tokens: int) -> dict:
         seconds = time.perf_counter() - start
     gen = out[:, ids.shape[1]:]
     n = gen.numel()
-    return dict(seconds=seconds, output_tokens=n, tok_s=n / seconds, ttft_s=ttft,
-                tpot_s=(seconds - ttft) / max(new_tokens - 1, 1), tokens=gen.tolist())
+    # a separate prefill forward can take longer than generate's own (long prompts): no TPOT then
+    tpot = (seconds - ttft) / max(new_tokens - 1, 1) if seconds > ttft else None
+    return dict(seconds=seconds, output_tokens=n, tok_s=n / seconds, ttft_s=ttft, tpot_s=tpot, tokens=gen.tolist())
 
 
 def main() -> None:
@@ -114,7 +115,8 @@ def main() -> None:
         for name in ("deepinfer", "transformers"):
             m = r[name]
             extra = (f"{r['speedup']:.1f}x", r["identical_outputs"]) if name == "deepinfer" else ("1.0x", "")
-            print(f"| {r['batch']} | {name} | {m['tok_s']:.1f} | {m['ttft_s']:.3f} | {m['tpot_s'] * 1e3:.1f} | "
+            tpot = "n/a" if m["tpot_s"] is None else f"{m['tpot_s'] * 1e3:.1f}"
+            print(f"| {r['batch']} | {name} | {m['tok_s']:.1f} | {m['ttft_s']:.3f} | {tpot} | "
                   f"{extra[0]} | {extra[1]} |")
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:

@@ -71,8 +71,9 @@ _VARS = [
            "cpu, nvidia or ascend; unset = auto (nvidia if CUDA is usable, else ascend, else cpu)"),
     EnvVar("DEEPINFER_BATCH_INVARIANT", False, _bool,
            "1: batch-invariant kernels (results independent of batch composition); not on ascend"),
-    EnvVar("DEEPINFER_ZERO_OVERHEAD_SCHEDULING", True, _bool,
-           "overlap CPU scheduling with device execution"),
+    EnvVar("DEEPINFER_ZERO_OVERHEAD_SCHEDULING", None, _bool,
+           "overlap CPU scheduling with device execution; unset = the backend's choice (on for nvidia/ascend, "
+           "off on cpu, where the model itself runs on the host and the two threads contend for the GIL)"),
     EnvVar("DEEPINFER_USE_NEXTN_DECODE", 5, _int,
            "maximum draft length; 0 disables speculative decoding"),
     EnvVar("DEEPINFER_ENABLE_MTP_VARLEN", True, _bool,
@@ -111,8 +112,11 @@ def batch_invariant() -> bool:
     return get("DEEPINFER_BATCH_INVARIANT")
 
 
-def zero_overhead_scheduling() -> bool:
-    return get("DEEPINFER_ZERO_OVERHEAD_SCHEDULING")
+def zero_overhead_scheduling(default: bool) -> bool:
+    """DEEPINFER_ZERO_OVERHEAD_SCHEDULING when set, else `default` (the accelerator's
+    `overlap_scheduling`)."""
+    value = get("DEEPINFER_ZERO_OVERHEAD_SCHEDULING")
+    return default if value is None else value
 
 
 def nextn_decode() -> int:

@@ -31,6 +31,9 @@ class Accelerator(ABC):
     batch_invariant: bool = False  # results independent of batch composition when enabled
     deterministic_sampling: bool = False  # seq_seed + batch invariance => identical reruns
     fp8_weights: bool = False  # can run FP8 block-scaled GEMMs natively
+    # Plan step N+1 on the host while step N runs (DEEPINFER_ZERO_OVERHEAD_SCHEDULING's default):
+    # pays where the device runs asynchronously to the Python thread that launches its work.
+    overlap_scheduling: bool = True
 
     # -------------------------------------------------------------- weights
     def prepare_weight(self, name: str, tensor: torch.Tensor) -> torch.Tensor:

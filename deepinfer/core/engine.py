@@ -127,9 +127,8 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.last_step = StepStats()
         self.structured = None  # structured outputs (core/structured.py), built on the first so_args request
-        self.zero_overhead = envs.zero_overhead_scheduling()
-        # one worker runs the model so the CPU can plan the next step meanwhile (torch releases
-        # the GIL inside its kernels, so the overlap is real on the cpu backend too)
+        self.zero_overhead = envs.zero_overhead_scheduling(default=accel.overlap_scheduling)
+        # one worker runs the model so the CPU can plan the next step meanwhile
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deepinfer-step") \
             if self.zero_overhead else None
         self.in_flight: StepPlan | None = None

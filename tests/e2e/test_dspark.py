@@ -69,6 +69,7 @@ def _tokens(llm, prompts, params):
 
 def test_off_costs_nothing(spec_model_dir, monkeypatch):
     """NEXTN=0 on a checkpoint with a drafter: no drafter, no ring margin, overlapped steps kept."""
+    monkeypatch.setenv("DEEPINFER_ZERO_OVERHEAD_SCHEDULING", "1")  # the cpu backend's default is off
     llm = _llm(spec_model_dir, monkeypatch, "off")
     assert llm.engine.spec is None
     assert llm.engine.cache.ring == 32 and all(layer.margin == 0 for layer in llm.engine.cache.layers)
@@ -96,6 +97,7 @@ def test_dynamic_steps_that_skip_drafting_overlap(spec_model_dir, monkeypatch):
     (overlapped) scheduling; outputs stay the no-drafting ones throughout."""
     from deepinfer.core.spec.planner import StepCost
 
+    monkeypatch.setenv("DEEPINFER_ZERO_OVERHEAD_SCHEDULING", "1")  # the cpu backend's default is off
     prompts, params = _mixed_batch(seed=6)
     reference = _tokens(_llm(spec_model_dir, monkeypatch, "off"), prompts, params)
     llm = _llm(spec_model_dir, monkeypatch, "dynamic")

@@ -157,3 +157,22 @@ def test_a_failed_build_warns_and_keeps_the_reference(monkeypatch, tmp_path):
     monkeypatch.setattr(cpp_extension, "load", no_compiler)
     with pytest.warns(RuntimeWarning, match="command not found.*DEEPINFER_CPU_KERNELS=0"):
         assert kernels._try_load(str(tmp_path)) is False
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_projection_and_router_kernels_match_the_reference(seed):
+    g = _gen(seed)
+    T, D, E = 29, 64, 16
+    x = torch.randn(T, D, generator=g)
+    xg, wg = torch.randn(T, 2, 48, generator=g), torch.randn(2 * 24, 48, generator=g)
+    _close(kernels.grouped_linear(xg, wg), ref.grouped_linear(xg, wg))
+    gate, bias = torch.randn(E, D, generator=g) * 0.3, torch.randn(E, generator=g) * 0.1
+    for k in (1, 4):
+        w, ids = kernels.route_topk(x, gate, bias, k, 1.5)
+        rw, rids = ref.route_topk(x, gate, bias, k, 1.5)  # topk(sorted=False): compare as sets
+        rids, order = rids.sort(dim=-1)
+        got_ids, got_order = ids.sort(dim=-1)
+        assert torch.equal(got_ids, rids)
+        _close(w.gather(1, got_order), rw.gather(1, order))
+    hash_ids = torch.stack([torch.randperm(E, generator=g)[:3] for _ in range(T)])
+    _close(kernels.route_hash(x * 30, gate, hash_ids, 2.0), ref.route_hash(x * 30, gate, hash_ids, 2.0))  # softplus > 20

@@ -20,6 +20,9 @@ class CpuAccelerator(Accelerator):
     batch_invariant = False
     deterministic_sampling = False
     fp8_weights = False
+    # The "device" is the host: a forward on a worker thread and the next step's planning contend
+    # for the GIL, and the overlap measured 0.76x (batch 32) to 0.95x (batch 1) of synchronous steps.
+    overlap_scheduling = False
 
     def __init__(self) -> None:
         from deepinfer import envs

@@ -15,6 +15,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <numeric>
 #include <tuple>
@@ -22,7 +24,36 @@
 
 namespace {
 
-inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
+// exp(x) for float32 in straight-line code GCC can vectorise (std::exp is a scalar libm call,
+// ~20 cycles: the attention softmax and the MoE SiLU were spending most of their time in it).
+// Cody-Waite reduction x = n*ln2 + r, |r| <= ln2/2, then a degree-7 Taylor polynomial of e^r
+// (truncation error < 2e-9 there, so the result is within ~2 ulp of libm) and 2^n from the exponent
+// bits. Inputs below -87.3 (incl. -inf) give 0, above 88 give inf; NaN stays NaN.
+inline float fast_exp(float x) {
+  const float xc = std::min(std::max(x, -87.3f), 88.0f);
+  const float n = std::nearbyint(xc * 1.44269504088896341f);
+  float r = xc - n * 0.693145751953125f;  // ln2 split in two: the product above is exact
+  r = r - n * 1.42860682030941723212e-6f;
+  float p = 1.0f / 5040.0f;
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  int32_t bits;
+  const int32_t e = (static_cast<int32_t>(n) + 127) << 23;
+  std::memcpy(&bits, &p, 4);
+  bits += e - (127 << 23);
+  float out;
+  std::memcpy(&out, &bits, 4);
+  out = x < -87.3f ? 0.0f : out;
+  out = x > 88.0f ? std::numeric_limits<float>::infinity() : out;
+  return x != x ? x : out;
+}
+
+inline float sigmoid(float x) { return 1.0f / (1.0f + fast_exp(-x)); }
 
 inline float dot(const float* a, const float* b, int64_t n) {
   float acc = 0.0f;
@@ -47,6 +78,23 @@ inline void query_keys(const float* __restrict q, const float* __restrict kt, fl
 // out[d] += p * row[d]
 inline void axpy(float p, const float* __restrict row, float* __restrict out, int64_t D) {
   for (int64_t d = 0; d < D; ++d) out[d] += p * row[d];
+}
+
+// The rows of a [rows, D] pool named by idx[0..n) (-1 = absent), gathered transposed into kt [D, valid]
+// for query_keys; returns how many were present and writes their positions in idx to `present`.
+int64_t gather_transposed(const int64_t* idx, int64_t n, const float* pool, int64_t rows, int64_t stride, int64_t D,
+                          const char* what, int64_t* present, float* kt) {
+  int64_t valid = 0;
+  for (int64_t m = 0; m < n; ++m) {
+    if (idx[m] < 0) continue;
+    TORCH_CHECK(idx[m] < rows, what, " ", idx[m], " out of range for ", rows, " rows");
+    present[valid++] = m;
+  }
+  for (int64_t j = 0; j < valid; ++j) {
+    const float* row = pool + idx[present[j]] * stride;
+    for (int64_t d = 0; d < D; ++d) kt[d * valid + j] = row[d];
+  }
+  return valid;
 }
 
 void check_float(const at::Tensor& t, const char* name) {
@@ -109,7 +157,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hc_pre(const at::Tensor& streams_
             mx = std::max(mx, row[j]);
           }
           float sum = 0.0f;
-          for (int64_t j = 0; j < n; ++j) sum += (row[j] = std::exp(row[j] - mx));
+          for (int64_t j = 0; j < n; ++j) sum += (row[j] = fast_exp(row[j] - mx));
           for (int64_t j = 0; j < n; ++j) cb[(i * n + j) * kBlock + b] = row[j] / sum + heps;
         }
       }
@@ -268,24 +316,21 @@ at::Tensor sparse_attention(const at::Tensor& q_in, const at::Tensor& kv, const 
   const float sc = static_cast<float>(scale);
   at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
     std::vector<const float*> keys(K);
+    std::vector<int64_t> present(K);
     std::vector<float> kt(Dh * K), logits(H * K);
     for (int64_t t = begin; t < end; ++t) {
-      int64_t valid = 0;
-      for (int64_t k = 0; k < K; ++k) {
-        const int64_t row = I[t * K + k];
-        if (row < 0) continue;
-        TORCH_CHECK(row < rows, "attention index ", row, " out of range for ", rows, " kv rows");
-        keys[valid++] = KV + row * kv_stride;
-      }
-      for (int64_t k = 0; k < valid; ++k)  // gathered keys, transposed to [Dh, valid]
-        for (int64_t d = 0; d < Dh; ++d) kt[d * valid + k] = keys[k][d];
+      const int64_t* idx = I + t * K;
+      const int64_t valid =
+          gather_transposed(idx, K, KV, rows, kv_stride, Dh, "attention index", present.data(), kt.data());
+      for (int64_t k = 0; k < valid; ++k) keys[k] = KV + idx[present[k]] * kv_stride;
       for (int64_t h = 0; h < H; ++h) {
         float* l = logits.data() + h * K;
         query_keys(Q + (t * H + h) * Dh, kt.data(), l, Dh, valid);
         float mx = SK[h];
         for (int64_t k = 0; k < valid; ++k) mx = std::max(mx, l[k] *= sc);
-        float denom = std::exp(SK[h] - mx);  // the sink: a logit with no value
-        for (int64_t k = 0; k < valid; ++k) denom += (l[k] = std::exp(l[k] - mx));
+        float denom = fast_exp(SK[h] - mx);  // the sink: a logit with no value
+        for (int64_t k = 0; k < valid; ++k) l[k] = fast_exp(l[k] - mx);
+        for (int64_t k = 0; k < valid; ++k) denom += l[k];
         float* o = O + (t * H + h) * Dh;
         std::fill(o, o + Dh, 0.0f);
         for (int64_t k = 0; k < valid; ++k) axpy(l[k] / denom, keys[k], o, Dh);
@@ -320,17 +365,8 @@ at::Tensor indexer_topk(const at::Tensor& q_in, const at::Tensor& weights_in, co
     std::vector<float> score(M), kt(Di * M), acc(M);
     std::vector<int64_t> order(M);
     for (int64_t t = begin; t < end; ++t) {
-      int64_t valid = 0;
-      for (int64_t m = 0; m < M; ++m) {
-        const int64_t row = C[t * M + m];
-        if (row < 0) continue;
-        TORCH_CHECK(row < rows, "indexer candidate ", row, " out of range for ", rows, " key rows");
-        order[valid++] = m;
-      }
-      for (int64_t j = 0; j < valid; ++j) {  // gathered keys, transposed to [Di, valid]
-        const float* key = KS + C[t * M + order[j]] * key_stride;
-        for (int64_t d = 0; d < Di; ++d) kt[d * valid + j] = key[d];
-      }
+      const int64_t valid =
+          gather_transposed(C + t * M, M, KS, rows, key_stride, Di, "indexer candidate", order.data(), kt.data());
       std::fill(score.begin(), score.end(), 0.0f);
       for (int64_t h = 0; h < H; ++h) {
         query_keys(Q + (t * H + h) * Di, kt.data(), acc.data(), Di, valid);
@@ -350,6 +386,96 @@ at::Tensor indexer_topk(const at::Tensor& q_in, const at::Tensor& weights_in, co
   return out;
 }
 
+
+// ---------------------------------------------------------------- small-batch projections and routing
+// grouped_linear: x [T, G, K], weight [G*N, K] -> [T, G, N] (group g uses rows g*N..g*N+N-1).
+at::Tensor grouped_linear(const at::Tensor& x_in, const at::Tensor& w_in) {
+  check_float(x_in, "x");
+  check_float(w_in, "weight");
+  const at::Tensor x = x_in.contiguous(), w = w_in.contiguous();
+  const int64_t T = x.size(0), G = x.size(1), K = x.size(2), N = w.size(0) / G;
+  TORCH_CHECK(w.size(1) == K && w.size(0) == G * N, "weight must be [G*N, K]");
+  at::Tensor out = at::empty({T, G, N}, x.options());
+  const float *X = x.data_ptr<float>(), *W = w.data_ptr<float>();
+  float* O = out.data_ptr<float>();
+  at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t n = 0; n < N; ++n) O[(t * G + g) * N + n] = dot(X + (t * G + g) * K, W + (g * N + n) * K, K);
+  });
+  return out;
+}
+
+// sqrt(softplus(x . gate_e)), softplus with torch's threshold (x > 20: x)
+inline float router_score(const float* x, const float* gate_row, int64_t D) {
+  const float z = dot(x, gate_row, D);
+  return std::sqrt(z > 20.0f ? z : std::log1p(std::exp(z)));
+}
+
+inline void normalize_route(float* w, int64_t k, float scaling) {
+  float sum = 0.0f;
+  for (int64_t j = 0; j < k; ++j) sum += w[j];
+  for (int64_t j = 0; j < k; ++j) w[j] = w[j] / (sum + 1e-20f) * scaling;
+}
+
+// route_topk: the top_k experts by score + bias (best first), weighted by their scores normalised.
+std::tuple<at::Tensor, at::Tensor> route_topk(const at::Tensor& x_in, const at::Tensor& gate_in,
+                                              const at::Tensor& bias_in, int64_t top_k, double scaling) {
+  check_float(x_in, "x");
+  check_float(gate_in, "gate");
+  const at::Tensor x = x_in.contiguous(), gate = gate_in.contiguous(), bias = bias_in.contiguous().to(at::kFloat);
+  const int64_t T = x.size(0), D = x.size(1), E = gate.size(0);
+  TORCH_CHECK(gate.size(1) == D && bias.numel() == E && top_k <= E, "gate must be [E, D], bias [E], top_k <= E");
+  at::Tensor weights = at::empty({T, top_k}, x.options()), ids = at::empty({T, top_k}, x.options().dtype(at::kLong));
+  const float *X = x.data_ptr<float>(), *Gt = gate.data_ptr<float>(), *Bs = bias.data_ptr<float>();
+  float* Wo = weights.data_ptr<float>();
+  int64_t* Io = ids.data_ptr<int64_t>();
+  const float sc = static_cast<float>(scaling);
+  at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> score(E), biased(E);
+    std::vector<int64_t> order(E);
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t e = 0; e < E; ++e) {
+        score[e] = router_score(X + t * D, Gt + e * D, D);
+        biased[e] = score[e] + Bs[e];
+      }
+      std::iota(order.begin(), order.end(), 0);
+      std::partial_sort(order.begin(), order.begin() + top_k, order.end(), [&](int64_t a, int64_t b) {
+        return biased[a] > biased[b] || (biased[a] == biased[b] && a < b);
+      });
+      for (int64_t j = 0; j < top_k; ++j) {
+        Io[t * top_k + j] = order[j];
+        Wo[t * top_k + j] = score[order[j]];
+      }
+      normalize_route(Wo + t * top_k, top_k, sc);
+    }
+  });
+  return {weights, ids};
+}
+
+// route_hash: fixed expert ids per token; only their scores are computed.
+at::Tensor route_hash(const at::Tensor& x_in, const at::Tensor& gate_in, const at::Tensor& ids_in, double scaling) {
+  check_float(x_in, "x");
+  check_float(gate_in, "gate");
+  TORCH_CHECK(ids_in.scalar_type() == at::kLong, "ids must be int64");
+  const at::Tensor x = x_in.contiguous(), gate = gate_in.contiguous(), ids = ids_in.contiguous();
+  const int64_t T = x.size(0), D = x.size(1), E = gate.size(0), k = ids.size(1);
+  at::Tensor weights = at::empty({T, k}, x.options());
+  const float *X = x.data_ptr<float>(), *Gt = gate.data_ptr<float>();
+  const int64_t* I = ids.data_ptr<int64_t>();
+  float* Wo = weights.data_ptr<float>();
+  at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t e = I[t * k + j];
+        TORCH_CHECK(e >= 0 && e < E, "expert id ", e, " out of range for ", E, " experts");
+        Wo[t * k + j] = router_score(X + t * D, Gt + e * D, D);
+      }
+      normalize_route(Wo + t * k, k, static_cast<float>(scaling));
+    }
+  });
+  return weights;
+}
 
 // ---------------------------------------------------------------- MoE (small batches)
 // x [T, D], weights/ids [T, k], gate_up [E, 2I, D], down [E, D, I]: sum_j weights[t, j] *
@@ -387,7 +513,7 @@ at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& weights_in, con
         for (int64_t i = 0; i < I; ++i) {
           const float g = std::min(dot(xt, gu + i * D, D), lim);
           const float u = std::clamp(dot(xt, gu + (I + i) * D, D), -lim, lim);
-          hidden[i] = g / (1.0f + std::exp(-g)) * u;
+          hidden[i] = g / (1.0f + fast_exp(-g)) * u;
         }
         const float* dn = DN + e * D * I;
         for (int64_t d = 0; d < D; ++d) row[d] = dot(hidden.data(), dn + d * I, I);
@@ -407,6 +533,9 @@ TORCH_LIBRARY(deepinfer_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor? weight, float eps) -> Tensor");
   m.def("rope(Tensor x, Tensor cos, Tensor sin, bool inverse) -> Tensor");
   m.def("sparse_attention(Tensor q, Tensor kv, Tensor indices, Tensor sinks, float scale) -> Tensor");
+  m.def("grouped_linear(Tensor x, Tensor weight) -> Tensor");
+  m.def("route_topk(Tensor x, Tensor gate, Tensor bias, int top_k, float scaling) -> (Tensor, Tensor)");
+  m.def("route_hash(Tensor x, Tensor gate, Tensor ids, float scaling) -> Tensor");
   m.def("moe_experts(Tensor x, Tensor weights, Tensor ids, Tensor gate_up, Tensor down, float limit) -> Tensor");
   m.def("indexer_topk(Tensor q, Tensor weights, Tensor keys, Tensor candidates, int topk, float scale) -> Tensor");
 }
@@ -419,4 +548,7 @@ TORCH_LIBRARY_IMPL(deepinfer_cpu, CPU, m) {
   m.impl("sparse_attention", &sparse_attention);
   m.impl("indexer_topk", &indexer_topk);
   m.impl("moe_experts", &moe_experts);
+  m.impl("grouped_linear", &grouped_linear);
+  m.impl("route_topk", &route_topk);
+  m.impl("route_hash", &route_hash);
 }

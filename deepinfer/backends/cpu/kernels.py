@@ -2,8 +2,9 @@
 
 The reference ops in `ops.py` are plain torch: dozens of small ops per call, which is what a
 decode step of a small model spends its time on (the mHC mix alone is ~80 ops, 8 calls a step).
-`fused_ops.cpp` does seven of them (hc_pre, hc_post, rms_norm, rope, sparse_attention,
-indexer_topk, and moe_experts for decode-sized batches) in one pass each. It is built with torch's C++ extension loader on the machine
+`fused_ops.cpp` does ten of them in one pass each: hc_pre, hc_post, rms_norm, rope,
+sparse_attention and indexer_topk always; moe_experts, grouped_linear and the two routers for
+decode-sized batches (larger ones go to the reference, whose GEMMs win there). It is built with torch's C++ extension loader on the machine
 that runs it (so `-march=native` is safe) into ~/.cache/deepinfer/cpu_kernels/<hash>, once per
 source/torch/compiler version; later processes only load the library.
 
@@ -106,6 +107,28 @@ def indexer_topk(q, weights, keys, candidates, topk, scale):
     return torch.ops.deepinfer_cpu.indexer_topk(q, weights, keys, candidates, topk, scale)
 
 
+# Above this many tokens the reference's GEMMs beat row-by-row dot products.
+_SMALL_BATCH = 64
+
+
+def grouped_linear(x, weight):
+    if x.shape[0] > _SMALL_BATCH or x.dtype != _F32 or weight.dtype != _F32:
+        return ops.grouped_linear(x, weight)
+    return torch.ops.deepinfer_cpu.grouped_linear(x, weight)
+
+
+def route_topk(x, gate, bias, top_k, scaling):
+    if x.shape[0] > _SMALL_BATCH or x.dtype != _F32 or gate.dtype != _F32:
+        return ops.route_topk(x, gate, bias, top_k, scaling)
+    return tuple(torch.ops.deepinfer_cpu.route_topk(x, gate, bias, top_k, scaling))
+
+
+def route_hash(x, gate, ids, scaling):
+    if x.shape[0] > _SMALL_BATCH or x.dtype != _F32 or gate.dtype != _F32:
+        return ops.route_hash(x, gate, ids, scaling)
+    return torch.ops.deepinfer_cpu.route_hash(x, gate, ids, scaling)
+
+
 # Above this many (token, expert) rows the reference's per-expert GEMMs win over row-by-row GEMVs
 # (each expert's weights are then read once per group instead of once per row).
 _MOE_MAX_ROWS = 256
@@ -118,4 +141,5 @@ def moe_experts(x, weights, ids, gate_up, down, limit):
     return torch.ops.deepinfer_cpu.moe_experts(x, weights, ids, gate_up, down, limit)
 
 
-OPS = ("hc_pre", "hc_post", "rms_norm", "rope", "sparse_attention", "indexer_topk", "moe_experts")
+OPS = ("hc_pre", "hc_post", "rms_norm", "rope", "sparse_attention", "indexer_topk", "moe_experts", "grouped_linear",
+       "route_topk", "route_hash")
