@@ -125,6 +125,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hc_pre(const at::Tensor& streams_
   const at::Tensor base = base_in.contiguous().to(at::kFloat), scale = scale_in.contiguous().to(at::kFloat);
   const int64_t T = streams.size(0), n = streams.size(1), D = streams.size(2), nd = n * D, mixes = (2 + n) * n;
   TORCH_CHECK(fn.size(0) == mixes && fn.size(1) == nd, "fn must be [(2+n)*n, n*D]");
+  constexpr int64_t kMaxStreams = 64;
+  TORCH_CHECK(n <= kMaxStreams, "hc_mult > ", kMaxStreams, " is not supported");
   auto opts = streams.options();
   at::Tensor collapsed = at::empty({T, D}, opts), post = at::empty({T, n}, opts), comb = at::empty({T, n, n}, opts);
   const float *S = streams.data_ptr<float>(), *F = fn.data_ptr<float>(), *B = base.data_ptr<float>();
@@ -149,8 +151,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hc_pre(const at::Tensor& streams_
           P[t * n + j] = 2.0f * sigmoid(mix[n + j] * s1 + B[n + j]);
         }
         for (int64_t i = 0; i < n; ++i) {  // row softmax of the combination logits, + eps
-          float row[64];
-          TORCH_CHECK(n <= 64, "hc_mult > 64 is not supported");
+          float row[kMaxStreams];
           float mx = -std::numeric_limits<float>::infinity();
           for (int64_t j = 0; j < n; ++j) {
             row[j] = mix[2 * n + i * n + j] * s2 + B[2 * n + i * n + j];
