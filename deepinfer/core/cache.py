@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from deepinfer.core.config import CSA, ModelConfig
@@ -97,7 +98,7 @@ class StateCache:
             self.layers.append(state)
 
         # host metadata: read when a step's index tensors are planned, never by a kernel
-        self.block_table = torch.zeros(max_seqs, self.max_pages_per_seq, dtype=torch.int64)
+        self.block_table = np.zeros((max_seqs, self.max_pages_per_seq), dtype=np.int64)
         self.free_slots = list(range(max_seqs - 1, -1, -1))
         self.free_pages = list(range(num_pages - 1, -1, -1))
         self.slot_pages: dict[int, list[int]] = {}
@@ -146,7 +147,7 @@ class StateCache:
         slot = self.free_slots.pop()
         if cached_pages:
             self.prefix.hold(cached_pages)
-            self.block_table[slot, :len(cached_pages)] = torch.tensor(cached_pages)
+            self.block_table[slot, :len(cached_pages)] = cached_pages
         self.slot_pages[slot] = list(cached_pages)
         return slot
 
@@ -186,11 +187,11 @@ class StateCache:
         self.free_slots.append(slot)
 
     # ------------------------------------------------------------ row maps
-    def entry_rows(self, layer: LayerState, slots: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
-        """Rows (relative to the compressed region) of compressed entries `entries` of `slots`."""
+    def entry_rows(self, layer: LayerState, slots: np.ndarray, entries: np.ndarray) -> np.ndarray:
+        """Rows (relative to the compressed region) of compressed entries `entries` of `slots`
+        (numpy index arrays, broadcast against each other: this is host-side planning)."""
         per_page = self.page_tokens // layer.rate
-        pages = self.block_table[slots, torch.div(entries, per_page, rounding_mode="floor")]
-        return pages * per_page + entries % per_page
+        return self.block_table[slots, entries // per_page] * per_page + entries % per_page
 
     def entry_base(self) -> int:
         """First row of the compressed-entry region inside a layer's kv tensor."""

@@ -7,6 +7,7 @@ checkpoints (compress_ratios, num_hash_layers, qk_rope_head_dim, rope_scaling).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -35,28 +36,36 @@ class RopeConfig:
     def inv_freq(self) -> "torch.Tensor":
         """One angle rate per channel pair, in float32 exactly as the reference computes it.
         YaRN blends interpolated and extrapolated rates with a linear ramp; V4 does not
-        rescale cos/sin (attention factor 1)."""
-        import torch
+        rescale cos/sin (attention factor 1). Computed once per config (every step reads it):
+        the returned tensor is shared, read-only."""
+        yarn = tuple(sorted(self.yarn.items())) if self.yarn else None
+        return _inv_freq(self.theta, self.dim, yarn)
 
-        pos_freqs = self.theta ** (torch.arange(0, self.dim, 2, dtype=torch.float32) / self.dim)
-        extrapolated = 1.0 / pos_freqs
-        if not self.yarn:
-            return extrapolated
-        factor = float(self.yarn["factor"])
-        orig = float(self.yarn["original_max_position_embeddings"])
-        beta_fast = float(self.yarn.get("beta_fast") or 32)
-        beta_slow = float(self.yarn.get("beta_slow") or 1)
 
-        def correction_dim(rotations: float) -> float:
-            return self.dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(self.theta))
+@functools.lru_cache(maxsize=64)
+def _inv_freq(theta: float, dim: int, yarn_items: tuple | None) -> "torch.Tensor":
+    import torch
 
-        low = max(math.floor(correction_dim(beta_fast)), 0)
-        high = min(math.ceil(correction_dim(beta_slow)), self.dim - 1)
-        if low == high:
-            high += 0.001
-        ramp = ((torch.arange(self.dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-        keep = 1 - ramp  # share of the extrapolated (original) rate
-        return 1.0 / (factor * pos_freqs) * (1 - keep) + extrapolated * keep
+    pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    extrapolated = 1.0 / pos_freqs
+    if not yarn_items:
+        return extrapolated
+    yarn = dict(yarn_items)
+    factor = float(yarn["factor"])
+    orig = float(yarn["original_max_position_embeddings"])
+    beta_fast = float(yarn.get("beta_fast") or 32)
+    beta_slow = float(yarn.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(math.floor(correction_dim(beta_fast)), 0)
+    high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # share of the extrapolated (original) rate
+    return 1.0 / (factor * pos_freqs) * (1 - keep) + extrapolated * keep
 
 
 @dataclass(slots=True)

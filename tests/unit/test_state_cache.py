@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -52,6 +53,6 @@ def test_entry_rows_follow_the_block_table():
     cache.grow(b, 256)
     cache.grow(a, 256)
     layer = cache.layers[0]  # CSA: 32 entries per 128-token page
-    rows = cache.entry_rows(layer, torch.tensor([a, a, b, b]), torch.tensor([0, 40, 0, 40]))
+    rows = cache.entry_rows(layer, np.array([a, a, b, b]), np.array([0, 40, 0, 40]))
     pages_a, pages_b = cache.slot_pages[a], cache.slot_pages[b]
     assert rows.tolist() == [pages_a[0] * 32, pages_a[1] * 32 + 8, pages_b[0] * 32, pages_b[1] * 32 + 8]

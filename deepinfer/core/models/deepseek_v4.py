@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from deepinfer.backends.base import Accelerator
@@ -38,11 +39,16 @@ class StepInput:
     num_restored: torch.Tensor | None = None  # [B] compressed entries of positions below it are cached: not rewritten
 
 
-def _arange_within(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _arange_within(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """For groups of sizes `counts`: (group index of each element, index within its group)."""
-    group = torch.repeat_interleave(torch.arange(len(counts), device=counts.device), counts)
-    first = torch.cumsum(counts, 0) - counts
-    return group, torch.arange(int(counts.sum()), device=counts.device) - first[group]
+    group = np.repeat(np.arange(len(counts)), counts)
+    first = np.cumsum(counts) - counts
+    return group, np.arange(len(group)) - first[group]
+
+
+def _cos_sin(inv_freq: torch.Tensor, positions: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    freqs = torch.from_numpy(positions)[:, None].float() * inv_freq
+    return freqs.cos(), freqs.sin()
 
 
 class StepMeta:
@@ -51,27 +57,31 @@ class StepMeta:
     Built on the host from host tensors (StepInput and the cache's block table live on the CPU:
     no device sync while planning), then moved to the cache's device in one go; `ids` is the
     device copy of the step's token ids, which the engine may patch with the previous step's
-    samples before the forward."""
+    samples before the forward. The index arithmetic runs in numpy: it is ~60 operations on
+    arrays of a few hundred elements, where a torch op's fixed cost (~5 us) was most of a
+    decode step's planning time."""
 
     def __init__(self, inp: StepInput, cache: StateCache, config: ModelConfig):
         self.inp, self.cache, self.config = inp, cache, config
-        self.seq, within = _arange_within(inp.lens)
-        self.first = torch.cumsum(inp.lens, 0) - inp.lens  # flat index of each sequence's first token
-        self.positions = inp.starts[self.seq] + within
-        self.ends = inp.starts + inp.lens
-        self.num_tokens = int(inp.lens.sum())
+        self.starts, self.slots = inp.starts.numpy(), inp.slots.numpy()
+        lens = inp.lens.numpy()
+        self.seq, within = _arange_within(lens)
+        self.first = np.cumsum(lens) - lens  # flat index of each sequence's first token
+        self.positions = self.starts[self.seq] + within
+        self.ends = self.starts + lens
+        self.num_tokens = len(self.seq)
         if self.num_tokens > cache.max_step_tokens:
             raise ValueError(f"step has {self.num_tokens} tokens, cache scratch holds {cache.max_step_tokens}")
-        self.rope = {"main": self._cos_sin(config.rope_main.inv_freq(), self.positions),
-                     "compress": self._cos_sin(config.rope_compress.inv_freq(), self.positions)}
         self._compress_inv_freq = config.rope_compress.inv_freq()
+        self.rope = {"main": _cos_sin(config.rope_main.inv_freq(), self.positions),
+                     "compress": _cos_sin(self._compress_inv_freq, self.positions)}
         window = config.sliding_window
-        key_pos = self.positions[:, None] + torch.arange(-(window - 1), 1)
+        key_pos = self.positions[:, None] + np.arange(-(window - 1), 1)
         if inp.window_floor is not None:  # keys never computed after a prefix-cache hit read as absent
-            floor = inp.window_floor[self.seq]
-            floor = torch.where(self.positions >= floor, floor, torch.zeros_like(floor))
-            key_pos = torch.where(key_pos >= floor[:, None], key_pos, torch.full_like(key_pos, -1))
-        self.window_rows = self.rows(key_pos, self.seq[:, None].expand_as(key_pos), cache.ring, 0)
+            floor = inp.window_floor.numpy()[self.seq]
+            floor = np.where(self.positions >= floor, floor, 0)
+            key_pos = np.where(key_pos >= floor[:, None], key_pos, -1)
+        self.window_rows = self.rows(key_pos, self.seq[:, None], cache.ring, 0)
         self.window_commit = self._commit(cache.ring, 0)
         self._by_rate: dict[tuple[str, int], dict] = {}
         # Rows this process computes the token-wise work for (queries, MoE, residual streams):
@@ -86,7 +96,10 @@ class StepMeta:
         self._to_device(cache.device)
 
     def _to_device(self, device: torch.device) -> None:
-        move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+        def move(t):
+            t = torch.from_numpy(t) if isinstance(t, np.ndarray) else t
+            return t.to(device, non_blocking=True)
+
         self.ids = move(self.inp.ids)
         self.window_rows = move(self.window_rows)
         self.window_commit = tuple(map(move, self.window_commit))
@@ -101,28 +114,22 @@ class StepMeta:
         """Rows of every token of the step, from the rows of the tokens this process owns."""
         return own_rows
 
-    @staticmethod
-    def _cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions[:, None].float() * inv_freq
-        return freqs.cos(), freqs.sin()
-
-    def rows(self, pos: torch.Tensor, seq: torch.Tensor, ring: int, ring_base: int) -> torch.Tensor:
-        """Row of token `pos` of batch sequence `seq` in a [ring rows | scratch] tensor whose
-        scratch starts at slots*ring: the step's own tokens are read from the scratch,
-        older ones from the ring; negative positions give -1."""
-        start = self.inp.starts[seq]
+    def rows(self, pos: np.ndarray, seq: np.ndarray, ring: int, ring_base: int) -> np.ndarray:
+        """Row of token `pos` of batch sequence `seq` (broadcast against pos) in a [ring rows |
+        scratch] tensor whose scratch starts at slots*ring: the step's own tokens are read from
+        the scratch, older ones from the ring; negative positions give -1."""
+        start = self.starts[seq]
         scratch = self.cache.max_seqs * ring + self.first[seq] + (pos - start)
-        ringed = ring_base + self.inp.slots[seq] * ring + pos.remainder(ring)
-        rows = torch.where(pos >= start, scratch, ringed)
-        return torch.where(pos >= 0, rows, torch.full_like(rows, -1))
+        ringed = ring_base + self.slots[seq] * ring + pos % ring  # numpy's % is floor-mod, as torch.remainder
+        rows = np.where(pos >= start, scratch, ringed)
+        return np.where(pos >= 0, rows, -1)
 
-    def _commit(self, ring: int, ring_base: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _commit(self, ring: int, ring_base: int) -> tuple[np.ndarray, np.ndarray]:
         """(scratch rows, ring rows) of the tokens a ring of `ring` rows keeps after the step."""
-        keep = self.positions >= (self.ends[self.seq] - ring)
-        tokens = keep.nonzero().squeeze(1)
+        tokens = np.flatnonzero(self.positions >= (self.ends[self.seq] - ring))
         pos, seq = self.positions[tokens], self.seq[tokens]
         src = self.cache.max_seqs * ring + tokens
-        dst = ring_base + self.inp.slots[seq] * ring + pos.remainder(ring)
+        dst = ring_base + self.slots[seq] * ring + pos % ring
         return src, dst
 
     def compressed(self, layer: LayerState) -> dict:
@@ -133,23 +140,23 @@ class StepMeta:
         rate, ring, cache, inp = layer.rate, layer.comp_ring_size, self.cache, self.inp
         # windows w whose last token arrives in this step: starts//rate <= w < ends//rate,
         # except the restored ones of a prefix-cache hit (shared pages: read-only)
-        first = inp.starts if inp.num_restored is None else torch.maximum(inp.starts, inp.num_restored)
-        w_lo = torch.div(first, rate, rounding_mode="floor")
-        counts = (torch.div(self.ends, rate, rounding_mode="floor") - w_lo).clamp(min=0)
+        first = self.starts if inp.num_restored is None else np.maximum(self.starts, inp.num_restored.numpy())
+        w_lo = first // rate
+        counts = np.maximum(self.ends // rate - w_lo, 0)
         win_seq, within = _arange_within(counts)
         win = w_lo[win_seq] + within
         # CSA entries mix the previous window (first half) with their own (second half)
         span = 2 * rate if layer.kind == CSA else rate
-        tok_pos = (win[:, None] + 1) * rate - span + torch.arange(span)
-        tok_rows = self.rows(tok_pos, win_seq[:, None].expand_as(tok_pos), ring, 0)
-        out_rows = cache.entry_rows(layer, inp.slots[win_seq], win)
-        entry_cos_sin = self._cos_sin(self._compress_inv_freq, win * rate)
+        tok_pos = (win[:, None] + 1) * rate - span + np.arange(span)
+        tok_rows = self.rows(tok_pos, win_seq[:, None], ring, 0)
+        out_rows = cache.entry_rows(layer, self.slots[win_seq], win)
+        entry_cos_sin = _cos_sin(self._compress_inv_freq, win * rate)
         # entries visible to token at p: w < (p + 1) // rate
-        visible = torch.div(self.positions + 1, rate, rounding_mode="floor")
+        visible = (self.positions + 1) // rate
         width = int(visible.max()) if self.num_tokens else 0
-        entries = torch.arange(width).expand(self.num_tokens, width)
-        cand = cache.entry_rows(layer, inp.slots[self.seq][:, None].expand_as(entries), entries)
-        cand = torch.where(entries < visible[:, None], cand, torch.full_like(cand, -1))
+        entries = np.arange(width)[None, :]
+        cand = cache.entry_rows(layer, self.slots[self.seq][:, None], entries)
+        cand = np.where(entries < visible[:, None], cand, -1)
         info = dict(tok_rows=tok_rows, out_rows=out_rows, cos_sin=entry_cos_sin, candidates=cand,
                     commit=self._commit(ring, 0))
         self._by_rate[key] = info
