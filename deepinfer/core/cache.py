@@ -102,13 +102,10 @@ class StateCache:
         self.free_slots = list(range(max_seqs - 1, -1, -1))
         self.free_pages = list(range(num_pages - 1, -1, -1))
         self.slot_pages: dict[int, list[int]] = {}
+        self.has_compressed_layers = any(layer.rate for layer in self.layers)  # else no pages at all
         self.prefix = PrefixCache(page_tokens) if self.has_compressed_layers else None
 
     # ------------------------------------------------------------ accounting
-    @property
-    def has_compressed_layers(self) -> bool:
-        return any(layer.rate for layer in self.layers)
-
     def pages_for(self, num_tokens: int) -> int:
         """Pages a sequence of `num_tokens` positions holds (0 for sliding-only models)."""
         return _cdiv(num_tokens, self.page_tokens) if self.has_compressed_layers else 0
@@ -158,7 +155,8 @@ class StateCache:
         return need <= self.num_free_pages - pinned
 
     def can_grow(self, slot: int, num_tokens: int) -> bool:
-        return self.pages_for(num_tokens) - len(self.slot_pages[slot]) <= self.num_free_pages
+        need = self.pages_for(num_tokens) - len(self.slot_pages[slot])
+        return need <= 0 or need <= self.num_free_pages
 
     def grow(self, slot: int, num_tokens: int) -> None:
         """Make the slot hold state for positions [0, num_tokens)."""
@@ -166,9 +164,11 @@ class StateCache:
             raise CacheFull(f"{num_tokens} positions exceed max_model_len={self.max_model_len}")
         pages = self.slot_pages[slot]
         need = self.pages_for(num_tokens) - len(pages)
+        if need <= 0:  # most decode steps
+            return
         if need > self.num_free_pages:
             raise CacheFull(f"slot {slot} needs {need} pages, {self.num_free_pages} free")
-        for _ in range(max(need, 0)):
+        for _ in range(need):
             page = self.free_pages.pop() if self.free_pages else self.prefix.evict()
             self.block_table[slot, len(pages)] = page
             pages.append(page)

@@ -59,7 +59,10 @@ class Request:
         return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
 
     def tokens(self, start: int, end: int) -> list[int]:
-        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+        n = len(self.prompt_token_ids)
+        if start >= n:  # decode: no copy of the whole history per step
+            return self.output_token_ids[start - n:end - n]
+        return self.prompt_token_ids[start:end] + self.output_token_ids[:max(end - n, 0)]
 
     @property
     def is_finished(self) -> bool:

@@ -105,8 +105,9 @@ class StepMeta:
         self.window_commit = tuple(map(move, self.window_commit))
         self.rope = {k: tuple(map(move, v)) for k, v in self.rope.items()}
         for info in self._by_rate.values():
-            for k in ("tok_rows", "out_rows", "candidates"):
-                info[k] = move(info[k])
+            for k in ("tok_rows", "out_rows", "candidates", "attention_rows"):
+                if k in info:
+                    info[k] = move(info[k])
             info["cos_sin"] = tuple(map(move, info["cos_sin"]))
             info["commit"] = tuple(map(move, info["commit"]))
 
@@ -159,6 +160,9 @@ class StepMeta:
         cand = np.where(entries < visible[:, None], cand, -1)
         info = dict(tok_rows=tok_rows, out_rows=out_rows, cos_sin=entry_cos_sin, candidates=cand,
                     commit=self._commit(ring, 0))
+        if layer.kind != CSA:  # every visible entry is attended: the whole index list is known now
+            base = cache.entry_base()
+            info["attention_rows"] = np.concatenate([self.window_rows, np.where(cand >= 0, cand + base, -1)], axis=1)
         self._by_rate[key] = info
         return info
 
@@ -272,7 +276,9 @@ class DeepseekV4Model:
             base = cache.entry_base()
             self._compress(layer, proj["compressor.kv_proj"], proj["compressor.gate_proj"], info, p + "compressor.",
                            layer.kv[base:], head_dim, layer.comp_ring, cache)
-            if layer.kind == CSA:
+            if layer.kind != CSA:  # HCA: window keys + every visible entry, planned with the step
+                indices = info["attention_rows"][own]
+            else:
                 ip = p + "compressor.indexer."
                 self._compress(layer, proj["compressor.indexer.kv_proj"], proj["compressor.indexer.gate_proj"], info,
                                ip, layer.index_keys, cfg.index_head_dim, layer.index_ring, cache)
@@ -282,10 +288,8 @@ class DeepseekV4Model:
                 weights = proj["compressor.indexer.scorer.weights_proj"] * cfg.index_n_heads ** -0.5
                 picked = ops.indexer_topk(q_idx, weights, layer.index_keys, info["candidates"][own], cfg.index_topk,
                                           cfg.index_head_dim ** -0.5)
-            else:
-                picked = info["candidates"][own]
-            picked = torch.where(picked >= 0, picked + base, picked)
-            indices = torch.cat([indices, picked], dim=1)
+                picked = torch.where(picked >= 0, picked + base, picked)
+                indices = torch.cat([indices, picked], dim=1)
 
         out = ops.sparse_attention(q, layer.kv, indices, w[p + "sinks"], head_dim ** -0.5)
         out = ops.rope(out, cos[own], sin[own], inverse=True)
