@@ -9,15 +9,26 @@ import pytest
 import torch
 
 from deepinfer.backends.cpu import CpuAccelerator
+from deepinfer.backends.cpu import invariant as invariant_ops
 from deepinfer.backends.cpu import ops as fast
 from model_runner import build_model, new_cache, run_schedule
 from tiny_models import make_hf_model
 
 
+@pytest.fixture(params=["kernels", "torch"])
+def kernels_env(request, monkeypatch) -> str:
+    """The mode runs on the fused C++ kernels (kernels.batch_invariant_ops) or, with
+    DEEPINFER_CPU_KERNELS=0, on invariant.py alone: both must hold every guarantee."""
+    monkeypatch.setenv("DEEPINFER_CPU_KERNELS", "1" if request.param == "kernels" else "0")
+    return request.param
+
+
 @pytest.fixture
-def invariant(monkeypatch) -> CpuAccelerator:
+def invariant(monkeypatch, kernels_env) -> CpuAccelerator:
     monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "1")
-    return CpuAccelerator()
+    acc = CpuAccelerator()
+    assert (acc.hc_pre is invariant_ops.hc_pre) == (kernels_env == "torch")
+    return acc
 
 
 @pytest.fixture
@@ -206,7 +217,7 @@ def _schedules(prompts) -> dict[str, list]:
     }
 
 
-def test_logits_are_bit_identical_across_batches_and_chunking(hf_model, monkeypatch):
+def test_logits_are_bit_identical_across_batches_and_chunking(hf_model, kernels_env, monkeypatch):
     monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "1")
     model = build_model(*hf_model)
     assert model.accel.batch_invariant

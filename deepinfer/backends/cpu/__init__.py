@@ -27,12 +27,16 @@ class CpuAccelerator(Accelerator):
     def __init__(self) -> None:
         from deepinfer import envs
 
+        use_kernels = envs.get("DEEPINFER_CPU_KERNELS") and kernels.load()
         if envs.batch_invariant():
             for op in invariant.OPS:
                 setattr(self, op, getattr(invariant, op))
+            if use_kernels:  # row-wise with a fixed order: invariant by construction, and faster
+                for op, fn in kernels.batch_invariant_ops().items():
+                    setattr(self, op, fn)
             self.batch_invariant = True
             self.deterministic_sampling = True
-        elif envs.get("DEEPINFER_CPU_KERNELS") and kernels.load():
+        elif use_kernels:
             for op in kernels.OPS:
                 setattr(self, op, getattr(kernels, op))
 

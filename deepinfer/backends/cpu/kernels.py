@@ -66,80 +66,95 @@ def _try_load(path: str) -> bool:
 
 
 # ---------------------------------------------------------------- the ops (same signatures as ops.py)
-# Each falls back to the reference for inputs the kernels do not take (non-float32 tensors,
-# e.g. a bfloat16 cache): the kernels are an optimisation, never a second set of semantics.
+# Each falls back to `reference` (ops.py, or invariant.py in batch-invariant mode) for inputs the
+# kernels do not take (non-float32 tensors, e.g. a bfloat16 cache): the kernels are an
+# optimisation, never a second set of semantics.
 _F32 = torch.float32
-
-
-def hc_pre(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters):
-    if streams.dtype != _F32 or fn.dtype != _F32:
-        return ops.hc_pre(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters)
-    return torch.ops.deepinfer_cpu.hc_pre(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters)
-
-
-def hc_post(block_out, streams, post, comb):
-    if block_out.dtype != _F32 or streams.dtype != _F32:
-        return ops.hc_post(block_out, streams, post, comb)
-    return torch.ops.deepinfer_cpu.hc_post(block_out, streams, post, comb)
-
-
-def rms_norm(x, weight, eps):
-    if x.dtype != _F32 or (weight is not None and weight.dtype != _F32):
-        return ops.rms_norm(x, weight, eps)
-    return torch.ops.deepinfer_cpu.rms_norm(x, weight, eps)
-
-
-def rope(x, cos, sin, inverse=False):
-    if x.dtype != _F32 or x.dim() not in (2, 3):
-        return ops.rope(x, cos, sin, inverse)
-    return torch.ops.deepinfer_cpu.rope(x, cos, sin, inverse)
-
-
-def sparse_attention(q, kv, indices, sinks, scale):
-    if kv.dtype != _F32 or q.dtype != _F32 or kv.stride(-1) != 1:
-        return ops.sparse_attention(q, kv, indices, sinks, scale)
-    return torch.ops.deepinfer_cpu.sparse_attention(q, kv, indices, sinks, scale)
-
-
-def indexer_topk(q, weights, keys, candidates, topk, scale):
-    if keys.dtype != _F32 or q.dtype != _F32 or weights.dtype != _F32 or keys.stride(-1) != 1:
-        return ops.indexer_topk(q, weights, keys, candidates, topk, scale)
-    return torch.ops.deepinfer_cpu.indexer_topk(q, weights, keys, candidates, topk, scale)
-
-
 # Above this many tokens the reference's GEMMs beat row-by-row dot products.
 _SMALL_BATCH = 64
-
-
-def grouped_linear(x, weight):
-    if x.shape[0] > _SMALL_BATCH or x.dtype != _F32 or weight.dtype != _F32:
-        return ops.grouped_linear(x, weight)
-    return torch.ops.deepinfer_cpu.grouped_linear(x, weight)
-
-
-def route_topk(x, gate, bias, top_k, scaling):
-    if x.shape[0] > _SMALL_BATCH or x.dtype != _F32 or gate.dtype != _F32:
-        return ops.route_topk(x, gate, bias, top_k, scaling)
-    return tuple(torch.ops.deepinfer_cpu.route_topk(x, gate, bias, top_k, scaling))
-
-
-def route_hash(x, gate, ids, scaling):
-    if x.shape[0] > _SMALL_BATCH or x.dtype != _F32 or gate.dtype != _F32:
-        return ops.route_hash(x, gate, ids, scaling)
-    return torch.ops.deepinfer_cpu.route_hash(x, gate, ids, scaling)
-
-
 # Above this many (token, expert) rows the reference's per-expert GEMMs win over row-by-row GEMVs
 # (each expert's weights are then read once per group instead of once per row).
 _MOE_MAX_ROWS = 256
 
 
-def moe_experts(x, weights, ids, gate_up, down, limit):
-    if (ids.numel() > _MOE_MAX_ROWS or x.dtype != _F32 or gate_up.dtype != _F32 or down.dtype != _F32
+def hc_pre(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, *, reference=ops.hc_pre):
+    if streams.dtype != _F32 or fn.dtype != _F32:
+        return reference(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters)
+    return torch.ops.deepinfer_cpu.hc_pre(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters)
+
+
+def hc_post(block_out, streams, post, comb, *, reference=ops.hc_post):
+    if block_out.dtype != _F32 or streams.dtype != _F32:
+        return reference(block_out, streams, post, comb)
+    return torch.ops.deepinfer_cpu.hc_post(block_out, streams, post, comb)
+
+
+def rms_norm(x, weight, eps, *, reference=ops.rms_norm):
+    if x.dtype != _F32 or (weight is not None and weight.dtype != _F32):
+        return reference(x, weight, eps)
+    return torch.ops.deepinfer_cpu.rms_norm(x, weight, eps)
+
+
+def rope(x, cos, sin, inverse=False, *, reference=ops.rope):
+    if x.dtype != _F32 or x.dim() not in (2, 3):
+        return reference(x, cos, sin, inverse)
+    return torch.ops.deepinfer_cpu.rope(x, cos, sin, inverse)
+
+
+def sparse_attention(q, kv, indices, sinks, scale, *, reference=ops.sparse_attention):
+    if kv.dtype != _F32 or q.dtype != _F32 or kv.stride(-1) != 1:
+        return reference(q, kv, indices, sinks, scale)
+    return torch.ops.deepinfer_cpu.sparse_attention(q, kv, indices, sinks, scale)
+
+
+def indexer_topk(q, weights, keys, candidates, topk, scale, *, reference=ops.indexer_topk):
+    if keys.dtype != _F32 or q.dtype != _F32 or weights.dtype != _F32 or keys.stride(-1) != 1:
+        return reference(q, weights, keys, candidates, topk, scale)
+    return torch.ops.deepinfer_cpu.indexer_topk(q, weights, keys, candidates, topk, scale)
+
+
+def grouped_linear(x, weight, *, reference=ops.grouped_linear, max_tokens=_SMALL_BATCH):
+    if x.shape[0] > max_tokens or x.dtype != _F32 or weight.dtype != _F32:
+        return reference(x, weight)
+    return torch.ops.deepinfer_cpu.grouped_linear(x, weight)
+
+
+def route_topk(x, gate, bias, top_k, scaling, *, reference=ops.route_topk, max_tokens=_SMALL_BATCH):
+    if x.shape[0] > max_tokens or x.dtype != _F32 or gate.dtype != _F32:
+        return reference(x, gate, bias, top_k, scaling)
+    return tuple(torch.ops.deepinfer_cpu.route_topk(x, gate, bias, top_k, scaling))
+
+
+def route_hash(x, gate, ids, scaling, *, reference=ops.route_hash, max_tokens=_SMALL_BATCH):
+    if x.shape[0] > max_tokens or x.dtype != _F32 or gate.dtype != _F32:
+        return reference(x, gate, ids, scaling)
+    return torch.ops.deepinfer_cpu.route_hash(x, gate, ids, scaling)
+
+
+def moe_experts(x, weights, ids, gate_up, down, limit, *, reference=ops.moe_experts, max_rows=_MOE_MAX_ROWS):
+    if (ids.numel() > max_rows or x.dtype != _F32 or gate_up.dtype != _F32 or down.dtype != _F32
             or x.shape[0] == 0):
-        return ops.moe_experts(x, weights, ids, gate_up, down, limit)
+        return reference(x, weights, ids, gate_up, down, limit)
     return torch.ops.deepinfer_cpu.moe_experts(x, weights, ids, gate_up, down, limit)
 
 
 OPS = ("hc_pre", "hc_post", "rms_norm", "rope", "sparse_attention", "indexer_topk", "moe_experts", "grouped_linear",
        "route_topk", "route_hash")
+
+
+def batch_invariant_ops() -> dict:
+    """The kernels for DEEPINFER_BATCH_INVARIANT=1. Every kernel computes a token with a fixed
+    order of operations whatever else is in the batch (tests/unit/test_batch_invariance.py), so
+    the mode takes all of them at every batch size: switching to a GEMM above a batch size would
+    change a row's rounding with the batch. Inputs they do not take go to the mode's own ops."""
+    import functools
+
+    from deepinfer.backends.cpu import invariant
+
+    out = {}
+    for name in OPS:
+        reference = getattr(invariant, name, getattr(ops, name))  # invariant.py redefines only what it must
+        extra = {"max_rows": float("inf")} if name == "moe_experts" else \
+            {"max_tokens": float("inf")} if name in ("grouped_linear", "route_topk", "route_hash") else {}
+        out[name] = functools.partial(globals()[name], reference=reference, **extra)
+    return out
