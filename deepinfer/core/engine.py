@@ -365,7 +365,10 @@ class LLMEngine:
                 tokens = self.spec.verify(logits, plan, self.sampler, self.structured)
         elif plan.sampling:
             with self._timed("sample"):
-                sample_logits = logits[plan.sample_rows]
+                # every logit row samples unless prompt logprobs asked for more rows (rows are increasing);
+                # the grammar mask writes in place, so it gets a copy (the forward's are inference tensors)
+                whole = len(plan.sample_rows) == logits.shape[0] and not plan.grammar
+                sample_logits = logits if whole else logits[plan.sample_rows]
                 if plan.grammar:  # structured outputs: grammar bitmask before sampling (such steps are synchronous)
                     self.structured.apply_bitmask(sample_logits, plan.sampling)
                 tokens = self.sampler.sample(sample_logits, plan.sampling_inputs)
