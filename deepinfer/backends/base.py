@@ -156,6 +156,13 @@ class Accelerator(ABC):
         E_e(x) = down[e] @ swiglu(gate, up, limit), (gate, up) = split(gate_up[e] @ x).
         x [T, D], gate_up [E, 2I, D], down [E, D, I] -> [T, D]."""
 
+    def swiglu_mlp(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, limit: float) -> torch.Tensor:
+        """A dense SwiGLU MLP (the shared expert): down @ swiglu(gate, up, limit) with
+        (gate, up) = split(gate_up @ x). x [T, D], gate_up [2I, D], down [D, I] -> [T, D].
+        This composite is the definition; a backend may override it with a fused kernel."""
+        gate, up = self.linear(x, gate_up).chunk(2, dim=-1)
+        return self.linear(self.swiglu(gate, up, limit), down)
+
     # -------------------------------------------------------------- sampling
     @abstractmethod
     def sample(self, logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,

@@ -78,6 +78,7 @@ def _op_cases(acc, seed: int = 0):
         "route_topk": lambda r: acc.route_topk(h[r], gw, gbias, 2, 1.5),
         "route_hash": lambda r: acc.route_hash(h[r], gw, ids[r], 1.5),
         "moe_experts": lambda r: acc.moe_experts(h[r], mw[r], ids[r], gate_up, down, 10.0),
+        "swiglu_mlp": lambda r: acc.swiglu_mlp(h[r], gate_up[0], down[0], 10.0),
         # index lists are cut to the sub-batch's widest row, as the model pads them
         "sparse_attention": lambda r: acc.sparse_attention(q[r], kv, idx[r][:, :int(valid[r].max())], sinks, 0.2),
         "indexer_topk": lambda r: acc.indexer_topk(iq[r], iw[r], ikeys, idx[r][:, :int(valid[r].max())], 24, 0.25),

@@ -53,6 +53,7 @@ class CpuAccelerator(Accelerator):
     rms_norm = staticmethod(ops.rms_norm)
     rope = staticmethod(ops.rope)
     swiglu = staticmethod(ops.swiglu)
+    swiglu_mlp = staticmethod(ops.swiglu_mlp)
     hc_pre = staticmethod(ops.hc_pre)
     hc_post = staticmethod(ops.hc_post)
     hc_head = staticmethod(ops.hc_head)

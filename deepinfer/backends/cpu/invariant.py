@@ -63,6 +63,11 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     return gate * _sigmoid(gate) * up.clamp(min=-limit, max=limit)
 
 
+def swiglu_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, limit: float) -> torch.Tensor:
+    gate, up = linear(x, gate_up).chunk(2, dim=-1)
+    return linear(swiglu(gate, up, limit), down)
+
+
 def _weighted_streams(weights: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
     """sum_n weights[:, n] * streams[:, n], always in stream order."""
     out = weights[:, 0, None] * streams[:, 0]
@@ -191,5 +196,5 @@ def moe_experts(x, weights, ids, gate_up, down, limit):
     return out
 
 
-OPS = ("linear", "grouped_linear", "swiglu", "hc_pre", "hc_head", "indexer_topk", "sparse_attention",
+OPS = ("linear", "grouped_linear", "swiglu", "swiglu_mlp", "hc_pre", "hc_head", "indexer_topk", "sparse_attention",
        "route_topk", "route_hash", "moe_experts")

@@ -340,9 +340,7 @@ class DeepseekV4Model:
                                                  cfg.num_experts_per_tok, cfg.routed_scaling_factor)
         routed = self.routed_experts(i, h, weights, expert_ids)
         s = p + "shared_experts."
-        gate, up = ops.linear(h, w[s + "gate_up_proj.weight"]).chunk(2, dim=-1)
-        shared = ops.swiglu(gate, up, cfg.swiglu_limit)
-        return routed + ops.linear(shared, w[s + "down_proj.weight"])
+        return routed + ops.swiglu_mlp(h, w[s + "gate_up_proj.weight"], w[s + "down_proj.weight"], cfg.swiglu_limit)
 
 
     def routed_experts(self, i: int, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -190,8 +190,7 @@ class DSparkDrafter:
         weights, ids = ops.route_topk(h, w[p + "gate.weight"], w[p + "gate.bias"], cfg.num_experts_per_tok,
                                       cfg.routed_scaling_factor)
         routed = ops.moe_experts(h, weights, ids, w[p + "experts.gate_up"], w[p + "experts.down"], cfg.swiglu_limit)
-        gate, up = ops.linear(h, w[p + "shared.gate_up"]).chunk(2, dim=-1)
-        return routed + ops.linear(ops.swiglu(gate, up, cfg.swiglu_limit), w[p + "shared.down"])
+        return routed + ops.swiglu_mlp(h, w[p + "shared.gate_up"], w[p + "shared.down"], cfg.swiglu_limit)
 
     def sink(self, k: int) -> torch.Tensor:
         return self.w[f"mtp.{k}.attn.attn_sink"]
