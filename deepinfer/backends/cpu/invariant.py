@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer.backends.cpu.ops import _QUERY_BLOCK, pick_topk, rms_norm
+from deepinfer.backends.cpu.ops import _QUERY_BLOCK, rms_norm, topk_by_query_blocks
 
 ROW_BLOCK = 16
 KEY_BLOCK = 64
@@ -106,24 +106,18 @@ def _pad_columns(index: torch.Tensor, block: int) -> torch.Tensor:
 
 
 def indexer_topk(q, weights, keys, candidates, topk, scale):
-    num_tokens, num_cand = candidates.shape
-    k = min(topk, num_cand)
-    out = torch.full((num_tokens, k), -1, dtype=torch.int64, device=q.device)
-    if k == 0 or num_tokens == 0:
-        return out
-    padded = _pad_columns(candidates, KEY_BLOCK)
-    for start in range(0, num_tokens, _QUERY_BLOCK):
-        sl = slice(start, start + _QUERY_BLOCK)
+    def scores_of(sl: slice, cand: torch.Tensor) -> torch.Tensor:
         qs, head_w = q[sl].float(), weights[sl].float().unsqueeze(1)  # [t, H, Di], [t, 1, H]
-        cand = padded[sl]
-        scores = torch.empty(cand.shape, dtype=torch.float32, device=q.device)
-        for b in range(0, cand.shape[1], KEY_BLOCK):
-            blk = cand[:, b:b + KEY_BLOCK]
+        padded = _pad_columns(cand, KEY_BLOCK)
+        scores = torch.empty(padded.shape, dtype=torch.float32, device=q.device)
+        for b in range(0, padded.shape[1], KEY_BLOCK):
+            blk = padded[:, b:b + KEY_BLOCK]
             gathered = keys[blk.clamp(min=0)].float()  # [t, KB, Di]
             per_head = torch.relu(torch.bmm(qs, gathered.transpose(1, 2))) * scale  # [t, H, KB]
             scores[:, b:b + KEY_BLOCK] = torch.bmm(head_w, per_head).squeeze(1)
-        out[sl] = pick_topk(scores[:, :num_cand].masked_fill(cand[:, :num_cand] < 0, float("-inf")), cand, k)
-    return out
+        return scores[:, :cand.shape[1]]
+
+    return topk_by_query_blocks(candidates, topk, scores_of)
 
 
 def sparse_attention(q, kv, indices, sinks, scale):

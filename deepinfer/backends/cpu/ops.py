@@ -122,19 +122,26 @@ def compress_windows(kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
 
 
 def indexer_topk(q, weights, keys, candidates, topk, scale):
+    def scores_of(sl: slice, cand: torch.Tensor) -> torch.Tensor:
+        gathered = keys[cand.clamp(min=0)].float()  # [t, M, Di]
+        scores = torch.relu(torch.einsum("thd,tmd->thm", q[sl].float(), gathered)) * scale
+        return (scores * weights[sl].float().unsqueeze(-1)).sum(dim=1)  # [t, M]
+
+    return topk_by_query_blocks(candidates, topk, scores_of)
+
+
+def topk_by_query_blocks(candidates: torch.Tensor, topk: int, scores_of) -> torch.Tensor:
+    """The indexer's pick, shared with invariant.py: queries in blocks of _QUERY_BLOCK (bounded
+    [t, M, Di] gathers), scores_of(rows, candidates of those rows) -> [t, M] scores."""
     num_tokens, num_cand = candidates.shape
     k = min(topk, num_cand)
-    out = torch.full((num_tokens, k), -1, dtype=torch.int64, device=q.device)
+    out = torch.full((num_tokens, k), -1, dtype=torch.int64, device=candidates.device)
     if k == 0 or num_tokens == 0:
         return out
     for start in range(0, num_tokens, _QUERY_BLOCK):
         sl = slice(start, start + _QUERY_BLOCK)
         cand = candidates[sl]
-        valid = cand >= 0
-        gathered = keys[cand.clamp(min=0)].float()  # [t, M, Di]
-        scores = torch.relu(torch.einsum("thd,tmd->thm", q[sl].float(), gathered)) * scale
-        scores = (scores * weights[sl].float().unsqueeze(-1)).sum(dim=1)  # [t, M]
-        out[sl] = pick_topk(scores.masked_fill(~valid, float("-inf")), cand, k)
+        out[sl] = pick_topk(scores_of(sl, cand).masked_fill(cand < 0, float("-inf")), cand, k)
     return out
 
 
