@@ -69,7 +69,10 @@ inline float sigmoid(float x) { return 1.0f / (1.0f + fast_exp(-x)); }
 // then the tail elements in order. dot_rows computes R such dots that share x in one pass: R
 // independent accumulator chains (a single dot is bound by the FMA latency, ~4 cycles per chunk)
 // and, for R = 8, one reduction of the 8 rows together instead of a horizontal reduction per dot.
-// Each row's bits are the same for any R, so callers may block rows however they like.
+// Which block a row lands in depends only on the shapes (and, in sparse_attention, on the token's
+// own valid keys), never on the other tokens. (The summation order is the same in every block,
+// but GCC may fuse a multiply-add in one instantiation and not another (its znver tuning avoids
+// FMA in some reduction chains), so bits can differ between R, never between batches.)
 constexpr int kLanes = 8;
 
 // ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7))
@@ -229,6 +232,16 @@ void sinkhorn_half_step(float* __restrict c, float* __restrict sums, int64_t n, 
     }
 }
 
+// Column normalisation, then sinkhorn_iters - 1 rounds of rows then columns
+template <int64_t B>
+void sinkhorn(float* c, float* sums, int64_t n, int64_t iters, float eps) {
+  sinkhorn_half_step<B>(c, sums, n, true, eps);
+  for (int64_t it = 1; it < iters; ++it) {
+    sinkhorn_half_step<B>(c, sums, n, false, eps);
+    sinkhorn_half_step<B>(c, sums, n, true, eps);
+  }
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> hc_pre(const at::Tensor& streams_in, const at::Tensor& fn_in,
                                                        const at::Tensor& base_in, const at::Tensor& scale_in,
                                                        double norm_eps, double hc_eps, int64_t sinkhorn_iters) {
@@ -260,6 +273,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hc_pre(const at::Tensor& streams_
     std::fill(cb, cb + nn * kBlock, 0.0f);
     for (int64_t blk = block_begin; blk < block_end; ++blk) {
       const int64_t t0 = blk * kBlock, bt = std::min(kBlock, T - t0);
+      // a short block (a decode batch of a few tokens) runs Sinkhorn on fewer lanes; a lane's
+      // arithmetic is the same at any width (adds and divisions, nothing to contract)
+      const int64_t lanes = bt <= 4 ? 4 : bt <= 8 ? 8 : kBlock;
       for (int64_t b = 0; b < bt; ++b) {
         const int64_t t = t0 + b;
         const float* x = S + t * nd;
@@ -279,18 +295,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hc_pre(const at::Tensor& streams_
           }
           float sum = 0.0f;
           for (int64_t j = 0; j < n; ++j) sum += (row[j] = fast_exp(row[j] - mx));
-          for (int64_t j = 0; j < n; ++j) cb[(i * n + j) * kBlock + b] = row[j] / sum + heps;
+          for (int64_t j = 0; j < n; ++j) cb[(i * n + j) * lanes + b] = row[j] / sum + heps;
         }
       }
-      // cb[(i * n + j) * kBlock + b]: element (i, j) of token b's matrix
-      sinkhorn_half_step<kBlock>(cb, sums, n, true, heps);
-      for (int64_t it = 1; it < sinkhorn_iters; ++it) {  // Sinkhorn: rows, then columns
-        sinkhorn_half_step<kBlock>(cb, sums, n, false, heps);
-        sinkhorn_half_step<kBlock>(cb, sums, n, true, heps);
-      }
+      // cb[(i * n + j) * lanes + b]: element (i, j) of token b's matrix
+      if (lanes == 4)
+        sinkhorn<4>(cb, sums, n, sinkhorn_iters, heps);
+      else if (lanes == 8)
+        sinkhorn<8>(cb, sums, n, sinkhorn_iters, heps);
+      else
+        sinkhorn<kBlock>(cb, sums, n, sinkhorn_iters, heps);
       for (int64_t b = 0; b < bt; ++b) {
         const int64_t t = t0 + b;
-        for (int64_t e = 0; e < nn; ++e) M[t * nn + e] = cb[e * kBlock + b];
+        for (int64_t e = 0; e < nn; ++e) M[t * nn + e] = cb[e * lanes + b];
         const float* x = S + t * nd;
         float* out = C + t * D;
         std::fill(out, out + D, 0.0f);
