@@ -176,3 +176,43 @@ def test_projection_and_router_kernels_match_the_reference(seed):
         _close(w.gather(1, got_order), rw.gather(1, order))
     hash_ids = torch.stack([torch.randperm(E, generator=g)[:3] for _ in range(T)])
     _close(kernels.route_hash(x * 30, gate, hash_ids, 2.0), ref.route_hash(x * 30, gate, hash_ids, 2.0))  # softplus > 20
+
+
+@pytest.mark.parametrize("seed", range(2))
+@pytest.mark.parametrize("H,Dh,K", [(3, 40, 13), (6, 32, 9), (4, 64, 70), (1, 8, 3)])
+def test_sparse_attention_off_the_blocked_shapes(seed, H, Dh, K):
+    """Heads not a multiple of 4, head dims not a multiple of 32, key counts not a multiple of 8:
+    the kernel's partial blocks and remainders."""
+    g = _gen(seed)
+    T, pool = 7, 120
+    q, kv, sinks = torch.randn(T, H, Dh, generator=g), torch.randn(pool, Dh, generator=g), torch.randn(H, generator=g)
+    idx = torch.randint(0, pool, (T, K), generator=g)
+    idx[torch.rand(T, K, generator=g) < 0.3] = -1
+    _close(kernels.sparse_attention(q, kv, idx, sinks, 0.2), ref.sparse_attention(q, kv, idx, sinks, 0.2), rel=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(2))
+@pytest.mark.parametrize("H,Di,M,k", [(12, 8, 21, 8), (20, 16, 64, 8), (16, 12, 5, 8), (16, 16, 33, 1)])
+def test_indexer_off_the_blocked_shapes(seed, H, Di, M, k):
+    """Head counts padded to 16 lanes, candidate counts not a multiple of 8, k >= valid."""
+    g = _gen(seed)
+    T, pool = 9, 200
+    q, w, keys = torch.randn(T, H, Di, generator=g), torch.randn(T, H, generator=g), torch.randn(pool, Di, generator=g)
+    cand = torch.randint(0, pool, (T, M), generator=g)
+    cand[torch.rand(T, M, generator=g) < 0.2] = -1
+    assert torch.equal(kernels.indexer_topk(q, w, keys, cand, k, 0.25), ref.indexer_topk(q, w, keys, cand, k, 0.25))
+
+
+@pytest.mark.parametrize("T,D,inter,E,k", [(1, 64, 32, 8, 2), (9, 36, 20, 5, 3), (4, 13, 7, 3, 1)])
+def test_moe_experts_off_the_blocked_shapes(T, D, inter, E, k):
+    """Row counts and lengths that leave remainders after the blocks of 8 rows and 8 lanes, and
+    several slots of a token on the same expert."""
+    g = _gen(T)
+    x = torch.randn(T, D, generator=g) * 2
+    ids = torch.randint(0, E, (T, k), generator=g)
+    w = torch.rand(T, k, generator=g)
+    gate_up, down = torch.randn(E, 2 * inter, D, generator=g) * 0.3, torch.randn(E, D, inter, generator=g) * 0.3
+    _close(kernels.moe_experts(x, w, ids, gate_up, down, 3.0), ref.moe_experts(x, w, ids, gate_up, down, 3.0))
+    for t in range(T):  # a token alone gives the same bits as in the batch
+        assert torch.equal(kernels.moe_experts(x[t:t + 1], w[t:t + 1], ids[t:t + 1], gate_up, down, 3.0),
+                           kernels.moe_experts(x, w, ids, gate_up, down, 3.0)[t:t + 1])

@@ -22,6 +22,10 @@
 #include <tuple>
 #include <vector>
 
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 // exp(x) for float32 in straight-line code GCC can vectorise (std::exp is a scalar libm call,
@@ -53,46 +57,136 @@ inline float fast_exp(float x) {
   return x != x ? x : out;
 }
 
+// std::min / std::max by value: the std ones return a reference, which keeps GCC from vectorising
+// the loops they sit in. Same results, NaN included (a NaN first argument is returned).
+inline float min_of(float a, float b) { return b < a ? b : a; }
+inline float max_of(float a, float b) { return a < b ? b : a; }
+
 inline float sigmoid(float x) { return 1.0f / (1.0f + fast_exp(-x)); }
 
-inline float dot(const float* a, const float* b, int64_t n) {
-  float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-  for (int64_t k = 0; k < n; ++k) acc += a[k] * b[k];
-  return acc;
+// Every dot product here sums in one fixed order that depends only on its length n: kLanes
+// lane-wise partial sums over the full chunks of kLanes, the fixed tree of sum_lanes over the lanes,
+// then the tail elements in order. dot_rows computes R such dots that share x in one pass: R
+// independent accumulator chains (a single dot is bound by the FMA latency, ~4 cycles per chunk)
+// and, for R = 8, one reduction of the 8 rows together instead of a horizontal reduction per dot.
+// Which block a row lands in depends only on the shapes (and, in sparse_attention, on the token's
+// own valid keys), never on the other tokens. (The summation order is the same in every block,
+// but GCC may fuse a multiply-add in one instantiation and not another (its znver tuning avoids
+// FMA in some reduction chains), so bits can differ between R, never between batches.)
+constexpr int kLanes = 8;
+
+// ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7))
+inline float sum_lanes(const float* a) { return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7])); }
+
+// out[r] = sum_lanes(acc[r]) for 8 rows. With AVX: the same tree in 9 instructions, hadd adding
+// neighbouring lanes of two rows at a time (GCC's own vectorisation of the loop below needs ~30
+// permutes and adds, about half the time of a 64-long dot).
+inline void sum_lanes_8_rows(const float (*acc)[kLanes], float* out) {
+#if defined(__AVX__)
+  static_assert(kLanes == 8, "one __m256 per row");
+  const __m256 r01 = _mm256_hadd_ps(_mm256_loadu_ps(acc[0]), _mm256_loadu_ps(acc[1]));
+  const __m256 r23 = _mm256_hadd_ps(_mm256_loadu_ps(acc[2]), _mm256_loadu_ps(acc[3]));
+  const __m256 r45 = _mm256_hadd_ps(_mm256_loadu_ps(acc[4]), _mm256_loadu_ps(acc[5]));
+  const __m256 r67 = _mm256_hadd_ps(_mm256_loadu_ps(acc[6]), _mm256_loadu_ps(acc[7]));
+  // lanes 0-3: (a0 + a1) + (a2 + a3) of rows 0-3 (r0_3) or 4-7 (r4_7); lanes 4-7: (a4 + a5) + (a6 + a7)
+  const __m256 r0_3 = _mm256_hadd_ps(r01, r23), r4_7 = _mm256_hadd_ps(r45, r67);
+  _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(r0_3, r4_7, 0x20),
+                                      _mm256_permute2f128_ps(r0_3, r4_7, 0x31)));
+#else
+  for (int r = 0; r < 8; ++r) out[r] = sum_lanes(acc[r]);
+#endif
 }
 
-// scores[m] (+)= sum_d q[d] * kt[d * M + m] for one query row against M gathered keys stored
-// transposed ([D, M]): vectorised over the keys, with no horizontal reduction per key.
-// __restrict matters: without it GCC keeps the accumulator in memory (~6x slower here).
-inline void query_keys(const float* __restrict q, const float* __restrict kt, float* __restrict out, int64_t D,
-                       int64_t M) {
-  for (int64_t m = 0; m < M; ++m) out[m] = 0.0f;
-  for (int64_t d = 0; d < D; ++d) {
-    const float qd = q[d];
-    const float* __restrict kd = kt + d * M;
-    for (int64_t m = 0; m < M; ++m) out[m] += qd * kd[m];
+template <int R, class RowOf>
+inline void dot_rows(const float* __restrict x, RowOf row_of, int64_t n, float* __restrict out) {
+  float acc[R][kLanes] = {};
+  const int64_t body = n - n % kLanes;
+  for (int64_t k = 0; k < body; k += kLanes)
+    for (int r = 0; r < R; ++r) {
+      const float* __restrict w = row_of(r);
+#pragma omp simd
+      for (int l = 0; l < kLanes; ++l) acc[r][l] += x[k + l] * w[k + l];
+    }
+  if constexpr (R == 8) {
+    sum_lanes_8_rows(acc, out);
+  } else {
+    for (int r = 0; r < R; ++r) out[r] = sum_lanes(acc[r]);
   }
+  if (body < n)
+    for (int r = 0; r < R; ++r) {
+      const float* __restrict w = row_of(r);
+      float s = out[r];
+      for (int64_t k = body; k < n; ++k) s += x[k] * w[k];
+      out[r] = s;
+    }
 }
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float out;
+  dot_rows<1>(a, [b](int) { return b; }, n, &out);
+  return out;
+}
+
+// x[0] + ... + x[n-1] in the order of a dot product (lane partials, the same tree, the tail)
+inline float sum_of(const float* __restrict x, int64_t n) {
+  float acc[kLanes] = {};
+  const int64_t body = n - n % kLanes;
+  for (int64_t k = 0; k < body; k += kLanes)
+#pragma omp simd
+    for (int l = 0; l < kLanes; ++l) acc[l] += x[k + l];
+  float s = sum_lanes(acc);
+  for (int64_t k = body; k < n; ++k) s += x[k];
+  return s;
+}
+
+// out[r] = dot(x, row_of(r), n) for r < rows: blocks of 8 rows, then 4, then single rows.
+template <class RowOf>
+inline void dot_many(const float* x, RowOf row_of, int64_t n, int64_t rows, float* out) {
+  int64_t r = 0;
+  for (; r + 8 <= rows; r += 8) dot_rows<8>(x, [&](int i) { return row_of(r + i); }, n, out + r);
+  for (; r + 4 <= rows; r += 4) dot_rows<4>(x, [&](int i) { return row_of(r + i); }, n, out + r);
+  for (; r < rows; ++r) dot_rows<1>(x, [&](int) { return row_of(r); }, n, out + r);
+}
+
+// out[r] = dot(x, w + r * ldw, n) for r < rows (a GEMV against a row-major matrix)
+inline void gemv(const float* x, const float* w, int64_t ldw, int64_t n, int64_t rows, float* out) {
+  dot_many(x, [w, ldw](int64_t r) { return w + r * ldw; }, n, rows, out);
+}
+
+// Scratch memory for one parallel_for chunk: on the stack up to N elements (decode sizes: no
+// allocation per call), on the heap beyond. Uninitialised.
+template <class T, size_t N>
+class Scratch {
+ public:
+  explicit Scratch(int64_t n) : ptr_(stack_) {
+    if (n > static_cast<int64_t>(N)) {
+      heap_.resize(n);
+      ptr_ = heap_.data();
+    }
+  }
+  T* data() { return ptr_; }
+  T& operator[](int64_t i) { return ptr_[i]; }
+
+ private:
+  T stack_[N];
+  std::vector<T> heap_;
+  T* ptr_;
+};
 
 // out[d] += p * row[d]
 inline void axpy(float p, const float* __restrict row, float* __restrict out, int64_t D) {
   for (int64_t d = 0; d < D; ++d) out[d] += p * row[d];
 }
 
-// The rows of a [rows, D] pool named by idx[0..n) (-1 = absent), gathered transposed into kt [D, valid]
-// for query_keys; returns how many were present and writes their positions in idx to `present`.
-int64_t gather_transposed(const int64_t* idx, int64_t n, const float* pool, int64_t rows, int64_t stride, int64_t D,
-                          const char* what, int64_t* present, float* kt) {
+// Pointers to the rows of a [rows, D] pool named by idx[0..n) (-1 = absent, skipped); returns how
+// many were present. Checks the range.
+int64_t present_rows(const int64_t* idx, int64_t n, const float* pool, int64_t rows, int64_t stride, const char* what,
+                     const float** out) {
   int64_t valid = 0;
   for (int64_t m = 0; m < n; ++m) {
     if (idx[m] < 0) continue;
     TORCH_CHECK(idx[m] < rows, what, " ", idx[m], " out of range for ", rows, " rows");
-    present[valid++] = m;
-  }
-  for (int64_t j = 0; j < valid; ++j) {
-    const float* row = pool + idx[present[j]] * stride;
-    for (int64_t d = 0; d < D; ++d) kt[d * valid + j] = row[d];
+    out[valid++] = pool + idx[m] * stride;
   }
   return valid;
 }
@@ -115,6 +209,39 @@ std::tuple<at::Tensor, int64_t, int64_t> as_rows(const at::Tensor& x) {
 }
 
 // ---------------------------------------------------------------- mHC
+// One Sinkhorn half-step for a block of B tokens: each n x n matrix divided by its column sums
+// (`columns`) or row sums (+ eps), vectorised across the tokens. c[(i * n + j) * B + b] is element
+// (i, j) of token b's matrix. A function of its own so the compiler sees the pointers do not alias
+// (inside hc_pre's lambda, eps was reloaded after every store and nothing vectorised).
+template <int64_t B>
+void sinkhorn_half_step(float* __restrict c, float* __restrict sums, int64_t n, bool columns, float eps) {
+  std::fill(sums, sums + n * B, 0.0f);
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t j = 0; j < n; ++j) {
+      float* __restrict acc = sums + (columns ? j : i) * B;
+      const float* __restrict e = c + (i * n + j) * B;
+#pragma omp simd
+      for (int64_t b = 0; b < B; ++b) acc[b] += e[b];
+    }
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t j = 0; j < n; ++j) {
+      const float* __restrict acc = sums + (columns ? j : i) * B;
+      float* __restrict e = c + (i * n + j) * B;
+#pragma omp simd
+      for (int64_t b = 0; b < B; ++b) e[b] = e[b] / (acc[b] + eps);
+    }
+}
+
+// Column normalisation, then sinkhorn_iters - 1 rounds of rows then columns
+template <int64_t B>
+void sinkhorn(float* c, float* sums, int64_t n, int64_t iters, float eps) {
+  sinkhorn_half_step<B>(c, sums, n, true, eps);
+  for (int64_t it = 1; it < iters; ++it) {
+    sinkhorn_half_step<B>(c, sums, n, false, eps);
+    sinkhorn_half_step<B>(c, sums, n, true, eps);
+  }
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> hc_pre(const at::Tensor& streams_in, const at::Tensor& fn_in,
                                                        const at::Tensor& base_in, const at::Tensor& scale_in,
                                                        double norm_eps, double hc_eps, int64_t sinkhorn_iters) {
@@ -134,18 +261,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hc_pre(const at::Tensor& streams_
   const float neps = static_cast<float>(norm_eps), heps = static_cast<float>(hc_eps);
   float *C = collapsed.data_ptr<float>(), *P = post.data_ptr<float>(), *M = comb.data_ptr<float>();
   // Tokens go in blocks of kBlock: the per-token parts (mixes, gates, softmax) run token by token,
-  // the Sinkhorn iterations (n*n divisions per half-step) run vectorised across the block.
+  // the Sinkhorn iterations (n*n divisions per half-step) run vectorised across the block, where a
+  // token's lane does the same operations whatever the other lanes hold.
   constexpr int64_t kBlock = 16;
   const int64_t nn = n * n;
   at::parallel_for(0, (T + kBlock - 1) / kBlock, 1, [&](int64_t block_begin, int64_t block_end) {
-    std::vector<float> mix(mixes), pre(n * kBlock), cb(nn * kBlock), sums(n * kBlock);
+    Scratch<float, 4096> mix_buf(mixes), pre_buf(n * kBlock), cb_buf(nn * kBlock), sums_buf(n * kBlock);
+    float *mix = mix_buf.data(), *pre = pre_buf.data(), *cb = cb_buf.data(), *sums = sums_buf.data();
+    // lanes past the last token of a short block still go through Sinkhorn: zeros, not garbage
+    // (denormals or NaNs there would only cost time)
+    std::fill(cb, cb + nn * kBlock, 0.0f);
     for (int64_t blk = block_begin; blk < block_end; ++blk) {
       const int64_t t0 = blk * kBlock, bt = std::min(kBlock, T - t0);
+      // a short block (a decode batch of a few tokens) runs Sinkhorn on fewer lanes; a lane's
+      // arithmetic is the same at any width (adds and divisions, nothing to contract)
+      const int64_t lanes = bt <= 4 ? 4 : bt <= 8 ? 8 : kBlock;
       for (int64_t b = 0; b < bt; ++b) {
         const int64_t t = t0 + b;
         const float* x = S + t * nd;
         const float r = 1.0f / std::sqrt(dot(x, x, nd) / static_cast<float>(nd) + neps);
-        for (int64_t m = 0; m < mixes; ++m) mix[m] = dot(x, F + m * nd, nd) * r;
+        gemv(x, F, nd, nd, mixes, mix);  // all mixes in one pass over x: no per-mix reduction
+        for (int64_t m = 0; m < mixes; ++m) mix[m] *= r;
         for (int64_t j = 0; j < n; ++j) {
           pre[b * n + j] = sigmoid(mix[j] * s0 + B[j]) + heps;
           P[t * n + j] = 2.0f * sigmoid(mix[n + j] * s1 + B[n + j]);
@@ -159,35 +295,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hc_pre(const at::Tensor& streams_
           }
           float sum = 0.0f;
           for (int64_t j = 0; j < n; ++j) sum += (row[j] = fast_exp(row[j] - mx));
-          for (int64_t j = 0; j < n; ++j) cb[(i * n + j) * kBlock + b] = row[j] / sum + heps;
+          for (int64_t j = 0; j < n; ++j) cb[(i * n + j) * lanes + b] = row[j] / sum + heps;
         }
       }
-      // cb[(i * n + j) * kBlock + b]: element (i, j) of token b's matrix
-      auto normalize = [&](bool columns) {
-        float* __restrict sm = sums.data();
-        float* __restrict c = cb.data();
-        std::fill(sums.begin(), sums.end(), 0.0f);
-        for (int64_t i = 0; i < n; ++i)
-          for (int64_t j = 0; j < n; ++j) {
-            float* __restrict acc = sm + (columns ? j : i) * kBlock;
-            const float* __restrict e = c + (i * n + j) * kBlock;
-            for (int64_t b = 0; b < kBlock; ++b) acc[b] += e[b];
-          }
-        for (int64_t i = 0; i < n; ++i)
-          for (int64_t j = 0; j < n; ++j) {
-            const float* __restrict acc = sm + (columns ? j : i) * kBlock;
-            float* __restrict e = c + (i * n + j) * kBlock;
-            for (int64_t b = 0; b < kBlock; ++b) e[b] = e[b] / (acc[b] + heps);
-          }
-      };
-      normalize(true);
-      for (int64_t it = 1; it < sinkhorn_iters; ++it) {  // Sinkhorn: rows, then columns
-        normalize(false);
-        normalize(true);
-      }
+      // cb[(i * n + j) * lanes + b]: element (i, j) of token b's matrix
+      if (lanes == 4)
+        sinkhorn<4>(cb, sums, n, sinkhorn_iters, heps);
+      else if (lanes == 8)
+        sinkhorn<8>(cb, sums, n, sinkhorn_iters, heps);
+      else
+        sinkhorn<kBlock>(cb, sums, n, sinkhorn_iters, heps);
       for (int64_t b = 0; b < bt; ++b) {
         const int64_t t = t0 + b;
-        for (int64_t e = 0; e < nn; ++e) M[t * nn + e] = cb[e * kBlock + b];
+        for (int64_t e = 0; e < nn; ++e) M[t * nn + e] = cb[e * lanes + b];
         const float* x = S + t * nd;
         float* out = C + t * D;
         std::fill(out, out + D, 0.0f);
@@ -212,21 +332,35 @@ at::Tensor hc_post(const at::Tensor& block_in, const at::Tensor& streams_in, con
   const float *X = block.data_ptr<float>(), *S = streams.data_ptr<float>(), *P = post.data_ptr<float>(),
               *M = comb.data_ptr<float>();
   float* O = out.data_ptr<float>();
+  // out[t, j] = post[t, j] * x[t] + sum_i comb[t, i, j] * streams[t, i], kChunk columns at a time
+  // with the sum over i in registers (sequential in i, as before)
+  constexpr int64_t kChunk = 32;
   at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(D);
     for (int64_t t = begin; t < end; ++t) {
       const float *x = X + t * D, *s = S + t * n * D, *c = M + t * n * n;
       for (int64_t j = 0; j < n; ++j) {
-        std::fill(acc.begin(), acc.end(), 0.0f);
-        for (int64_t i = 0; i < n; ++i) {
-          const float w = c[i * n + j], *si = s + i * D;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) acc[d] += w * si[d];
-        }
         const float p = P[t * n + j];
         float* o = O + (t * n + j) * D;
+        int64_t d0 = 0;
+        for (; d0 + kChunk <= D; d0 += kChunk) {
+          float acc[kChunk] = {};
+          for (int64_t i = 0; i < n; ++i) {
+            const float w = c[i * n + j], *si = s + i * D + d0;
 #pragma omp simd
-        for (int64_t d = 0; d < D; ++d) o[d] = p * x[d] + acc[d];
+            for (int64_t d = 0; d < kChunk; ++d) acc[d] += w * si[d];
+          }
+#pragma omp simd
+          for (int64_t d = 0; d < kChunk; ++d) o[d0 + d] = p * x[d0 + d] + acc[d];
+        }
+        if (d0 < D) {  // the same arithmetic on the last partial chunk
+          float acc[kChunk] = {};
+          const int64_t len = D - d0;
+          for (int64_t i = 0; i < n; ++i) {
+            const float w = c[i * n + j], *si = s + i * D + d0;
+            for (int64_t d = 0; d < len; ++d) acc[d] += w * si[d];
+          }
+          for (int64_t d = 0; d < len; ++d) o[d0 + d] = p * x[d0 + d] + acc[d];
+        }
       }
     }
   });
@@ -315,27 +449,52 @@ at::Tensor sparse_attention(const at::Tensor& q_in, const at::Tensor& kv, const 
   const int64_t* I = indices.data_ptr<int64_t>();
   float* O = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
+  // Keys are shared by the heads (MQA): no transposed copy of them, the logits come from dot_rows
+  // over blocks of 8 key rows per head, and the output accumulates kHeads heads x kChunk dims in
+  // registers while walking the keys once (each element summed over the keys in order).
+  constexpr int64_t kHeads = 4, kChunk = 32;
   at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
-    std::vector<const float*> keys(K);
-    std::vector<int64_t> present(K);
-    std::vector<float> kt(Dh * K), logits(H * K);
+    Scratch<const float*, 512> keys_buf(K);
+    Scratch<float, 4096> probs_buf(H * K);
+    const float** keys = keys_buf.data();
+    float* probs = probs_buf.data();
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t* idx = I + t * K;
-      const int64_t valid =
-          gather_transposed(idx, K, KV, rows, kv_stride, Dh, "attention index", present.data(), kt.data());
-      for (int64_t k = 0; k < valid; ++k) keys[k] = KV + idx[present[k]] * kv_stride;
+      const int64_t valid = present_rows(I + t * K, K, KV, rows, kv_stride, "attention index", keys);
       for (int64_t h = 0; h < H; ++h) {
-        float* l = logits.data() + h * K;
-        query_keys(Q + (t * H + h) * Dh, kt.data(), l, Dh, valid);
+        float* l = probs + h * K;
+        dot_many(Q + (t * H + h) * Dh, [keys](int64_t k) { return keys[k]; }, Dh, valid, l);
         float mx = SK[h];
-        for (int64_t k = 0; k < valid; ++k) mx = std::max(mx, l[k] *= sc);
-        float denom = fast_exp(SK[h] - mx);  // the sink: a logit with no value
+#pragma omp simd reduction(max : mx)
+        for (int64_t k = 0; k < valid; ++k) mx = max_of(mx, l[k] *= sc);
+#pragma omp simd
         for (int64_t k = 0; k < valid; ++k) l[k] = fast_exp(l[k] - mx);
-        for (int64_t k = 0; k < valid; ++k) denom += l[k];
-        float* o = O + (t * H + h) * Dh;
-        std::fill(o, o + Dh, 0.0f);
-        for (int64_t k = 0; k < valid; ++k) axpy(l[k] / denom, keys[k], o, Dh);
+        const float denom = fast_exp(SK[h] - mx) + sum_of(l, valid);  // the sink: a logit with no value
+#pragma omp simd
+        for (int64_t k = 0; k < valid; ++k) l[k] = l[k] / denom;
       }
+      for (int64_t h0 = 0; h0 < H; h0 += kHeads)
+        for (int64_t d0 = 0; d0 < Dh; d0 += kChunk) {
+          const int64_t hb = std::min(kHeads, H - h0), db = std::min(kChunk, Dh - d0);
+          float acc[kHeads][kChunk] = {};
+          if (hb == kHeads && db == kChunk) {
+            for (int64_t k = 0; k < valid; ++k) {
+              const float* __restrict key = keys[k] + d0;
+              for (int64_t hh = 0; hh < kHeads; ++hh) {
+                const float p = probs[(h0 + hh) * K + k];
+#pragma omp simd
+                for (int64_t d = 0; d < kChunk; ++d) acc[hh][d] += p * key[d];
+              }
+            }
+          } else {  // a partial block: the same arithmetic, slower
+            for (int64_t k = 0; k < valid; ++k)
+              for (int64_t hh = 0; hh < hb; ++hh) {
+                const float p = probs[(h0 + hh) * K + k];
+                for (int64_t d = 0; d < db; ++d) acc[hh][d] += p * keys[k][d0 + d];
+              }
+          }
+          for (int64_t hh = 0; hh < hb; ++hh)
+            std::copy(acc[hh], acc[hh] + db, O + (t * H + h0 + hh) * Dh + d0);
+        }
     }
   });
   return out;
@@ -362,26 +521,73 @@ at::Tensor indexer_topk(const at::Tensor& q_in, const at::Tensor& weights_in, co
   const int64_t* C = cand.data_ptr<int64_t>();
   int64_t* O = out.data_ptr<int64_t>();
   const float sc = static_cast<float>(scale);
+  // Vectorised over the heads: the token's queries are transposed once to qt [Di, Hp] (heads padded
+  // with zero queries and weights to kHeadLanes, which add exact zeros), then each candidate key is
+  // read once for all heads, kCands candidates at a time (independent accumulator chains). A
+  // candidate's score sums its heads lane-wise over the head blocks, then over the lanes in a fixed tree.
+  constexpr int64_t kHeadLanes = 16, kCands = 8;
+  static_assert(kHeadLanes == 2 * kLanes && kCands == 8, "the score reduction below folds 16 lanes of 8 candidates");
+  const int64_t Hp = (H + kHeadLanes - 1) / kHeadLanes * kHeadLanes;
   at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> score(M), kt(Di * M), acc(M);
-    std::vector<int64_t> order(M);
+    Scratch<float, 4096> qt_buf(Di * Hp), score_buf(M);
+    Scratch<float, 256> w_buf(Hp);
+    Scratch<const float*, 1024> keys_buf(M);
+    Scratch<int64_t, 1024> column_buf(M), best_buf(k);
+    float *qt = qt_buf.data(), *score = score_buf.data(), *wt = w_buf.data();
+    const float** keys = keys_buf.data();
+    int64_t *column = column_buf.data(), *best = best_buf.data();
+    std::fill(qt, qt + Di * Hp, 0.0f);  // the padding heads stay zero
+    std::fill(wt, wt + Hp, 0.0f);
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t valid =
-          gather_transposed(C + t * M, M, KS, rows, key_stride, Di, "indexer candidate", order.data(), kt.data());
-      std::fill(score.begin(), score.end(), 0.0f);
-      for (int64_t h = 0; h < H; ++h) {
-        query_keys(Q + (t * H + h) * Di, kt.data(), acc.data(), Di, valid);
-        const float wh = W[t * H + h];
-        for (int64_t j = 0; j < valid; ++j) score[j] += std::max(acc[j], 0.0f) * sc * wh;
+      const int64_t* cand = C + t * M;
+      int64_t valid = 0;
+      for (int64_t m = 0; m < M; ++m) {
+        if (cand[m] < 0) continue;
+        TORCH_CHECK(cand[m] < rows, "indexer candidate ", cand[m], " out of range for ", rows, " rows");
+        column[valid] = m;
+        keys[valid++] = KS + cand[m] * key_stride;
       }
-      // order[j] is the candidate column of score[j]
+      if (valid == 0) continue;
+      std::copy(W + t * H, W + t * H + H, wt);
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t d = 0; d < Di; ++d) qt[d * Hp + h] = Q[(t * H + h) * Di + d];
+      for (int64_t j0 = 0; j0 < valid; j0 += kCands) {
+        const float* key[kCands];  // a short last block repeats its last key; those scores are dropped
+        for (int64_t c = 0; c < kCands; ++c) key[c] = keys[std::min(j0 + c, valid - 1)];
+        float tot[kCands][kHeadLanes] = {};
+        for (int64_t h0 = 0; h0 < Hp; h0 += kHeadLanes) {
+          float s[kCands][kHeadLanes] = {};
+          for (int64_t d = 0; d < Di; ++d) {
+            const float* __restrict q = qt + d * Hp + h0;
+            for (int64_t c = 0; c < kCands; ++c) {
+              const float kd = key[c][d];
+#pragma omp simd
+              for (int64_t l = 0; l < kHeadLanes; ++l) s[c][l] += kd * q[l];
+            }
+          }
+          for (int64_t c = 0; c < kCands; ++c)
+#pragma omp simd
+            for (int64_t l = 0; l < kHeadLanes; ++l) tot[c][l] += max_of(s[c][l], 0.0f) * sc * wt[h0 + l];
+        }
+        float half[kCands][kLanes], block_score[kCands];  // lanes l and l + 8, then the tree of dot()
+        for (int64_t c = 0; c < kCands; ++c)
+#pragma omp simd
+          for (int64_t l = 0; l < kLanes; ++l) half[c][l] = tot[c][l] + tot[c][l + kLanes];
+        sum_lanes_8_rows(half, block_score);
+        std::copy(block_score, block_score + std::min(kCands, valid - j0), score + j0);
+      }
+      // the k best, best first; a later candidate must beat, not tie, to pass an earlier one (the
+      // reference's stable sort). Insertion into a sorted list of at most k: k is small.
       const int64_t take = std::min(k, valid);
-      std::vector<int64_t> rank(valid);
-      std::iota(rank.begin(), rank.end(), 0);
-      // best first; equal scores keep candidate order (the reference's stable sort)
-      auto better = [&](int64_t a, int64_t b) { return score[a] > score[b] || (score[a] == score[b] && a < b); };
-      std::partial_sort(rank.begin(), rank.begin() + take, rank.end(), better);
-      for (int64_t j = 0; j < take; ++j) O[t * k + j] = C[t * M + order[rank[j]]];
+      int64_t kept = 0;
+      for (int64_t j = 0; j < valid; ++j) {
+        const float sj = score[j];
+        if (kept == take && !(sj > score[best[take - 1]])) continue;
+        int64_t pos = kept < take ? kept++ : take - 1;
+        for (; pos > 0 && sj > score[best[pos - 1]]; --pos) best[pos] = best[pos - 1];
+        best[pos] = j;
+      }
+      for (int64_t j = 0; j < take; ++j) O[t * k + j] = cand[column[best[j]]];
     }
   });
   return out;
@@ -401,17 +607,13 @@ at::Tensor grouped_linear(const at::Tensor& x_in, const at::Tensor& w_in) {
   float* O = out.data_ptr<float>();
   at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t n = 0; n < N; ++n) O[(t * G + g) * N + n] = dot(X + (t * G + g) * K, W + (g * N + n) * K, K);
+      for (int64_t g = 0; g < G; ++g) gemv(X + (t * G + g) * K, W + g * N * K, K, K, N, O + (t * G + g) * N);
   });
   return out;
 }
 
-// sqrt(softplus(x . gate_e)), softplus with torch's threshold (x > 20: x)
-inline float router_score(const float* x, const float* gate_row, int64_t D) {
-  const float z = dot(x, gate_row, D);
-  return std::sqrt(z > 20.0f ? z : std::log1p(std::exp(z)));
-}
+// sqrt(softplus(z)) of z = x . gate_e, softplus with torch's threshold (z > 20: z)
+inline float router_score(float z) { return std::sqrt(z > 20.0f ? z : std::log1p(std::exp(z))); }
 
 inline void normalize_route(float* w, int64_t k, float scaling) {
   float sum = 0.0f;
@@ -433,15 +635,18 @@ std::tuple<at::Tensor, at::Tensor> route_topk(const at::Tensor& x_in, const at::
   int64_t* Io = ids.data_ptr<int64_t>();
   const float sc = static_cast<float>(scaling);
   at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> score(E), biased(E);
-    std::vector<int64_t> order(E);
+    Scratch<float, 1024> score_buf(E), biased_buf(E);
+    Scratch<int64_t, 1024> order_buf(E);
+    float *score = score_buf.data(), *biased = biased_buf.data();
+    int64_t* order = order_buf.data();
     for (int64_t t = begin; t < end; ++t) {
+      gemv(X + t * D, Gt, D, D, E, score);
       for (int64_t e = 0; e < E; ++e) {
-        score[e] = router_score(X + t * D, Gt + e * D, D);
+        score[e] = router_score(score[e]);
         biased[e] = score[e] + Bs[e];
       }
-      std::iota(order.begin(), order.end(), 0);
-      std::partial_sort(order.begin(), order.begin() + top_k, order.end(), [&](int64_t a, int64_t b) {
+      std::iota(order, order + E, 0);
+      std::partial_sort(order, order + top_k, order + E, [&](int64_t a, int64_t b) {
         return biased[a] > biased[b] || (biased[a] == biased[b] && a < b);
       });
       for (int64_t j = 0; j < top_k; ++j) {
@@ -470,7 +675,7 @@ at::Tensor route_hash(const at::Tensor& x_in, const at::Tensor& gate_in, const a
       for (int64_t j = 0; j < k; ++j) {
         const int64_t e = I[t * k + j];
         TORCH_CHECK(e >= 0 && e < E, "expert id ", e, " out of range for ", E, " experts");
-        Wo[t * k + j] = router_score(X + t * D, Gt + e * D, D);
+        Wo[t * k + j] = router_score(dot(X + t * D, Gt + e * D, D));
       }
       normalize_route(Wo + t * k, k, static_cast<float>(scaling));
     }
@@ -501,25 +706,43 @@ at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& weights_in, con
   const int64_t* ID = ids.data_ptr<int64_t>();
   float* O = out.data_ptr<float>();
   const float lim = static_cast<float>(limit);
-  at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> hidden(I), row(D);
+  // (token, slot) rows grouped by expert (a counting sort), so each expert's weights are read from
+  // cache for all its rows in a row; a row's arithmetic does not depend on the order, and the sum
+  // over a token's experts below runs in slot order, as the reference.
+  const int64_t R = T * k;
+  std::vector<int64_t> first(E + 1, 0), by_expert(R);
+  for (int64_t r = 0; r < R; ++r) {
+    TORCH_CHECK(ID[r] >= 0 && ID[r] < E, "expert id ", ID[r], " out of range for ", E, " experts");
+    ++first[ID[r] + 1];
+  }
+  for (int64_t e = 0; e < E; ++e) first[e + 1] += first[e];
+  {
+    std::vector<int64_t> next(first.begin(), first.end() - 1);
+    for (int64_t r = 0; r < R; ++r) by_expert[next[ID[r]]++] = r;
+  }
+  std::vector<float> expert_rows(R * D);  // expert_{ids[t, j]}(x[t]) at row t * k + j
+  float* ER = expert_rows.data();
+  at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
+    Scratch<float, 2048> gu_buf(I2), hidden_buf(I);
+    float *gu_out = gu_buf.data(), *hidden = hidden_buf.data();
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t r = by_expert[i], e = ID[r];
+      const float* xt = X + (r / k) * D;
+      gemv(xt, GU + e * I2 * D, D, D, I2, gu_out);  // gate rows 0..I-1, up rows I..2I-1
+#pragma omp simd
+      for (int64_t j = 0; j < I; ++j) {
+        const float g = min_of(gu_out[j], lim);
+        const float u = min_of(max_of(gu_out[I + j], -lim), lim);  // std::clamp
+        hidden[j] = g / (1.0f + fast_exp(-g)) * u;
+      }
+      gemv(hidden, DN + e * D * I, I, I, D, ER + r * D);
+    }
+  });
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const float* xt = X + t * D;
       float* o = O + t * D;
       std::fill(o, o + D, 0.0f);
-      for (int64_t j = 0; j < k; ++j) {  // fixed order over the token's experts, as the reference
-        const int64_t e = ID[t * k + j];
-        TORCH_CHECK(e >= 0 && e < E, "expert id ", e, " out of range for ", E, " experts");
-        const float* gu = GU + e * I2 * D;
-        for (int64_t i = 0; i < I; ++i) {
-          const float g = std::min(dot(xt, gu + i * D, D), lim);
-          const float u = std::clamp(dot(xt, gu + (I + i) * D, D), -lim, lim);
-          hidden[i] = g / (1.0f + fast_exp(-g)) * u;
-        }
-        const float* dn = DN + e * D * I;
-        for (int64_t d = 0; d < D; ++d) row[d] = dot(hidden.data(), dn + d * I, I);
-        axpy(Wt[t * k + j], row.data(), o, D);
-      }
+      for (int64_t j = 0; j < k; ++j) axpy(Wt[t * k + j], ER + (t * k + j) * D, o, D);  // slot order
     }
   });
   return out;
