@@ -3,6 +3,7 @@ microseconds per call at decode shapes of the largest test model (32 tokens, hid
 and the relative difference of the outputs. Prints a table.
 
     python benchmarks/cpu_kernels.py [--tokens 32] [--candidates 256]
+    python benchmarks/cpu_kernels.py --crossover   # the small-batch kernels vs GEMMs over batch sizes
 """
 
 from __future__ import annotations
@@ -50,7 +51,47 @@ def cases(t: int, m: int) -> dict:
         "grouped_linear": (rn(t, 2, 64), rn(2 * 16, 64)),
         "route_topk": (rn(t, d), rn(e, d), rn(e), 2, 1.5),
         "route_hash": (rn(t, d), rn(e, d), ids, 1.5),
+        "swiglu_mlp": (rn(t, d), rn(64, d) * 0.2, rn(d, 32) * 0.2, 7.0),
     }
+
+
+# (hidden, experts, intermediate, top-k, output group width) of the test model, the shipped model
+# and a 512-hidden model with 64 experts
+CROSSOVER_SHAPES = {"test model": (64, 8, 32, 2, 64), "shipped": (256, 8, 256, 2, 128),
+                    "512 hidden, 64 experts": (512, 64, 256, 6, 512)}
+
+
+def crossover(reps: int) -> None:
+    """The projection kernels (GEMVs) against the reference GEMMs over batch sizes: where the
+    limits in kernels.py (_GEMV_MAX_MACS, _ROUTER_MAX_MACS, _MOE_MAX_MACS_PER_EXPERT) come from.
+    The raw kernels are timed, whatever those limits would pick; '*' marks what kernels.py picks."""
+    g = torch.Generator().manual_seed(0)
+    rn = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    k_ops = torch.ops.deepinfer_cpu
+    for label, (d, e, inter, k, gk) in CROSSOVER_SHAPES.items():
+        print(f"\n{label}: hidden {d}, {e} experts x {inter}, top-{k}; us per call, fused / reference")
+        print("| tokens | moe_experts | swiglu_mlp | grouped_linear | route_topk |")
+        print("|---|---|---|---|---|")
+        gu, dn, sgu, sdn = rn(e, 2 * inter, d), rn(e, d, inter), rn(2 * inter, d), rn(d, inter)
+        wg, gate, bias = rn(2 * 16, gk), rn(e, d), rn(e)
+        for t in (1, 8, 32, 64, 128, 256, 512):
+            x, xg = rn(t, d), rn(t, 2, gk)
+            ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+            w = torch.rand(t, k, generator=g)
+            cells = []
+            for name, args in (("moe_experts", (x, w, ids, gu, dn, 7.0)), ("swiglu_mlp", (x, sgu, sdn, 7.0)),
+                               ("grouped_linear", (xg, wg)), ("route_topk", (x, gate, bias, k, 1.5))):
+                fused, ref = _time(getattr(k_ops, name), args, reps), _time(getattr(ops, name), args, reps)
+                mark = _picks_kernel(name, args)
+                cells.append(f"{fused:.1f}{'*' if mark else ''} / {ref:.1f}{'' if mark else '*'}")
+            print(f"| {t} | " + " | ".join(cells) + " |")
+
+
+def _picks_kernel(name: str, args) -> bool:
+    """Whether kernels.py sends these inputs to the fused kernel (its limits), not the reference."""
+    picked = []
+    getattr(kernels, name)(*args, reference=lambda *a: picked.append(False))
+    return not picked
 
 
 def main() -> None:
@@ -58,10 +99,13 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--candidates", type=int, default=256, help="indexer candidates per token")
     parser.add_argument("--reps", type=int, default=300)
+    parser.add_argument("--crossover", action="store_true", help="projection kernels vs GEMMs over batch sizes")
     args = parser.parse_args()
     if not kernels.load():
         raise SystemExit("the cpu kernels did not build (see the warning)")
     torch.set_num_threads(1)
+    if args.crossover:
+        return crossover(max(args.reps // 10, 10))
     print(f"{args.tokens} tokens, 1 thread")
     print("| op | reference us | fused us | speedup | max rel diff |")
     print("|---|---|---|---|---|")

@@ -114,6 +114,19 @@ def test_moe_experts_match_the_reference(seed):
         _close(kernels.moe_experts(x, w, ids, gate_up, down, limit), ref.moe_experts(x, w, ids, gate_up, down, limit))
 
 
+@pytest.mark.parametrize("T,D,inter", [(21, 64, 32), (1, 64, 32), (5, 48, 19)])
+def test_shared_expert_matches_the_reference(T, D, inter):
+    g = _gen(T)
+    x = torch.randn(T, D, generator=g) * 2
+    gate_up, down = torch.randn(2 * inter, D, generator=g) * 0.3, torch.randn(D, inter, generator=g) * 0.3
+    for limit in (1.0, 10.0):
+        _close(kernels.swiglu_mlp(x, gate_up, down, limit), ref.swiglu_mlp(x, gate_up, down, limit))
+    alone = kernels.swiglu_mlp(x[-1:], gate_up, down, 10.0)
+    assert torch.equal(alone[0], kernels.swiglu_mlp(x, gate_up, down, 10.0)[-1])  # row-wise
+    with pytest.raises(RuntimeError, match="gate_up must be"):
+        torch.ops.deepinfer_cpu.swiglu_mlp(x, gate_up[:, 1:], down, 10.0)
+
+
 def test_bad_indices_raise_instead_of_reading_out_of_bounds():
     q, kv = torch.randn(2, 4, 32), torch.randn(10, 32)
     with pytest.raises(RuntimeError, match="out of range"):

@@ -684,6 +684,41 @@ at::Tensor route_hash(const at::Tensor& x_in, const at::Tensor& gate_in, const a
 }
 
 // ---------------------------------------------------------------- MoE (small batches)
+// out = down @ (silu(min(g, limit)) * clamp(u, -limit, limit)), (g, u) = gate_up @ x, for one row:
+// gate_up [2I, D] (gate rows 0..I-1, up rows I..2I-1), down [D, I]; gu [2I] and hidden [I] are scratch.
+inline void swiglu_row(const float* x, const float* gate_up, const float* down, int64_t D, int64_t I, float lim,
+                       float* __restrict gu, float* __restrict hidden, float* out) {
+  gemv(x, gate_up, D, D, 2 * I, gu);
+#pragma omp simd
+  for (int64_t j = 0; j < I; ++j) {
+    const float g = min_of(gu[j], lim);
+    const float u = min_of(max_of(gu[I + j], -lim), lim);  // std::clamp, which returns a reference, does not vectorise
+    hidden[j] = g / (1.0f + fast_exp(-g)) * u;
+  }
+  gemv(hidden, down, I, I, D, out);
+}
+
+// The shared expert: swiglu_row for every token. x [T, D], gate_up [2I, D], down [D, I] -> [T, D].
+at::Tensor swiglu_mlp(const at::Tensor& x_in, const at::Tensor& gate_up_in, const at::Tensor& down_in, double limit) {
+  check_float(x_in, "x");
+  check_float(gate_up_in, "gate_up");
+  check_float(down_in, "down");
+  const at::Tensor x = x_in.contiguous(), gate_up = gate_up_in.contiguous(), down = down_in.contiguous();
+  const int64_t T = x.size(0), D = x.size(1), I = gate_up.size(0) / 2;
+  TORCH_CHECK(gate_up.size(0) == 2 * I && gate_up.size(1) == D && down.size(0) == D && down.size(1) == I,
+              "gate_up must be [2I, D] and down [D, I] for x [T, D]");
+  at::Tensor out = at::empty({T, D}, x.options());
+  const float *X = x.data_ptr<float>(), *GU = gate_up.data_ptr<float>(), *DN = down.data_ptr<float>();
+  float* O = out.data_ptr<float>();
+  const float lim = static_cast<float>(limit);
+  at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
+    Scratch<float, 2048> gu_buf(2 * I), hidden_buf(I);
+    for (int64_t t = begin; t < end; ++t)
+      swiglu_row(X + t * D, GU, DN, D, I, lim, gu_buf.data(), hidden_buf.data(), O + t * D);
+  });
+  return out;
+}
+
 // x [T, D], weights/ids [T, k], gate_up [E, 2I, D], down [E, D, I]: sum_j weights[t, j] *
 // expert_{ids[t, j]}(x[t]), the expert's SwiGLU MLP with clamped inputs. Row by row (GEMVs):
 // meant for decode-sized batches, where the per-expert GEMMs of the reference are launch-bound;
@@ -724,18 +759,10 @@ at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& weights_in, con
   float* ER = expert_rows.data();
   at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
     Scratch<float, 2048> gu_buf(I2), hidden_buf(I);
-    float *gu_out = gu_buf.data(), *hidden = hidden_buf.data();
     for (int64_t i = begin; i < end; ++i) {
       const int64_t r = by_expert[i], e = ID[r];
-      const float* xt = X + (r / k) * D;
-      gemv(xt, GU + e * I2 * D, D, D, I2, gu_out);  // gate rows 0..I-1, up rows I..2I-1
-#pragma omp simd
-      for (int64_t j = 0; j < I; ++j) {
-        const float g = min_of(gu_out[j], lim);
-        const float u = min_of(max_of(gu_out[I + j], -lim), lim);  // std::clamp
-        hidden[j] = g / (1.0f + fast_exp(-g)) * u;
-      }
-      gemv(hidden, DN + e * D * I, I, I, D, ER + r * D);
+      swiglu_row(X + (r / k) * D, GU + e * I2 * D, DN + e * D * I, D, I, lim, gu_buf.data(), hidden_buf.data(),
+                 ER + r * D);
     }
   });
   at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
@@ -762,6 +789,7 @@ TORCH_LIBRARY(deepinfer_cpu, m) {
   m.def("route_hash(Tensor x, Tensor gate, Tensor ids, float scaling) -> Tensor");
   m.def("moe_experts(Tensor x, Tensor weights, Tensor ids, Tensor gate_up, Tensor down, float limit) -> Tensor");
   m.def("indexer_topk(Tensor q, Tensor weights, Tensor keys, Tensor candidates, int topk, float scale) -> Tensor");
+  m.def("swiglu_mlp(Tensor x, Tensor gate_up, Tensor down, float limit) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(deepinfer_cpu, CPU, m) {
@@ -775,4 +803,5 @@ TORCH_LIBRARY_IMPL(deepinfer_cpu, CPU, m) {
   m.impl("grouped_linear", &grouped_linear);
   m.impl("route_topk", &route_topk);
   m.impl("route_hash", &route_hash);
+  m.impl("swiglu_mlp", &swiglu_mlp);
 }

@@ -2,9 +2,10 @@
 
 The reference ops in `ops.py` are plain torch: dozens of small ops per call, which is what a
 decode step of a small model spends its time on (the mHC mix alone is ~80 ops, 8 calls a step).
-`fused_ops.cpp` does ten of them in one pass each: hc_pre, hc_post, rms_norm, rope,
-sparse_attention and indexer_topk always; moe_experts, grouped_linear and the two routers for
-decode-sized batches (larger ones go to the reference, whose GEMMs win there). It is built with torch's C++ extension loader on the machine
+`fused_ops.cpp` does eleven of them in one pass each: hc_pre, hc_post, rms_norm, rope,
+sparse_attention and indexer_topk always; moe_experts, swiglu_mlp (the shared expert),
+grouped_linear and the two routers for decode-sized batches (larger ones go to the reference,
+whose GEMMs win there). It is built with torch's C++ extension loader on the machine
 that runs it (so `-march=native` is safe) into ~/.cache/deepinfer/cpu_kernels/<hash>, once per
 source/torch/compiler version; later processes only load the library.
 
@@ -15,6 +16,7 @@ fails, a warning says why, and the reference ops are used.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import sys
 import threading
@@ -70,11 +72,16 @@ def _try_load(path: str) -> bool:
 # kernels do not take (non-float32 tensors, e.g. a bfloat16 cache): the kernels are an
 # optimisation, never a second set of semantics.
 _F32 = torch.float32
-# Above this many tokens the reference's GEMMs beat row-by-row dot products.
-_SMALL_BATCH = 64
-# Above this many (token, expert) rows the reference's per-expert GEMMs win over row-by-row GEMVs
-# (each expert's weights are then read once per group instead of once per row).
-_MOE_MAX_ROWS = 256
+# The projection kernels are GEMVs: they read a weight matrix once per token, where the reference's
+# GEMM reads it once per block of tokens after a fixed cost per call (~15 us here). So they win while
+# the call's work is small; the limits are multiply-adds per call, the crossovers measured at the
+# test-model, shipped-model and 512-hidden shapes (`python benchmarks/cpu_kernels.py --crossover`).
+# Batch-invariant mode lifts them: a switch by batch size would change a row's rounding.
+_GEMV_MAX_MACS = 1 << 20  # grouped_linear and the shared expert
+_ROUTER_MAX_MACS = 1 << 18  # routers: an exp, log1p and sqrt per expert besides the dot
+# The reference MoE runs a GEMM pair per expert hit (a fixed cost each); the kernel reads an expert's
+# weights once per (token, expert) row: it wins up to about this much work per expert.
+_MOE_MAX_MACS_PER_EXPERT = 1 << 22
 
 
 def hc_pre(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, *, reference=ops.hc_pre):
@@ -113,33 +120,42 @@ def indexer_topk(q, weights, keys, candidates, topk, scale, *, reference=ops.ind
     return torch.ops.deepinfer_cpu.indexer_topk(q, weights, keys, candidates, topk, scale)
 
 
-def grouped_linear(x, weight, *, reference=ops.grouped_linear, max_tokens=_SMALL_BATCH):
-    if x.shape[0] > max_tokens or x.dtype != _F32 or weight.dtype != _F32:
+def grouped_linear(x, weight, *, reference=ops.grouped_linear, max_macs=_GEMV_MAX_MACS):
+    if x.shape[0] * weight.numel() > max_macs or x.dtype != _F32 or weight.dtype != _F32:
         return reference(x, weight)
     return torch.ops.deepinfer_cpu.grouped_linear(x, weight)
 
 
-def route_topk(x, gate, bias, top_k, scaling, *, reference=ops.route_topk, max_tokens=_SMALL_BATCH):
-    if x.shape[0] > max_tokens or x.dtype != _F32 or gate.dtype != _F32:
+def swiglu_mlp(x, gate_up, down, limit, *, reference=ops.swiglu_mlp, max_macs=_GEMV_MAX_MACS):
+    if (x.shape[0] * (gate_up.numel() + down.numel()) > max_macs or x.dtype != _F32 or gate_up.dtype != _F32
+            or down.dtype != _F32 or x.dim() != 2):
+        return reference(x, gate_up, down, limit)
+    return torch.ops.deepinfer_cpu.swiglu_mlp(x, gate_up, down, limit)
+
+
+def route_topk(x, gate, bias, top_k, scaling, *, reference=ops.route_topk, max_macs=_ROUTER_MAX_MACS):
+    if x.shape[0] * gate.numel() > max_macs or x.dtype != _F32 or gate.dtype != _F32:
         return reference(x, gate, bias, top_k, scaling)
     return tuple(torch.ops.deepinfer_cpu.route_topk(x, gate, bias, top_k, scaling))
 
 
-def route_hash(x, gate, ids, scaling, *, reference=ops.route_hash, max_tokens=_SMALL_BATCH):
-    if x.shape[0] > max_tokens or x.dtype != _F32 or gate.dtype != _F32:
+def route_hash(x, gate, ids, scaling, *, reference=ops.route_hash, max_macs=_ROUTER_MAX_MACS):
+    if x.shape[0] * gate.numel() > max_macs or x.dtype != _F32 or gate.dtype != _F32:
         return reference(x, gate, ids, scaling)
     return torch.ops.deepinfer_cpu.route_hash(x, gate, ids, scaling)
 
 
-def moe_experts(x, weights, ids, gate_up, down, limit, *, reference=ops.moe_experts, max_rows=_MOE_MAX_ROWS):
-    if (ids.numel() > max_rows or x.dtype != _F32 or gate_up.dtype != _F32 or down.dtype != _F32
-            or x.shape[0] == 0):
+def moe_experts(x, weights, ids, gate_up, down, limit, *, reference=ops.moe_experts,
+                max_macs_per_expert=_MOE_MAX_MACS_PER_EXPERT):
+    per_row = gate_up[0].numel() + down[0].numel() if gate_up.shape[0] else 0
+    if (ids.numel() * per_row > max_macs_per_expert * gate_up.shape[0] or x.dtype != _F32
+            or gate_up.dtype != _F32 or down.dtype != _F32 or x.shape[0] == 0):
         return reference(x, weights, ids, gate_up, down, limit)
     return torch.ops.deepinfer_cpu.moe_experts(x, weights, ids, gate_up, down, limit)
 
 
 OPS = ("hc_pre", "hc_post", "rms_norm", "rope", "sparse_attention", "indexer_topk", "moe_experts", "grouped_linear",
-       "route_topk", "route_hash")
+       "route_topk", "route_hash", "swiglu_mlp")
 
 
 def batch_invariant_ops() -> dict:
@@ -154,7 +170,7 @@ def batch_invariant_ops() -> dict:
     out = {}
     for name in OPS:
         reference = getattr(invariant, name, getattr(ops, name))  # invariant.py redefines only what it must
-        extra = {"max_rows": float("inf")} if name == "moe_experts" else \
-            {"max_tokens": float("inf")} if name in ("grouped_linear", "route_topk", "route_hash") else {}
-        out[name] = functools.partial(globals()[name], reference=reference, **extra)
+        limits = {"max_macs_per_expert": math.inf} if name == "moe_experts" else \
+            {"max_macs": math.inf} if name in ("grouped_linear", "swiglu_mlp", "route_topk", "route_hash") else {}
+        out[name] = functools.partial(globals()[name], reference=reference, **limits)
     return out
