@@ -10,6 +10,7 @@ import torch
 
 from deepinfer.backends.cpu import CpuAccelerator
 from deepinfer.backends.cpu import invariant as invariant_ops
+from deepinfer.backends.cpu import kernels
 from deepinfer.backends.cpu import ops as fast
 from model_runner import build_model, new_cache, run_schedule
 from tiny_models import make_hf_model
@@ -37,10 +38,12 @@ def default(monkeypatch) -> CpuAccelerator:
     return CpuAccelerator()
 
 
-def test_flags_follow_the_env_at_construction(invariant, default):
+def test_flags_follow_the_env_at_construction(invariant, default, kernels_env):
     assert invariant.batch_invariant and invariant.deterministic_sampling
     assert not default.batch_invariant and not default.deterministic_sampling
-    assert default.linear is fast.linear and CpuAccelerator.batch_invariant is False
+    assert CpuAccelerator.batch_invariant is False
+    assert default.rms_norm is (fast.rms_norm if kernels_env == "torch" else kernels.rms_norm)
+    assert invariant.linear is invariant_ops.linear  # never the GEMV kernel: it hands big batches to MKL
 
 
 # ---------------------------------------------------------------- op level

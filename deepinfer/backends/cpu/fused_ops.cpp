@@ -318,6 +318,36 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hc_pre(const at::Tensor& streams_
   return {collapsed, post, comb};
 }
 
+// The final collapse before the LM head: pre = sigmoid(mix * scale + base) + hc_eps with
+// mix = rms(x) . fn_j as in hc_pre, out = sum_j pre_j * x_j. streams [T, n, D], fn [n, n*D].
+at::Tensor hc_head(const at::Tensor& streams_in, const at::Tensor& fn_in, const at::Tensor& base_in,
+                   const at::Tensor& scale_in, double norm_eps, double hc_eps) {
+  check_float(streams_in, "streams");
+  check_float(fn_in, "fn");
+  TORCH_CHECK(streams_in.dim() == 3, "streams must be [T, n, D]");
+  const at::Tensor streams = streams_in.contiguous(), fn = fn_in.contiguous();
+  const at::Tensor base = base_in.contiguous().to(at::kFloat), scale = scale_in.contiguous().to(at::kFloat);
+  const int64_t T = streams.size(0), n = streams.size(1), D = streams.size(2), nd = n * D;
+  TORCH_CHECK(fn.size(0) == n && fn.size(1) == nd && base.numel() == n, "fn must be [n, n*D] and base [n]");
+  at::Tensor out = at::empty({T, D}, streams.options());
+  const float *S = streams.data_ptr<float>(), *F = fn.data_ptr<float>(), *B = base.data_ptr<float>();
+  const float s0 = scale.data_ptr<float>()[0], neps = static_cast<float>(norm_eps), heps = static_cast<float>(hc_eps);
+  float* O = out.data_ptr<float>();
+  at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
+    Scratch<float, 64> mix_buf(n);
+    float* mix = mix_buf.data();
+    for (int64_t t = begin; t < end; ++t) {
+      const float* x = S + t * nd;
+      const float r = 1.0f / std::sqrt(dot(x, x, nd) / static_cast<float>(nd) + neps);
+      gemv(x, F, nd, nd, n, mix);
+      float* o = O + t * D;
+      std::fill(o, o + D, 0.0f);
+      for (int64_t j = 0; j < n; ++j) axpy(sigmoid(mix[j] * r * s0 + B[j]) + heps, x + j * D, o, D);
+    }
+  });
+  return out;
+}
+
 at::Tensor hc_post(const at::Tensor& block_in, const at::Tensor& streams_in, const at::Tensor& post_in,
                    const at::Tensor& comb_in) {
   check_float(block_in, "block_out");
@@ -612,6 +642,22 @@ at::Tensor grouped_linear(const at::Tensor& x_in, const at::Tensor& w_in) {
   return out;
 }
 
+// linear: x [T, K], weight [N, K] -> [T, N], a GEMV per token (small batches: kernels.py)
+at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w_in) {
+  check_float(x_in, "x");
+  check_float(w_in, "weight");
+  TORCH_CHECK(x_in.dim() == 2 && w_in.dim() == 2 && x_in.size(1) == w_in.size(1), "x must be [T, K], weight [N, K]");
+  const at::Tensor x = x_in.contiguous(), w = w_in.contiguous();
+  const int64_t T = x.size(0), K = x.size(1), N = w.size(0);
+  at::Tensor out = at::empty({T, N}, x.options());
+  const float *X = x.data_ptr<float>(), *W = w.data_ptr<float>();
+  float* O = out.data_ptr<float>();
+  at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) gemv(X + t * K, W, K, K, N, O + t * N);
+  });
+  return out;
+}
+
 // sqrt(softplus(z)) of z = x . gate_e, softplus with torch's threshold (z > 20: z)
 inline float router_score(float z) { return std::sqrt(z > 20.0f ? z : std::log1p(std::exp(z))); }
 
@@ -790,6 +836,8 @@ TORCH_LIBRARY(deepinfer_cpu, m) {
   m.def("moe_experts(Tensor x, Tensor weights, Tensor ids, Tensor gate_up, Tensor down, float limit) -> Tensor");
   m.def("indexer_topk(Tensor q, Tensor weights, Tensor keys, Tensor candidates, int topk, float scale) -> Tensor");
   m.def("swiglu_mlp(Tensor x, Tensor gate_up, Tensor down, float limit) -> Tensor");
+  m.def("linear(Tensor x, Tensor weight) -> Tensor");
+  m.def("hc_head(Tensor streams, Tensor fn, Tensor base, Tensor scale, float norm_eps, float hc_eps) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(deepinfer_cpu, CPU, m) {
@@ -804,4 +852,6 @@ TORCH_LIBRARY_IMPL(deepinfer_cpu, CPU, m) {
   m.impl("route_topk", &route_topk);
   m.impl("route_hash", &route_hash);
   m.impl("swiglu_mlp", &swiglu_mlp);
+  m.impl("linear", &linear);
+  m.impl("hc_head", &hc_head);
 }

@@ -2,9 +2,9 @@
 
 The reference ops in `ops.py` are plain torch: dozens of small ops per call, which is what a
 decode step of a small model spends its time on (the mHC mix alone is ~80 ops, 8 calls a step).
-`fused_ops.cpp` does eleven of them in one pass each: hc_pre, hc_post, rms_norm, rope,
-sparse_attention and indexer_topk always; moe_experts, swiglu_mlp (the shared expert),
-grouped_linear and the two routers for decode-sized batches (larger ones go to the reference,
+`fused_ops.cpp` does thirteen of them in one pass each: hc_pre, hc_post, hc_head, rms_norm,
+rope, sparse_attention and indexer_topk always; linear, moe_experts, swiglu_mlp (the shared
+expert), grouped_linear and the two routers for decode-sized batches (larger ones go to the reference,
 whose GEMMs win there). It is built with torch's C++ extension loader on the machine
 that runs it (so `-march=native` is safe) into ~/.cache/deepinfer/cpu_kernels/<hash>, once per
 source/torch/compiler version; later processes only load the library.
@@ -78,6 +78,9 @@ _F32 = torch.float32
 # test-model, shipped-model and 512-hidden shapes (`python benchmarks/cpu_kernels.py --crossover`).
 # Batch-invariant mode lifts them: a switch by batch size would change a row's rounding.
 _GEMV_MAX_MACS = 1 << 20  # grouped_linear and the shared expert
+# A plain linear is one MKL GEMM (~2-5 us fixed cost at these sizes, no einsum or chunking around
+# it): the GEMV only wins for a row or two (batch-1 decode: 1.2-1.8x, measured 64x400 to 256x1024).
+_LINEAR_MAX_TOKENS = 2
 _ROUTER_MAX_MACS = 1 << 18  # routers: an exp, log1p and sqrt per expert besides the dot
 # The reference MoE runs a GEMM pair per expert hit (a fixed cost each); the kernel reads an expert's
 # weights once per (token, expert) row: it wins up to about this much work per expert.
@@ -120,6 +123,18 @@ def indexer_topk(q, weights, keys, candidates, topk, scale, *, reference=ops.ind
     return torch.ops.deepinfer_cpu.indexer_topk(q, weights, keys, candidates, topk, scale)
 
 
+def linear(x, weight, *, reference=ops.linear, max_tokens=_LINEAR_MAX_TOKENS):
+    if x.dim() != 2 or x.shape[0] > max_tokens or x.dtype != _F32 or weight.dtype != _F32:
+        return reference(x, weight)
+    return torch.ops.deepinfer_cpu.linear(x, weight)
+
+
+def hc_head(streams, fn, base, scale, norm_eps, hc_eps, *, reference=ops.hc_head):
+    if streams.dtype != _F32 or fn.dtype != _F32:
+        return reference(streams, fn, base, scale, norm_eps, hc_eps)
+    return torch.ops.deepinfer_cpu.hc_head(streams, fn, base, scale, norm_eps, hc_eps)
+
+
 def grouped_linear(x, weight, *, reference=ops.grouped_linear, max_macs=_GEMV_MAX_MACS):
     if x.shape[0] * weight.numel() > max_macs or x.dtype != _F32 or weight.dtype != _F32:
         return reference(x, weight)
@@ -154,8 +169,8 @@ def moe_experts(x, weights, ids, gate_up, down, limit, *, reference=ops.moe_expe
     return torch.ops.deepinfer_cpu.moe_experts(x, weights, ids, gate_up, down, limit)
 
 
-OPS = ("hc_pre", "hc_post", "rms_norm", "rope", "sparse_attention", "indexer_topk", "moe_experts", "grouped_linear",
-       "route_topk", "route_hash", "swiglu_mlp")
+OPS = ("hc_pre", "hc_post", "hc_head", "rms_norm", "rope", "sparse_attention", "indexer_topk", "moe_experts",
+       "grouped_linear", "route_topk", "route_hash", "swiglu_mlp", "linear")
 
 
 def batch_invariant_ops() -> dict:
@@ -169,6 +184,8 @@ def batch_invariant_ops() -> dict:
 
     out = {}
     for name in OPS:
+        if name == "linear":  # invariant.py's fixed-block GEMM: the GEMV kernel is slower at prefill sizes
+            continue
         reference = getattr(invariant, name, getattr(ops, name))  # invariant.py redefines only what it must
         limits = {"max_macs_per_expert": math.inf} if name == "moe_experts" else \
             {"max_macs": math.inf} if name in ("grouped_linear", "swiglu_mlp", "route_topk", "route_hash") else {}
