@@ -1,11 +1,12 @@
-"""Expert parallelism on this machine: throughput of 1 process vs EP=2 (attention replicated)
-and DP=2+EP=2, the time each rank spends in MoE dispatch / experts / combine per step, and, on
-paper, the communication volume of one decode step of DeepSeek-V4-Flash at EP 64.
+"""Parallelism on this machine: throughput of 1 process vs DP=2 (ranks run free, one core
+each), EP=2 (attention replicated) and DP=2+EP=2, the time each rank spends in MoE dispatch /
+experts / combine per step, and, on paper, the communication volume of one decode step of DeepSeek-V4-Flash at EP 64.
 
     python benchmarks/parallel.py [--model DIR] [--batch 16] [--prompt-len 64] [--new-tokens 32]
 
 On a CPU machine the ranks share the cores, so EP shows its overhead here, not a speedup: it
-pays off when each rank has its own device and the experts no longer fit on one.
+pays off when each rank has its own device and the experts no longer fit on one. Pure data
+parallelism shares no collective per step, so its ranks use both cores.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import time
 
 import torch
 
-LAYOUTS = {"1 process": {}, "EP=2": dict(expert_parallel_size=2),
+LAYOUTS = {"1 process": {}, "DP=2": dict(data_parallel_size=2), "EP=2": dict(expert_parallel_size=2),
            "DP=2+EP=2": dict(expert_parallel_size=2, data_parallel_size=2)}
 
 

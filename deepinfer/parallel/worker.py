@@ -2,9 +2,11 @@
 
 Every iteration of the lockstep loop runs exactly one model forward per rank, so the
 collectives inside it (MoE dispatch/combine, context-parallel gathers) pair up across ranks: a
-rank with nothing scheduled runs an empty batch through the expert collectives instead. The loop ends when no rank has work (one all-reduce
-per step). Scheduling is synchronous here: the overlapped worker thread would make the number
-of forwards per engine step vary between ranks.
+rank with nothing scheduled runs an empty batch through the expert collectives instead. The loop
+ends when no rank has work (one all-reduce per step). Scheduling is synchronous here: the
+overlapped worker thread would make the number of forwards per engine step vary between ranks.
+Pure data parallelism (no expert or context parallelism) has no collective inside a step: its
+ranks run their requests to the end independently, without the per-step all-reduce.
 """
 
 from __future__ import annotations
@@ -109,6 +111,11 @@ class RankWorker:
         return {i: req.to_output() for i, req in requests.items()}
 
     def _run_lockstep(self) -> None:
+        if self.ep is None and self.cp is None:  # pure data parallelism: ranks share no collective, run free
+            while self.engine.has_unfinished():
+                self.engine.step()
+                self.steps += 1
+            return
         device = self.engine.accel.device
         while True:
             busy = self.engine.has_unfinished()
