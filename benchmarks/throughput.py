@@ -3,6 +3,10 @@ greedy settings, in one run. Prints a table and writes JSON.
 
     python benchmarks/throughput.py                      # tiny random V4 from the tests
     python benchmarks/throughput.py --model deepinfer/assets/tiny-dsv4
+    python benchmarks/throughput.py --batches 32 --cores 2    # both engines on 2 cores
+
+Each engine gets the same CPU cores (--cores, default 1): deepinfer as data-parallel ranks of one
+thread each, transformers as intra-op threads (its way of using several cores).
 
 On a CUDA machine both engines run on the GPU (deepinfer's nvidia backend, transformers with the
 model moved to cuda), both in float32.
@@ -38,16 +42,18 @@ def _prompts(vocab: int, batch: int, length: int) -> list[list[int]]:
     return torch.randint(2, vocab, (batch, length), generator=gen).tolist()
 
 
-def run_deepinfer(model_dir: str, prompts, new_tokens: int) -> dict:
+def run_deepinfer(model_dir: str, prompts, new_tokens: int, cores: int = 1) -> dict:
     from deepinfer import LLM, SamplingParams
 
-    llm = LLM(model_dir, max_num_seqs=max(len(prompts), 1), max_num_batched_tokens=4096)
+    parallel = dict(data_parallel_size=cores) if cores > 1 else {}  # one single-threaded rank per core
+    llm = LLM(model_dir, max_num_seqs=max(len(prompts), 1), max_num_batched_tokens=4096, **parallel)
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     llm.generate(prompt_token_ids=prompts[:1], sampling_params=SamplingParams(temperature=0.0, max_tokens=2),
                  use_tqdm=False)  # warm-up
     start = time.perf_counter()
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     seconds = time.perf_counter() - start
+    llm.close()
     n = sum(len(o.outputs[0].token_ids) for o in outs)
     ttft = sum(o.time_to_first_token for o in outs) / len(outs)
     tpot = [o.time_per_output_token for o in outs if o.time_per_output_token is not None]
@@ -60,9 +66,10 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def run_transformers(model_dir: str, prompts, new_tokens: int) -> dict:
+def run_transformers(model_dir: str, prompts, new_tokens: int, cores: int = 1) -> dict:
     from transformers import AutoModelForCausalLM, GenerationConfig
 
+    torch.set_num_threads(cores)  # intra-op threads: how one transformers process uses several cores
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval().to(device)
     model.generation_config.eos_token_id = None  # ignore eos like deepinfer's ignore_eos=True
@@ -95,6 +102,9 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--json", default="benchmarks/results/throughput.json")
+    parser.add_argument("--cores", type=int, default=1,
+                        help="CPU cores each engine may use: deepinfer as that many data-parallel ranks of one "
+                             "thread, transformers as that many intra-op threads")
     args = parser.parse_args()
     torch.manual_seed(0)
     model_dir = _model_dir(args)
@@ -102,12 +112,13 @@ def main() -> None:
     rows = []
     for batch in [int(b) for b in args.batches.split(",")]:
         prompts = _prompts(vocab, batch, args.prompt_len)
-        ours = run_deepinfer(model_dir, prompts, args.new_tokens)
-        ref = run_transformers(model_dir, prompts, args.new_tokens)
+        ours = run_deepinfer(model_dir, prompts, args.new_tokens, args.cores)
+        ref = run_transformers(model_dir, prompts, args.new_tokens, args.cores)
         same = sum(a == b for a, b in zip(ours.pop("tokens"), ref.pop("tokens")))
         rows.append(dict(batch=batch, deepinfer=ours, transformers=ref, speedup=ours["tok_s"] / ref["tok_s"],
                          identical_outputs=f"{same}/{batch}"))
-    where = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu, {torch.get_num_threads()} threads"
+    where = torch.cuda.get_device_name() if torch.cuda.is_available() else \
+        f"cpu, {args.cores} core(s) per engine" + (f" (deepinfer data_parallel_size={args.cores})" if args.cores > 1 else "")
     print(f"model: {model_dir}  prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, greedy, {where}")
     print("| batch | engine | output tok/s | TTFT (s) | TPOT (ms) | speedup | identical outputs |")
     print("|---|---|---|---|---|---|---|")
@@ -120,7 +131,8 @@ def main() -> None:
                   f"{extra[0]} | {extra[1]} |")
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
-        json.dump(dict(model=model_dir, device=where, prompt_len=args.prompt_len, new_tokens=args.new_tokens, rows=rows), f, indent=2)
+        json.dump(dict(model=model_dir, device=where, cores=args.cores, prompt_len=args.prompt_len,
+                       new_tokens=args.new_tokens, rows=rows), f, indent=2)
 
 
 if __name__ == "__main__":
