@@ -184,6 +184,14 @@ class Accelerator(ABC):
     def tune_for_model(self, hidden_size: int) -> None:
         """Adjust process-wide execution settings to the model once it is known (no-op by default)."""
 
+    def kernel_signature(self) -> str:
+        """What a timing measured on this backend depends on besides the shapes: which kernels run
+        (their version, build and mode). Keys profiles cached on disk (DSpark's step-cost table),
+        so a new kernel build re-profiles instead of planning with a stale table."""
+        import deepinfer
+
+        return f"{self.name} deepinfer {deepinfer.__version__} torch {torch.__version__} invariant {self.batch_invariant}"
+
     def memory_available(self) -> int:
         """Bytes this backend may use for the state cache."""
         raise NotImplementedError

@@ -165,6 +165,8 @@ def test_the_backend_runs_the_kernels_unless_disabled(monkeypatch):
     monkeypatch.setenv("DEEPINFER_CPU_KERNELS", "0")
     off = CpuAccelerator()
     assert all(getattr(off, op) is getattr(ref, op) for op in kernels.OPS)
+    # profiles cached on disk (DSpark's step costs) are keyed by the kernels that were timed
+    assert kernels.build_digest() in on.kernel_signature() and on.kernel_signature() != off.kernel_signature()
 
 
 def test_fused_kernels_are_row_invariant(monkeypatch):

@@ -27,7 +27,7 @@ class CpuAccelerator(Accelerator):
     def __init__(self) -> None:
         from deepinfer import envs
 
-        use_kernels = envs.get("DEEPINFER_CPU_KERNELS") and kernels.load()
+        self.fused_kernels = use_kernels = bool(envs.get("DEEPINFER_CPU_KERNELS")) and kernels.load()
         if envs.batch_invariant():
             for op in invariant.OPS:
                 setattr(self, op, getattr(invariant, op))
@@ -65,6 +65,9 @@ class CpuAccelerator(Accelerator):
     moe_experts = staticmethod(ops.moe_experts)
     sample = staticmethod(ops.sample)
     apply_token_bitmask = staticmethod(ops.apply_token_bitmask)
+
+    def kernel_signature(self) -> str:
+        return f"{super().kernel_signature()} fused {kernels.build_digest() if self.fused_kernels else 'off'}"
 
     def tune_for_model(self, hidden_size: int) -> None:
         # Small models are bound by per-op overhead: one intra-op thread beats two on the tiny

@@ -153,6 +153,26 @@ inline void gemv(const float* x, const float* w, int64_t ldw, int64_t n, int64_t
   dot_many(x, [w, ldw](int64_t r) { return w + r * ldw; }, n, rows, out);
 }
 
+// out_of(t)[r] = dot(x_of(t), w + r * ldw, n) for t < T, r < rows: gemv for T inputs, weight-stationary.
+// Each block of weight rows is loaded once for all T inputs, so a matrix that does not fit in cache
+// (a 768 KB expert of the shipped model) is read from memory once per call, not once per token.
+// The blocks (8, then 4, then single rows) and every dot are gemv's: a token's result does not depend
+// on T or on the other inputs.
+template <class XOf, class OutOf>
+inline void gemm_rows(XOf x_of, OutOf out_of, int64_t T, const float* w, int64_t ldw, int64_t n, int64_t rows) {
+  int64_t r = 0;
+  for (; r + 8 <= rows; r += 8)
+    for (int64_t t = 0; t < T; ++t) dot_rows<8>(x_of(t), [&](int i) { return w + (r + i) * ldw; }, n, out_of(t) + r);
+  for (; r + 4 <= rows; r += 4)
+    for (int64_t t = 0; t < T; ++t) dot_rows<4>(x_of(t), [&](int i) { return w + (r + i) * ldw; }, n, out_of(t) + r);
+  for (; r < rows; ++r)
+    for (int64_t t = 0; t < T; ++t) dot_rows<1>(x_of(t), [&](int) { return w + r * ldw; }, n, out_of(t) + r);
+}
+
+// Calls go through gemm_rows in groups of this many rows (bounds the scratch; a weight matrix is
+// read once per group).
+constexpr int64_t kRowGroup = 64;
+
 // Scratch memory for one parallel_for chunk: on the stack up to N elements (decode sizes: no
 // allocation per call), on the heap beyond. Uninitialised.
 template <class T, size_t N>
@@ -652,8 +672,9 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w_in) {
   at::Tensor out = at::empty({T, N}, x.options());
   const float *X = x.data_ptr<float>(), *W = w.data_ptr<float>();
   float* O = out.data_ptr<float>();
-  at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) gemv(X + t * K, W, K, K, N, O + t * N);
+  at::parallel_for(0, T, kRowGroup, [&](int64_t begin, int64_t end) {
+    gemm_rows([&](int64_t t) { return X + (begin + t) * K; }, [&](int64_t t) { return O + (begin + t) * N; },
+              end - begin, W, K, K, N);
   });
   return out;
 }
@@ -730,21 +751,27 @@ at::Tensor route_hash(const at::Tensor& x_in, const at::Tensor& gate_in, const a
 }
 
 // ---------------------------------------------------------------- MoE (small batches)
-// out = down @ (silu(min(g, limit)) * clamp(u, -limit, limit)), (g, u) = gate_up @ x, for one row:
-// gate_up [2I, D] (gate rows 0..I-1, up rows I..2I-1), down [D, I]; gu [2I] and hidden [I] are scratch.
-inline void swiglu_row(const float* x, const float* gate_up, const float* down, int64_t D, int64_t I, float lim,
-                       float* __restrict gu, float* __restrict hidden, float* out) {
-  gemv(x, gate_up, D, D, 2 * I, gu);
+// out_of(t) = down @ (silu(min(g, limit)) * clamp(u, -limit, limit)), (g, u) = gate_up @ x_of(t), for
+// T rows with the same weights: gate_up [2I, D] (gate rows 0..I-1, up rows I..2I-1), down [D, I];
+// gu [T, 2I] and hidden [T, I] are scratch. Weight-stationary (gemm_rows): each matrix is read once.
+template <class XOf, class OutOf>
+inline void swiglu_rows(XOf x_of, OutOf out_of, int64_t T, const float* gate_up, const float* down, int64_t D,
+                        int64_t I, float lim, float* gu, float* hidden) {
+  gemm_rows(x_of, [&](int64_t t) { return gu + t * 2 * I; }, T, gate_up, D, D, 2 * I);
+  for (int64_t t = 0; t < T; ++t) {
+    const float* __restrict g_row = gu + t * 2 * I;
+    float* __restrict h = hidden + t * I;
 #pragma omp simd
-  for (int64_t j = 0; j < I; ++j) {
-    const float g = min_of(gu[j], lim);
-    const float u = min_of(max_of(gu[I + j], -lim), lim);  // std::clamp, which returns a reference, does not vectorise
-    hidden[j] = g / (1.0f + fast_exp(-g)) * u;
+    for (int64_t j = 0; j < I; ++j) {
+      const float g = min_of(g_row[j], lim);
+      const float u = min_of(max_of(g_row[I + j], -lim), lim);  // std::clamp returns a reference: no vectorising
+      h[j] = g / (1.0f + fast_exp(-g)) * u;
+    }
   }
-  gemv(hidden, down, I, I, D, out);
+  gemm_rows([&](int64_t t) { return hidden + t * I; }, out_of, T, down, I, I, D);
 }
 
-// The shared expert: swiglu_row for every token. x [T, D], gate_up [2I, D], down [D, I] -> [T, D].
+// The shared expert: swiglu_rows over all tokens. x [T, D], gate_up [2I, D], down [D, I] -> [T, D].
 at::Tensor swiglu_mlp(const at::Tensor& x_in, const at::Tensor& gate_up_in, const at::Tensor& down_in, double limit) {
   check_float(x_in, "x");
   check_float(gate_up_in, "gate_up");
@@ -757,18 +784,19 @@ at::Tensor swiglu_mlp(const at::Tensor& x_in, const at::Tensor& gate_up_in, cons
   const float *X = x.data_ptr<float>(), *GU = gate_up.data_ptr<float>(), *DN = down.data_ptr<float>();
   float* O = out.data_ptr<float>();
   const float lim = static_cast<float>(limit);
-  at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
-    Scratch<float, 2048> gu_buf(2 * I), hidden_buf(I);
-    for (int64_t t = begin; t < end; ++t)
-      swiglu_row(X + t * D, GU, DN, D, I, lim, gu_buf.data(), hidden_buf.data(), O + t * D);
+  at::parallel_for(0, T, kRowGroup, [&](int64_t begin, int64_t end) {
+    std::vector<float> gu(kRowGroup * 2 * I), hidden(kRowGroup * I);
+    for (int64_t t0 = begin; t0 < end; t0 += kRowGroup)
+      swiglu_rows([&](int64_t t) { return X + (t0 + t) * D; }, [&](int64_t t) { return O + (t0 + t) * D; },
+                  std::min(kRowGroup, end - t0), GU, DN, D, I, lim, gu.data(), hidden.data());
   });
   return out;
 }
 
 // x [T, D], weights/ids [T, k], gate_up [E, 2I, D], down [E, D, I]: sum_j weights[t, j] *
-// expert_{ids[t, j]}(x[t]), the expert's SwiGLU MLP with clamped inputs. Row by row (GEMVs):
-// meant for decode-sized batches, where the per-expert GEMMs of the reference are launch-bound;
-// kernels.py sends large batches to the reference.
+// expert_{ids[t, j]}(x[t]), the expert's SwiGLU MLP with clamped inputs. GEMVs, weight-stationary
+// per expert: meant for decode-sized batches, where the per-expert GEMMs of the reference are
+// launch-bound; kernels.py sends large batches to the reference.
 at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& weights_in, const at::Tensor& ids_in,
                        const at::Tensor& gate_up_in, const at::Tensor& down_in, double limit) {
   check_float(x_in, "x");
@@ -787,9 +815,9 @@ at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& weights_in, con
   const int64_t* ID = ids.data_ptr<int64_t>();
   float* O = out.data_ptr<float>();
   const float lim = static_cast<float>(limit);
-  // (token, slot) rows grouped by expert (a counting sort), so each expert's weights are read from
-  // cache for all its rows in a row; a row's arithmetic does not depend on the order, and the sum
-  // over a token's experts below runs in slot order, as the reference.
+  // (token, slot) rows grouped by expert (a counting sort), so each expert's weights are read once
+  // for all its rows; a row's arithmetic does not depend on the grouping, and the sum over a
+  // token's experts below runs in slot order, as the reference.
   const int64_t R = T * k;
   std::vector<int64_t> first(E + 1, 0), by_expert(R);
   for (int64_t r = 0; r < R; ++r) {
@@ -803,13 +831,16 @@ at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& weights_in, con
   }
   std::vector<float> expert_rows(R * D);  // expert_{ids[t, j]}(x[t]) at row t * k + j
   float* ER = expert_rows.data();
-  at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
-    Scratch<float, 2048> gu_buf(I2), hidden_buf(I);
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t r = by_expert[i], e = ID[r];
-      swiglu_row(X + (r / k) * D, GU + e * I2 * D, DN + e * D * I, D, I, lim, gu_buf.data(), hidden_buf.data(),
-                 ER + r * D);
-    }
+  // expert by expert (one task each), its rows in groups of kRowGroup through swiglu_rows
+  at::parallel_for(0, E, 1, [&](int64_t e_begin, int64_t e_end) {
+    std::vector<float> gu(kRowGroup * I2), hidden(kRowGroup * I);
+    for (int64_t e = e_begin; e < e_end; ++e)
+      for (int64_t i0 = first[e]; i0 < first[e + 1]; i0 += kRowGroup) {
+        const int64_t* rows = by_expert.data() + i0;
+        swiglu_rows([&](int64_t j) { return X + (rows[j] / k) * D; }, [&](int64_t j) { return ER + rows[j] * D; },
+                    std::min(kRowGroup, first[e + 1] - i0), GU + e * I2 * D, DN + e * D * I, D, I, lim, gu.data(),
+                    hidden.data());
+      }
   });
   at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {

@@ -32,11 +32,15 @@ _lock = threading.Lock()
 _loaded: bool | None = None  # None: not tried yet
 
 
-def _build_dir() -> str:
+def build_digest() -> str:
+    """Names one build of the kernels: their source, torch and the compiler flags."""
     with open(_SOURCE, "rb") as f:
-        digest = hashlib.sha256(f.read() + torch.__version__.encode() + " ".join(_FLAGS).encode()).hexdigest()[:16]
+        return hashlib.sha256(f.read() + torch.__version__.encode() + " ".join(_FLAGS).encode()).hexdigest()[:16]
+
+
+def _build_dir() -> str:
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    path = os.path.join(root, "deepinfer", "cpu_kernels", digest)
+    path = os.path.join(root, "deepinfer", "cpu_kernels", build_digest())
     os.makedirs(path, exist_ok=True)
     return path
 

@@ -22,6 +22,18 @@ from deepinfer.core.spec.planner import VerifyLengthPlanner, cached_step_cost, p
 
 
 @dataclass(slots=True)
+class _ProfiledRequest:
+    """What `_draft` reads of a request, for timing it at start-up (greedy, token 3 everywhere)."""
+
+    slot: int
+    num_computed: int
+    params: object = None
+
+    def token(self, position: int) -> int:
+        return 3
+
+
+@dataclass(slots=True)
 class Draft:
     tokens: list[int]
     logprobs: torch.Tensor | None  # [L, V] the drafter's distribution of each draft (sampled requests)
@@ -54,21 +66,26 @@ class SpecDecoder:
             return
         per_seq = self.max_draft + 1
         max_tokens = min(max_step_tokens, cache.max_seqs * per_seq)
-        key = {"model": repr(self.model.config), "drafter": repr(self.drafter.dcfg), "backend": self.accel.name,
+        key = {"model": repr(self.model.config), "drafter": repr(self.drafter.dcfg),
+               "backend": self.accel.kernel_signature(),
                "threads": torch.get_num_threads(), "tokens": max_tokens, "per_seq": per_seq,
-               "dtype": str(cache.dtype), "version": 2}
+               "dtype": str(cache.dtype), "version": 3}
         cost = cached_step_cost(key, lambda: self._profile(cache, max_tokens, per_seq),
                                 envs.get("DEEPINFER_DECODE_PERF_CACHE_DIR") if cache_dir is None else cache_dir)
         self.planner = VerifyLengthPlanner(self.max_draft, cost)
 
     def _profile(self, cache, max_tokens: int, per_seq: int):
-        """Seconds of a verify forward (logits and features for every token) for growing batches
-        of sequences with up to `per_seq` tokens each, at a position where the window is full, and
-        of the drafter block for those sequences. Returns (tokens, seconds, seqs, drafter seconds)."""
+        """Seconds of a verify forward (logits and features for every token, the drafter's context
+        written) for growing batches of sequences with up to `per_seq` tokens each, at a position
+        where the window is full, and of drafting for those sequences (the block, the logits and
+        the Markov/confidence loop: what a drafting step adds). Returns (tokens, seconds, seqs,
+        drafter seconds)."""
         from deepinfer.core.models.deepseek_v4 import StepInput
+        from deepinfer.sampling_params import SamplingParams
+
+        greedy = SamplingParams(temperature=0.0)
 
         tokens_grid, seconds, seqs_grid, drafter_seconds = [], [], [], []
-        layers = self.drafter.dcfg.target_layer_ids
         for tokens in profile_grid(max_tokens):
             seqs = min(-(-tokens // per_seq), cache.num_free_slots)
             lens = [tokens // seqs + (1 if i < tokens % seqs else 0) for i in range(seqs)]
@@ -82,12 +99,11 @@ class SpecDecoder:
                 t = lambda xs: torch.tensor(xs, dtype=torch.int64, device=self.accel.device)  # noqa: E731
                 inp = StepInput(t([3] * tokens), t(slots), t([start] * seqs), t(lens))
                 rows = t(list(range(tokens)))
-                seconds.append(time_call(lambda: self.model.forward(inp, cache, rows, None, layers, rows), repeats=3))
+                seconds.append(time_call(lambda: self.forward(inp, cache, rows, None), repeats=3))
                 tokens_grid.append(tokens)
                 if seqs not in seqs_grid:
-                    drafter = lambda: self.drafter.logits(  # noqa: E731
-                        self.drafter.draft_block(t([3] * seqs), t(slots), t([start] * seqs)).flatten(0, 1))
-                    drafter_seconds.append(time_call(drafter, repeats=3))
+                    reqs = [_ProfiledRequest(s, start, greedy) for s in slots]
+                    drafter_seconds.append(time_call(lambda: self._draft(reqs, per_seq - 1), repeats=3))
                     seqs_grid.append(seqs)
             finally:
                 for s in slots:
