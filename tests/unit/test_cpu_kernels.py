@@ -141,6 +141,23 @@ def test_shared_expert_matches_the_reference(T, D, inter):
         torch.ops.deepinfer_cpu.swiglu_mlp(x, gate_up[:, 1:], down, 10.0)
 
 
+def test_experts_too_big_for_cache_match_the_reference_and_stay_row_wise():
+    """gate_up of 512x256 floats (512 KB, the shipped model's) is read weight-stationary, once for
+    all rows of an expert, instead of token by token: same results, same bits for a row alone."""
+    g = _gen(11)
+    T, D, E, inter, k = 7, 256, 3, 256, 2
+    x = torch.randn(T, D, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    w = torch.rand(T, k, generator=g)
+    gate_up, down = torch.randn(E, 2 * inter, D, generator=g) * 0.1, torch.randn(E, D, inter, generator=g) * 0.1
+    got = torch.ops.deepinfer_cpu.moe_experts(x, w, ids, gate_up, down, 7.0)
+    _close(got, ref.moe_experts(x, w, ids, gate_up, down, 7.0))
+    assert torch.equal(torch.ops.deepinfer_cpu.moe_experts(x[3:4], w[3:4], ids[3:4], gate_up, down, 7.0)[0], got[3])
+    shared = torch.ops.deepinfer_cpu.swiglu_mlp(x, gate_up[0], down[0], 7.0)
+    _close(shared, ref.swiglu_mlp(x, gate_up[0], down[0], 7.0))
+    assert torch.equal(torch.ops.deepinfer_cpu.swiglu_mlp(x[5:6], gate_up[0], down[0], 7.0)[0], shared[5])
+
+
 def test_bad_indices_raise_instead_of_reading_out_of_bounds():
     q, kv = torch.randn(2, 4, 32), torch.randn(10, 32)
     with pytest.raises(RuntimeError, match="out of range"):

@@ -158,8 +158,15 @@ inline void gemv(const float* x, const float* w, int64_t ldw, int64_t n, int64_t
 // (a 768 KB expert of the shipped model) is read from memory once per call, not once per token.
 // The blocks (8, then 4, then single rows) and every dot are gemv's: a token's result does not depend
 // on T or on the other inputs.
+// A matrix up to this size stays in cache across tokens: then token by token is faster (x stays hot).
+constexpr int64_t kCachedWeightBytes = 256 * 1024;
+
 template <class XOf, class OutOf>
 inline void gemm_rows(XOf x_of, OutOf out_of, int64_t T, const float* w, int64_t ldw, int64_t n, int64_t rows) {
+  if (rows * n * static_cast<int64_t>(sizeof(float)) <= kCachedWeightBytes) {  // same blocks, same dots
+    for (int64_t t = 0; t < T; ++t) gemv(x_of(t), w, ldw, n, rows, out_of(t));
+    return;
+  }
   int64_t r = 0;
   for (; r + 8 <= rows; r += 8)
     for (int64_t t = 0; t < T; ++t) dot_rows<8>(x_of(t), [&](int i) { return w + (r + i) * ldw; }, n, out_of(t) + r);
@@ -785,7 +792,8 @@ at::Tensor swiglu_mlp(const at::Tensor& x_in, const at::Tensor& gate_up_in, cons
   float* O = out.data_ptr<float>();
   const float lim = static_cast<float>(limit);
   at::parallel_for(0, T, kRowGroup, [&](int64_t begin, int64_t end) {
-    std::vector<float> gu(kRowGroup * 2 * I), hidden(kRowGroup * I);
+    const int64_t group = std::min(kRowGroup, end - begin);
+    Scratch<float, 8192> gu(group * 2 * I), hidden(group * I);  // uninitialised, on the stack at decode sizes
     for (int64_t t0 = begin; t0 < end; t0 += kRowGroup)
       swiglu_rows([&](int64_t t) { return X + (t0 + t) * D; }, [&](int64_t t) { return O + (t0 + t) * D; },
                   std::min(kRowGroup, end - t0), GU, DN, D, I, lim, gu.data(), hidden.data());
@@ -833,7 +841,9 @@ at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& weights_in, con
   float* ER = expert_rows.data();
   // expert by expert (one task each), its rows in groups of kRowGroup through swiglu_rows
   at::parallel_for(0, E, 1, [&](int64_t e_begin, int64_t e_end) {
-    std::vector<float> gu(kRowGroup * I2), hidden(kRowGroup * I);
+    int64_t group = 0;  // the most rows one call of swiglu_rows takes here
+    for (int64_t e = e_begin; e < e_end; ++e) group = std::max(group, std::min(kRowGroup, first[e + 1] - first[e]));
+    Scratch<float, 8192> gu(group * I2), hidden(group * I);
     for (int64_t e = e_begin; e < e_end; ++e)
       for (int64_t i0 = first[e]; i0 < first[e + 1]; i0 += kRowGroup) {
         const int64_t* rows = by_expert.data() + i0;
