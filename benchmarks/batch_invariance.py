@@ -1,5 +1,7 @@
 """Cost of batch-invariant mode (DEEPINFER_BATCH_INVARIANT=1) on the cpu backend: output tok/s of
-the shipped model with the mode off and on, same prompts and seeds, in one run.
+the shipped model with the mode off and on, same prompts and seeds, in one run. DSpark drafting is
+off in both (DEEPINFER_USE_NEXTN_DECODE=0): its dynamic choices would vary with the step costs and
+hide the cost of the ops themselves.
 
     python benchmarks/batch_invariance.py [--model DIR] [--new-tokens 64]
 """
@@ -16,6 +18,7 @@ import torch
 
 def run(model, batch: int, new_tokens: int, invariant: bool) -> float:
     os.environ["DEEPINFER_BATCH_INVARIANT"] = "1" if invariant else "0"
+    os.environ["DEEPINFER_USE_NEXTN_DECODE"] = "0"
     from deepinfer import LLM, SamplingParams
 
     llm = LLM(model, max_num_seqs=max(batch, 1), accelerator="cpu")
@@ -41,7 +44,8 @@ def main() -> None:
         off = run(args.model, batch, args.new_tokens, invariant=False)
         on = run(args.model, batch, args.new_tokens, invariant=True)
         rows.append(dict(batch=batch, off_tok_s=off, on_tok_s=on, ratio=on / off))
-    print(f"cpu, {torch.get_num_threads()} thread(s), 32-token prompts, {args.new_tokens} new tokens, temperature 1")
+    print(f"cpu, {torch.get_num_threads()} thread(s), 32-token prompts, {args.new_tokens} new tokens, temperature 1, "
+          "no drafting")
     print("| batch | mode off tok/s | mode on tok/s | on / off |")
     print("|---|---|---|---|")
     for r in rows:
