@@ -263,6 +263,8 @@ class LLMEngine:
             self.in_flight = plan
         self.last_step = StepStats(plan.prefill_tokens if plan else 0, plan.decode_tokens if plan else 0,
                                    time.perf_counter() - t0)
+        if self.spec is not None and plan is not None and not overlap:  # a whole step, planned to finished
+            self.spec.observe_step(plan, self.last_step.seconds)
         return finished
 
     def _needs_sync(self) -> bool:

@@ -85,3 +85,30 @@ def test_zero_budget_is_known_before_drafting():
     planner.lengths(["a"], torch.full((1, 5), 0.05), [5])
     assert planner.budget(["a"], [5]) == 0
     assert planner.budget(["a", "new"], [5, 5]) > 0
+
+
+def test_measured_step_times_correct_the_profile():
+    """Drafting steps that measure 5x their profiled cost stop paying; plain steps that measure
+    slower than profiled make drafting pay again."""
+    cost = StepCost([1, 8], [1.0, 1.4], [1, 8], [0.2, 0.2])
+    planner = VerifyLengthPlanner(5, cost)
+    planner.lengths(["a"], torch.full((1, 5), 0.9), [5])
+    assert planner.budget(["a"], [5]) == 5  # (1 + 4.5) / (1.29 + 0.2) per second beats 1 / 1.0
+    for _ in range(40):
+        planner.observe_step(True, 6, 1, 5 * (cost(6) + cost.drafter(1)))
+    assert planner.draft_scale > 4.5 and planner.budget(["a"], [5]) == 0  # 5.5 / 7.4 < 1 / 1.0
+    for _ in range(40):
+        planner.observe_step(False, 1, 1, 4 * cost(1))
+    assert planner.plain_scale > 3.5 and planner.budget(["a"], [5]) == 5
+    planner.observe_step(False, 0, 0, 1.0)  # nothing decoded: ignored
+    assert VerifyLengthPlanner(5, None).budget(["a"], [5]) == 5  # fixed length: no corrections
+
+
+def test_accepted_drafts_calibrate_the_confidences():
+    """A drafter whose confidences promise 0.9 per draft but whose drafts are rejected stops drafting."""
+    planner = VerifyLengthPlanner(5, StepCost([1, 8], [1.0, 1.4], [1, 8], [0.2, 0.2]))
+    planner.lengths(["a"], torch.full((1, 5), 0.9), [5])
+    assert planner.budget(["a"], [5]) == 5
+    for _ in range(60):
+        planner.observe_acceptance(predicted=4.5, accepted=0)
+    assert planner.acceptance_scale < 0.1 and planner.budget(["a"], [5]) == 0

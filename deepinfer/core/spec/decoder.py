@@ -243,7 +243,18 @@ class SpecDecoder:
             out[i] = tokens
             self.stats["verified"] += len(b.drafts)
             self.stats["accepted"] += len(tokens) - 1
+            survival = self.planner.lagged.get(plan.sampling[i].request_id)
+            if survival is not None:
+                self.planner.observe_acceptance(sum(survival[:len(b.drafts)]), len(tokens) - 1)
         return out
+
+    def observe_step(self, plan, seconds: float) -> None:
+        """A finished synchronous step's wall time, for the planner's online cost correction
+        (decode steps only: the profile does not model prefill)."""
+        if plan.prefill_tokens or not plan.sampling:
+            return
+        drafted = any(d is not None for d in plan.drafts)
+        self.planner.observe_step(drafted, plan.decode_tokens, len(plan.sampling), seconds)
 
     def forget(self, request_id: str) -> None:
         self.planner.forget(request_id)

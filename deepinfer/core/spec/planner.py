@@ -10,6 +10,12 @@ Fixed: every request verifies min(max_draft, its cap). Dynamic (DEEPINFER_ENABLE
    so each request gets a prefix.
 Upstream lags the budget by two steps because its drafter runs asynchronously; our drafting
 steps are synchronous, so the freshest lagged value is the previous step's.
+
+Both inputs are corrected online. The profiled costs miss what the profile cannot see (the engine's
+planning and post-processing, caches colder than in a tight loop): measured decode steps scale the
+plain and the drafting cost separately (`observe_step`). The drafter's confidences are calibrated on
+its training text: the tokens actually accepted scale the survivals (`observe_acceptance`).
+Both corrections are running means over recent steps (weight 0.1 each).
 """
 
 from __future__ import annotations
@@ -90,11 +96,35 @@ def time_call(fn, repeats: int = 3) -> float:
     return sorted(times)[len(times) // 2]
 
 
+_EMA = 0.1  # weight of the newest observation in the online corrections
+
+
+def _running_mean(old: float, new: float, low: float, high: float) -> float:
+    return min(max(old + _EMA * (new - old), low), high)
+
+
 class VerifyLengthPlanner:
     def __init__(self, max_draft: int, cost: StepCost | None):
         self.max_draft = max_draft
         self.cost = cost  # None = fixed length
         self.lagged: dict[str, list[float]] = {}  # request id -> survivals of its previous draft step
+        # measured / profiled seconds of plain and of drafting decode steps; accepted / predicted drafts
+        self.plain_scale, self.draft_scale, self.acceptance_scale = 1.0, 1.0, 1.0
+
+    def observe_step(self, drafted: bool, tokens: int, seqs: int, seconds: float) -> None:
+        """A decode step's wall time: `tokens` target tokens for `seqs` sequences, with the drafter if `drafted`."""
+        if self.cost is None or tokens <= 0:
+            return
+        if drafted:
+            predicted = self.cost(tokens) + self.cost.drafter(seqs)
+            self.draft_scale = _running_mean(self.draft_scale, seconds / predicted, 0.25, 8.0)
+        else:
+            self.plain_scale = _running_mean(self.plain_scale, seconds / self.cost(tokens), 0.25, 8.0)
+
+    def observe_acceptance(self, predicted: float, accepted: int) -> None:
+        """One verified draft: `predicted` = the sum of its survivals, `accepted` = drafts kept."""
+        if self.cost is not None and predicted > 0:
+            self.acceptance_scale = _running_mean(self.acceptance_scale, accepted / predicted, 0.05, 2.0)
 
     def budget(self, request_ids: list[str], caps: list[int]) -> int:
         """Draft tokens to verify this step, from the lagged survivals only: known before the
@@ -125,11 +155,12 @@ class VerifyLengthPlanner:
 
     def _budget(self, num_requests: int, survivals: list[float]) -> int:
         # no drafts = a plain decode step; any draft adds the drafter's cost for every request
-        best, best_rate, expected = 0, num_requests / self.cost(num_requests), float(num_requests)
+        plain = self.cost(num_requests) * self.plain_scale
+        best, best_rate, expected = 0, num_requests / plain, float(num_requests)
         drafter = self.cost.drafter(num_requests)
         for k, a in enumerate(survivals, start=1):
-            expected += a
-            rate = expected / (self.cost(num_requests + k) + drafter)
+            expected += min(a * self.acceptance_scale, 1.0)
+            rate = expected / ((self.cost(num_requests + k) + drafter) * self.draft_scale)
             if rate > best_rate:
                 best, best_rate = k, rate
         return best
