@@ -76,18 +76,19 @@ def _try_load(path: str) -> bool:
 # kernels do not take (non-float32 tensors, e.g. a bfloat16 cache): the kernels are an
 # optimisation, never a second set of semantics.
 _F32 = torch.float32
-# The projection kernels are GEMVs: they read a weight matrix once per token, where the reference's
-# GEMM reads it once per block of tokens after a fixed cost per call (~15 us here). So they win while
-# the call's work is small; the limits are multiply-adds per call, the crossovers measured at the
-# test-model, shipped-model and 512-hidden shapes (`python benchmarks/cpu_kernels.py --crossover`).
+# The projection kernels are GEMVs: each token's dots are its own (about half a GEMM's speed per
+# multiply-add), where the reference's GEMMs block tokens together after a fixed cost per call
+# (~15 us here, with the einsum / chunk / swiglu ops around them). So they win while the call's work
+# is small; the limits are multiply-adds per call, the crossovers measured at the test-model,
+# shipped-model and 512-hidden shapes (`python benchmarks/cpu_kernels.py --crossover`).
 # Batch-invariant mode lifts them: a switch by batch size would change a row's rounding.
 _GEMV_MAX_MACS = 1 << 20  # grouped_linear and the shared expert
 # A plain linear is one MKL GEMM (~2-5 us fixed cost at these sizes, no einsum or chunking around
 # it): the GEMV only wins for a row or two (batch-1 decode: 1.2-1.8x, measured 64x400 to 256x1024).
 _LINEAR_MAX_TOKENS = 2
 _ROUTER_MAX_MACS = 1 << 18  # routers: an exp, log1p and sqrt per expert besides the dot
-# The reference MoE runs a GEMM pair per expert hit (a fixed cost each); the kernel reads an expert's
-# weights once per (token, expert) row: it wins up to about this much work per expert.
+# The reference MoE runs a GEMM pair per expert hit (a fixed cost each, in Python); the kernel has no
+# per-expert cost but slower dots: it wins up to about this much work per expert.
 _MOE_MAX_MACS_PER_EXPERT = 1 << 22
 
 
