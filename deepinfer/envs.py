@@ -74,8 +74,9 @@ _VARS = [
     EnvVar("DEEPINFER_ZERO_OVERHEAD_SCHEDULING", None, _bool,
            "overlap CPU scheduling with device execution; unset = the backend's choice (on for nvidia/ascend, "
            "off on cpu, where the model itself runs on the host and the two threads contend for the GIL)"),
-    EnvVar("DEEPINFER_USE_NEXTN_DECODE", 5, _int,
-           "maximum draft length; 0 disables speculative decoding"),
+    EnvVar("DEEPINFER_USE_NEXTN_DECODE", None, _int,
+           "maximum draft length; 0 disables speculative decoding; unset = the backend's choice (5 on "
+           "nvidia/ascend, 0 on cpu, where drafting measured slower than plain steps)"),
     EnvVar("DEEPINFER_ENABLE_MTP_VARLEN", True, _bool,
            "DSpark confidence-scheduled (variable) verification length; 0 = fixed"),
     EnvVar("DEEPINFER_MAX_BACKTRACKING_TOKENS", 0, _int,
@@ -119,8 +120,13 @@ def zero_overhead_scheduling(default: bool) -> bool:
     return default if value is None else value
 
 
-def nextn_decode() -> int:
+def nextn_decode(default: int = 5) -> int:
+    """DEEPINFER_USE_NEXTN_DECODE when set, else `default` (5 where the accelerator drafts by default,
+    0 where it does not). The rollback margin below uses the default 5 when unset: a margin check
+    that does not depend on the backend."""
     value = get("DEEPINFER_USE_NEXTN_DECODE")
+    if value is None:
+        return default
     if value < 0:
         raise EnvError(f"DEEPINFER_USE_NEXTN_DECODE={value} must be >= 0 (0 disables drafting)")
     return value

@@ -34,6 +34,9 @@ class Accelerator(ABC):
     # Plan step N+1 on the host while step N runs (DEEPINFER_ZERO_OVERHEAD_SCHEDULING's default):
     # pays where the device runs asynchronously to the Python thread that launches its work.
     overlap_scheduling: bool = True
+    # Draft with DSpark when the checkpoint has a drafter (DEEPINFER_USE_NEXTN_DECODE's default):
+    # pays where a step's cost hardly grows with its tokens (a memory- or launch-bound device).
+    speculative_decoding: bool = True
 
     # -------------------------------------------------------------- weights
     def prepare_weight(self, name: str, tensor: torch.Tensor) -> torch.Tensor:

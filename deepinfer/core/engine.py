@@ -111,6 +111,7 @@ class LLMEngine:
         self.model = DeepseekV4Model(cfg, weights, accel)
         del weights
         # DSpark speculative decoding, when the checkpoint has a drafter and DEEPINFER_USE_NEXTN_DECODE > 0
+        # (unset: the accelerator's `speculative_decoding` choice)
         self.spec = (SpecDecoder.create(self.model, self.extra_weights, accel, config.max_num_seqs)
                      if config.speculative else None)
         self.tokenizer = Tokenizer(tokenizer or model_dir, bos_token_id=cfg.bos_token_id) \

@@ -78,6 +78,20 @@ def test_off_costs_nothing(spec_model_dir, monkeypatch):
     assert on.engine.spec is not None and on.engine.cache.ring == 32 + 6  # max(0, NEXTN + 1) of margin
 
 
+def test_unset_nextn_follows_the_backend(spec_model_dir, monkeypatch):
+    """Unset DEEPINFER_USE_NEXTN_DECODE: the cpu backend does not draft (measured slower than plain
+    steps there); a backend that drafts by default does, with the default length 5."""
+    from deepinfer.backends.cpu import CpuAccelerator
+
+    monkeypatch.delenv("DEEPINFER_USE_NEXTN_DECODE", raising=False)
+    monkeypatch.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "0")
+    llm = LLM(spec_model_dir, max_num_seqs=4)
+    assert llm.engine.spec is None and llm.engine.cache.ring == 32
+    monkeypatch.setattr(CpuAccelerator, "speculative_decoding", True)
+    drafting = LLM(spec_model_dir, max_num_seqs=4)
+    assert drafting.engine.spec is not None and drafting.engine.spec.max_draft == 5
+
+
 @pytest.mark.parametrize("mode", ["fixed", "dynamic"])
 def test_greedy_equals_no_drafting_random_drafter(spec_model_dir, monkeypatch, mode):
     prompts, params = _mixed_batch()

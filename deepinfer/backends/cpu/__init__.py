@@ -23,6 +23,11 @@ class CpuAccelerator(Accelerator):
     # The "device" is the host: a forward on a worker thread and the next step's planning contend
     # for the GIL, and the overlap measured 0.76x (batch 32) to 0.95x (batch 1) of synchronous steps.
     overlap_scheduling = False
+    # With the fused kernels a step's remaining cost grows with its tokens (one core's fp32
+    # arithmetic): on the shipped model a 6-token verify step plus the drafter costs ~3 plain steps
+    # for 2.98 tokens, and dynamic mode, which then nearly stops drafting, still ran 3-12% under no
+    # drafting at concurrency 1-64 (benchmarks/dspark.py). DEEPINFER_USE_NEXTN_DECODE=5 turns it on.
+    speculative_decoding = False
 
     def __init__(self) -> None:
         from deepinfer import envs

@@ -49,9 +49,10 @@ class SpecDecoder:
 
     @classmethod
     def create(cls, model, extra: dict[str, torch.Tensor], accel: Accelerator, max_seqs: int) -> "SpecDecoder | None":
-        """None when drafting is off (DEEPINFER_USE_NEXTN_DECODE=0) or the checkpoint has no drafter:
-        then nothing here runs and the cache keeps no rollback margin."""
-        max_draft = envs.nextn_decode()
+        """None when drafting is off (DEEPINFER_USE_NEXTN_DECODE=0, or unset on a backend whose
+        `speculative_decoding` is False) or the checkpoint has no drafter: then nothing here runs and
+        the cache keeps no rollback margin."""
+        max_draft = envs.nextn_decode(default=5 if accel.speculative_decoding else 0)
         dcfg = DSparkConfig.from_model(model.config, extra) if max_draft else None
         if dcfg is None:
             return None
