@@ -1,8 +1,9 @@
 """Zero-overhead scheduling on vs off: throughput, the per-step timeline (schedule, prepare,
 forward, sample, post-process, waiting for the device) and the share of wall time the model
-(forward + sample, the "device") is idle, at batch 1 / 8 / 32 on the shipped model.
+(forward + sample, the "device") is idle, at batch 1 / 8 / 32 on the shipped model (or a tiny
+test config: its phase columns are the decode-step breakdown quoted in the README).
 
-    python benchmarks/overlap.py [--model DIR] [--new-tokens 64]
+    python benchmarks/overlap.py [--model DIR | --tiny-config mixed_hc4_yarn] [--new-tokens 64]
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 
 import torch
@@ -42,10 +44,16 @@ def run(model, batch: int, new_tokens: int, overlap: bool) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None)
+    parser.add_argument("--tiny-config", default=None, help="a tiny random V4 of the tests instead of --model")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--json", default="benchmarks/results/overlap.json")
     args = parser.parse_args()
+    if args.tiny_config:
+        sys.path.insert(0, os.path.dirname(__file__))
+        from throughput import _model_dir  # saves the test config's model to a temporary directory
+
+        args.model = _model_dir(args)
     rows = []
     for batch in [int(b) for b in args.batches.split(",")]:
         off = run(args.model, batch, args.new_tokens, overlap=False)

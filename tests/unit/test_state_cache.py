@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from deepinfer.core.cache import CacheFull, StateCache
 from deepinfer.core.config import ModelConfig
