@@ -46,11 +46,6 @@ def _arange_within(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return group, np.arange(len(group)) - first[group]
 
 
-def _cos_sin(inv_freq: torch.Tensor, positions: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-    freqs = torch.from_numpy(positions)[:, None].float() * inv_freq
-    return freqs.cos(), freqs.sin()
-
-
 class StepMeta:
     """Index tensors of one step, shared by every layer of the same kind.
 
@@ -72,9 +67,8 @@ class StepMeta:
         self.num_tokens = len(self.seq)
         if self.num_tokens > cache.max_step_tokens:
             raise ValueError(f"step has {self.num_tokens} tokens, cache scratch holds {cache.max_step_tokens}")
-        self._compress_inv_freq = config.rope_compress.inv_freq()
-        self.rope = {"main": _cos_sin(config.rope_main.inv_freq(), self.positions),
-                     "compress": _cos_sin(self._compress_inv_freq, self.positions)}
+        self.rope = {"main": config.rope_main.cos_sin(self.positions),
+                     "compress": config.rope_compress.cos_sin(self.positions)}
         window = config.sliding_window
         key_pos = self.positions[:, None] + np.arange(-(window - 1), 1)
         if inp.window_floor is not None:  # keys never computed after a prefix-cache hit read as absent
@@ -151,7 +145,7 @@ class StepMeta:
         tok_pos = (win[:, None] + 1) * rate - span + np.arange(span)
         tok_rows = self.rows(tok_pos, win_seq[:, None], ring, 0)
         out_rows = cache.entry_rows(layer, self.slots[win_seq], win)
-        entry_cos_sin = _cos_sin(self._compress_inv_freq, win * rate)
+        entry_cos_sin = self.config.rope_compress.cos_sin(win * rate)
         # entries visible to token at p: w < (p + 1) // rate
         visible = (self.positions + 1) // rate
         width = int(visible.max()) if self.num_tokens else 0
@@ -173,22 +167,28 @@ class DeepseekV4Model:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], accel: Accelerator):
         self.config, self.accel = config, accel
         weights = dict(weights)
-        self.input_proj_splits = [self._fuse_input_projections(weights, i) for i in range(config.num_hidden_layers)]
-        # keys and compressor inputs are needed for every token of the step, queries only for own
-        # rows (context parallelism): the former are one contiguous column block of the fused GEMM
-        self._key_cols = []
-        for splits in self.input_proj_splits:
-            every = [name for name in splits if name not in ("q_a_proj", "compressor.indexer.scorer.weights_proj")]
-            self._key_cols.append((every, splits[every[0]][0], splits[every[-1]][1]))
+        index_scale = config.index_n_heads ** -0.5
+        self.input_proj_splits = [self._fuse_input_projections(weights, i, index_scale)
+                                  for i in range(config.num_hidden_layers)]
+        # columns needed for every token of the step (kv and compressor inputs): q_a comes before
+        # them and the indexer head weights after, both only for own rows
+        self._key_cols = [(splits["kv_proj"][0], max(b for name, (_, b) in splits.items()
+                                                     if not name.endswith("weights_proj")))
+                          for splits in self.input_proj_splits]
         self.w = {name: accel.prepare_weight(name, t) for name, t in weights.items()}
         if config.tie_word_embeddings and "lm_head.weight" not in self.w:
             self.w["lm_head.weight"] = self.w["model.embed_tokens.weight"]
 
     @staticmethod
-    def _fuse_input_projections(weights: dict[str, torch.Tensor], i: int) -> dict[str, tuple[int, int]]:
+    def _fuse_input_projections(weights: dict[str, torch.Tensor], i: int, index_scale: float) -> dict[str, tuple[int, int]]:
         """Every projection of a layer's attention input (q_a, kv, compressor and indexer kv/gate,
         indexer head weights) becomes one GEMM: a decode step is dominated by per-op overhead, so
-        one [T, D] x [D, sum N] beats seven small ones. Returns name -> (start, end) columns."""
+        one [T, D] x [D, sum N] beats seven small ones. Returns name -> (start, end) columns.
+        Keys and compressor inputs are needed for every token of the step, queries only for own
+        rows (context parallelism): the former are one contiguous column block, and each
+        compressor's kv and gate are adjacent (the window staging stores them side by side).
+        The indexer head weights' 1/sqrt(heads) is folded into their rows (a power of two for
+        every V4 config, so exact): one multiply less per CSA layer and step."""
         p = f"model.layers.{i}.self_attn."
         names = ["q_a_proj", "kv_proj", "compressor.kv_proj", "compressor.gate_proj", "compressor.indexer.kv_proj",
                  "compressor.indexer.gate_proj", "compressor.indexer.scorer.weights_proj"]
@@ -196,8 +196,8 @@ class DeepseekV4Model:
         for name in names:
             key = p + name + ".weight"
             if key in weights:
-                tensor = weights.pop(key)
-                parts.append(tensor.float())
+                tensor = weights.pop(key).float()
+                parts.append(tensor * index_scale if name.endswith("weights_proj") else tensor)
                 splits[name] = (start, start + tensor.shape[0])
                 start += tensor.shape[0]
         weights[p + "input_proj.weight"] = torch.cat(parts)
@@ -259,33 +259,38 @@ class DeepseekV4Model:
 
         fused = ops.linear(h, w[p + "input_proj.weight"])
         splits = self.input_proj_splits[i]
-        every, lo, hi = self._key_cols[i]
-        all_rows = meta.all_tokens(fused[:, lo:hi])
-        proj = {name: all_rows[:, a - lo:b - lo] if name in every else fused[:, a:b] for name, (a, b) in splits.items()}
-        q_lora = ops.rms_norm(proj["q_a_proj"], w[p + "q_a_norm.weight"], cfg.rms_norm_eps)
+        lo, hi = self._key_cols[i]
+        all_rows = meta.all_tokens(fused[:, lo:hi])  # kv + compressor inputs of every token
+
+        def cols(first: str, last: str | None = None) -> torch.Tensor:  # columns of projection first..last
+            a, b = splits[first][0], splits[last or first][1]
+            return fused[:, a:b] if first in ("q_a_proj", "compressor.indexer.scorer.weights_proj") else \
+                all_rows[:, a - lo:b - lo]
+
+        q_lora = ops.rms_norm(cols("q_a_proj"), w[p + "q_a_norm.weight"], cfg.rms_norm_eps)
         q = ops.linear(q_lora, w[p + "q_b_proj.weight"]).view(num_tokens, heads, head_dim)
         q = ops.rope(ops.rms_norm(q, None, cfg.rms_norm_eps), cos[own], sin[own])
-        kv = ops.rms_norm(proj["kv_proj"], w[p + "kv_norm.weight"], cfg.rms_norm_eps)
+        kv = ops.rms_norm(cols("kv_proj"), w[p + "kv_norm.weight"], cfg.rms_norm_eps)
         kv = ops.rope(kv, cos, sin)
         scratch = cache.ring_rows
-        layer.kv[scratch:scratch + kv.shape[0]] = kv.to(layer.kv.dtype)
+        layer.kv[scratch:scratch + kv.shape[0]].copy_(kv)
 
         indices = meta.window_rows[own]
         if layer.rate:
             info = meta.compressed(layer)
             base = cache.entry_base()
-            self._compress(layer, proj["compressor.kv_proj"], proj["compressor.gate_proj"], info, p + "compressor.",
+            self._compress(layer, cols("compressor.kv_proj", "compressor.gate_proj"), info, p + "compressor.",
                            layer.kv[base:], head_dim, layer.comp_ring, cache)
             if layer.kind != CSA:  # HCA: window keys + every visible entry, planned with the step
                 indices = info["attention_rows"][own]
             else:
                 ip = p + "compressor.indexer."
-                self._compress(layer, proj["compressor.indexer.kv_proj"], proj["compressor.indexer.gate_proj"], info,
+                self._compress(layer, cols("compressor.indexer.kv_proj", "compressor.indexer.gate_proj"), info,
                                ip, layer.index_keys, cfg.index_head_dim, layer.index_ring, cache)
                 ccos, csin = meta.rope["compress"]
                 q_idx = ops.linear(q_lora, w[ip + "q_b_proj.weight"]).view(num_tokens, cfg.index_n_heads, -1)
                 q_idx = ops.rope(q_idx, ccos[own], csin[own])
-                weights = proj["compressor.indexer.scorer.weights_proj"] * cfg.index_n_heads ** -0.5
+                weights = cols("compressor.indexer.scorer.weights_proj")  # 1/sqrt(heads) folded in
                 picked = ops.indexer_topk(q_idx, weights, layer.index_keys, info["candidates"][own], cfg.index_topk,
                                           cfg.index_head_dim ** -0.5)
                 picked = torch.where(picked >= 0, picked + base, picked)
@@ -294,18 +299,18 @@ class DeepseekV4Model:
         out = ops.sparse_attention(q, layer.kv, indices, w[p + "sinks"], head_dim ** -0.5)
         out = ops.rope(out, cos[own], sin[own], inverse=True)
         src, dst = meta.window_commit
-        layer.kv[dst] = layer.kv[src]
+        layer.kv.index_copy_(0, dst, layer.kv.index_select(0, src))
         out = ops.grouped_linear(out.reshape(num_tokens, cfg.o_groups, -1), w[p + "o_a_proj.weight"])
         return ops.linear(out.flatten(1), w[p + "o_b_proj.weight"])
 
-    def _compress(self, layer: LayerState, kv: torch.Tensor, gate: torch.Tensor, info: dict, p: str,
+    def _compress(self, layer: LayerState, kv_gate: torch.Tensor, info: dict, p: str,
                   entries_out: torch.Tensor, dim: int, ring: torch.Tensor, cache: StateCache) -> None:
-        """Stage this step's (kv, gate) projections, turn every finished window into an entry
+        """Stage this step's [kv | gate] projections, turn every finished window into an entry
         (softmax-gated sum, RMSNorm, RoPE at the window's first position) and write it to its page."""
         cfg, ops, w = self.config, self.accel, self.w
-        num_tokens = kv.shape[0]
+        num_tokens = kv_gate.shape[0]
         scratch = cache.max_seqs * layer.comp_ring_size
-        ring[scratch:scratch + num_tokens] = torch.cat([kv, gate], dim=-1).to(ring.dtype)
+        ring[scratch:scratch + num_tokens].copy_(kv_gate)
         rows = info["tok_rows"]
         if rows.shape[0]:
             raw = ring[rows.clamp(min=0)].float()  # [W, span, 2C]
@@ -326,7 +331,7 @@ class DeepseekV4Model:
             entry = ops.rope(entry, *info["cos_sin"])
             entries_out[info["out_rows"]] = entry.to(entries_out.dtype)
         src, dst = info["commit"]
-        ring[dst] = ring[src]
+        ring.index_copy_(0, dst, ring.index_select(0, src))
 
     # ------------------------------------------------------------ MoE
     def _moe(self, i: int, h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
