@@ -119,6 +119,29 @@ class Accelerator(ABC):
         kv, gate [W, L, D] (gate already includes the position bias; -inf slots get weight 0)
         -> [W, D] float32."""
 
+    def compress_entries(self, ring: torch.Tensor, rows: torch.Tensor, bias: torch.Tensor, overlap: bool,
+                         norm_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The compressor's entries for finished windows, from its staged rows. ring [R, 2C]: each
+        token's [kv | gate]; rows [W, S]: a window's tokens (-1 = absent, weight 0); bias [rate, C]:
+        the gate's position bias (token j gets row j % rate). Without overlap (HCA) S = rate and
+        C = dim; with it (CSA) S = 2 rate and C = 2 dim: the first rate tokens (the previous window)
+        contribute their first dim channels, the last rate their second. Entry =
+        rope(rms_norm(compress_windows(kv, gate + bias), norm_weight, eps), cos, sin): [W, dim]
+        float32, dim = len(norm_weight), cos/sin [W, R] at each window's position.
+        This composite is the definition; a backend may override it with a fused kernel."""
+        raw = ring[rows.clamp(min=0)].float()  # [W, S, 2C]
+        width, dim, rate = raw.shape[-1] // 2, norm_weight.shape[0], bias.shape[0]
+        kv, gate = raw[..., :width], raw[..., width:]
+        if overlap:
+            gate = gate + bias.repeat(2, 1)
+            kv = torch.cat([kv[:, :rate, :dim], kv[:, rate:, dim:]], dim=1)
+            gate = torch.cat([gate[:, :rate, :dim], gate[:, rate:, dim:]], dim=1)
+        else:
+            gate = gate + bias
+        absent = (rows < 0).unsqueeze(-1)
+        entry = self.compress_windows(kv.masked_fill(absent, 0.0), gate.masked_fill(absent, float("-inf")))
+        return self.rope(self.rms_norm(entry, norm_weight, eps), cos, sin)
+
     @abstractmethod
     def indexer_topk(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
                      candidates: torch.Tensor, topk: int, scale: float) -> torch.Tensor:

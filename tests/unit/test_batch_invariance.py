@@ -71,6 +71,10 @@ def _op_cases(acc, seed: int = 0):
     idx = torch.randint(0, pool, (T, 150), generator=g)
     idx = torch.where(torch.arange(150) < valid[:, None], idx, -1)
     iq, iw, ikeys = rn(T, 16, 16), rn(T, 16), rn(pool, 16)
+    # CSA compressor: 9 windows of rate 4 over staged [kv | gate] rows, the first ones partly absent
+    ring, wbias, wnorm, wcos, wsin = rn(pool, 4 * 16), rn(4, 32), rn(16), rn(T, 4), rn(T, 4)
+    wrows = torch.randint(0, pool, (T, 8), generator=g)
+    wrows[:3, :2] = -1
     return {
         "linear": lambda r: acc.linear(x[r], w),
         "grouped_linear": lambda r: acc.grouped_linear(xg[r], wg),
@@ -85,6 +89,7 @@ def _op_cases(acc, seed: int = 0):
         # index lists are cut to the sub-batch's widest row, as the model pads them
         "sparse_attention": lambda r: acc.sparse_attention(q[r], kv, idx[r][:, :int(valid[r].max())], sinks, 0.2),
         "indexer_topk": lambda r: acc.indexer_topk(iq[r], iw[r], ikeys, idx[r][:, :int(valid[r].max())], 24, 0.25),
+        "compress_entries": lambda r: acc.compress_entries(ring, wrows[r], wbias, True, wnorm, 1e-6, wcos[r], wsin[r]),
     }
 
 

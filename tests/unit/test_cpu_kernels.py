@@ -158,6 +158,28 @@ def test_experts_too_big_for_cache_match_the_reference_and_stay_row_wise():
     assert torch.equal(torch.ops.deepinfer_cpu.swiglu_mlp(x[5:6], gate_up[0], down[0], 7.0)[0], shared[5])
 
 
+@pytest.mark.parametrize("seed", range(2))
+@pytest.mark.parametrize("overlap,rate,dim,rope", [(True, 4, 32, 8), (False, 8, 32, 8), (True, 3, 13, 2), (False, 1, 16, 8)])
+def test_compress_entries_match_the_reference(seed, overlap, rate, dim, rope):
+    """CSA (overlapping windows: the previous window's first half of the channels) and HCA, with
+    absent tokens (a sequence's first CSA window has no previous one), odd widths, and a strided
+    ring (the compressor ring of a bigger pool)."""
+    g = _gen(seed)
+    C, S, W = (2 * dim, 2 * rate, 6) if overlap else (dim, rate, 6)
+    ring = torch.randn(40, 2 * C + 3, generator=g)[:, :2 * C]
+    rows = torch.randint(0, 40, (W, S), generator=g)
+    if overlap:
+        rows[0, :rate] = -1
+    else:  # a window always has its own tokens; the last one alone
+        rows[1, :-1] = -1
+    bias, norm = torch.randn(rate, C, generator=g), torch.randn(dim, generator=g)
+    cos, sin = torch.randn(W, rope, generator=g), torch.randn(W, rope, generator=g)
+    args = (ring, rows, bias, overlap, norm, 1e-6, cos, sin)
+    _close(kernels.compress_entries(*args), ref.compress_entries(*args))
+    assert torch.equal(kernels.compress_entries(ring, rows[:0], bias, overlap, norm, 1e-6, cos[:0], sin[:0]),
+                       torch.empty(0, dim))
+
+
 def test_bad_indices_raise_instead_of_reading_out_of_bounds():
     q, kv = torch.randn(2, 4, 32), torch.randn(10, 32)
     with pytest.raises(RuntimeError, match="out of range"):
@@ -165,6 +187,9 @@ def test_bad_indices_raise_instead_of_reading_out_of_bounds():
     with pytest.raises(RuntimeError, match="out of range"):
         kernels.indexer_topk(torch.randn(2, 4, 8), torch.randn(2, 4), torch.randn(5, 8),
                              torch.tensor([[0, 5], [1, 2]]), 1, 0.5)
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernels.compress_entries(torch.randn(5, 16), torch.tensor([[0, 5]]), torch.randn(2, 8), False, torch.randn(8),
+                                 1e-6, torch.randn(1, 2), torch.randn(1, 2))
 
 
 def test_inputs_the_kernels_do_not_take_go_to_the_reference():

@@ -63,6 +63,7 @@ class CpuAccelerator(Accelerator):
     hc_post = staticmethod(ops.hc_post)
     hc_head = staticmethod(ops.hc_head)
     compress_windows = staticmethod(ops.compress_windows)
+    compress_entries = staticmethod(ops.compress_entries)
     indexer_topk = staticmethod(ops.indexer_topk)
     sparse_attention = staticmethod(ops.sparse_attention)
     route_topk = staticmethod(ops.route_topk)

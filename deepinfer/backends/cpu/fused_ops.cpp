@@ -862,6 +862,79 @@ at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& weights_in, con
   return out;
 }
 
+// ---------------------------------------------------------------- compressor
+// Entries of finished windows from the compressor's staged rows. ring [R, 2C] holds each token's
+// [kv | gate] (C channels each); rows [W, S] name a window's tokens (-1 = absent: weight 0); bias
+// [rate, C] is the gate's position bias. Without overlap (HCA) S = rate and C = dim; with it (CSA)
+// S = 2 rate and C = 2 dim: the window's first `rate` tokens (the previous window) give their
+// first dim channels, the last `rate` their second. Per channel a softmax over the tokens weights
+// the kv; then RMSNorm (weight [dim]) and RoPE by (cos, sin) [W, Rr] on the last 2 Rr channels.
+at::Tensor compress_entries(const at::Tensor& ring_in, const at::Tensor& rows_in, const at::Tensor& bias_in,
+                            bool overlap, const at::Tensor& norm_in, double eps, const at::Tensor& cos_in,
+                            const at::Tensor& sin_in) {
+  check_float(ring_in, "ring");
+  check_float(bias_in, "bias");
+  check_float(norm_in, "norm_weight");
+  TORCH_CHECK(ring_in.dim() == 2 && ring_in.stride(1) == 1, "ring must be [R, 2C] with contiguous rows");
+  TORCH_CHECK(rows_in.scalar_type() == at::kLong && rows_in.dim() == 2, "rows must be int64 [W, S]");
+  const at::Tensor rows = rows_in.contiguous(), bias = bias_in.contiguous(), norm = norm_in.contiguous();
+  const at::Tensor cos = cos_in.contiguous().to(at::kFloat), sin = sin_in.contiguous().to(at::kFloat);
+  const int64_t W = rows.size(0), S = rows.size(1), dim = norm.numel(), C = overlap ? 2 * dim : dim;
+  const int64_t rate = bias.size(0), Rr = cos.size(-1), ld = ring_in.stride(0), R = ring_in.size(0);
+  TORCH_CHECK(ring_in.size(1) == 2 * C && bias.size(1) == C, "ring must be [R, 2C] and bias [rate, C], C = ",
+              C, " for ", dim, " channels", overlap ? " (overlapping windows)" : "");
+  TORCH_CHECK(S == (overlap ? 2 * rate : rate), "rows must have ", overlap ? 2 * rate : rate, " tokens per window");
+  TORCH_CHECK(cos.size(0) == W && sin.sizes() == cos.sizes() && 2 * Rr <= dim, "cos/sin must be [W, R], 2R <= dim");
+  at::Tensor out = at::empty({W, dim}, ring_in.options());
+  const float *Ring = ring_in.data_ptr<float>(), *Bias = bias.data_ptr<float>(), *Nw = norm.data_ptr<float>();
+  const float *Cs = cos.data_ptr<float>(), *Sn = sin.data_ptr<float>();
+  const int64_t* Idx = rows.data_ptr<int64_t>();
+  float* O = out.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, W, 1, [&](int64_t begin, int64_t end) {
+    Scratch<float, 512> buf(3 * dim);
+    float *mx = buf.data(), *sum = mx + dim, *acc = sum + dim;
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t* idx = Idx + w * S;
+      std::fill(mx, mx + dim, -std::numeric_limits<float>::infinity());
+      std::fill(sum, sum + 2 * dim, 0.0f);
+      for (int64_t j = 0; j < S; ++j) {  // the gates' maximum per channel
+        if (idx[j] < 0) continue;
+        TORCH_CHECK(idx[j] < R, "row ", idx[j], " out of range for ", R, " ring rows");
+        const int64_t off = overlap && j >= rate ? dim : 0;
+        const float *g = Ring + idx[j] * ld + C + off, *b = Bias + (j % rate) * C + off;
+#pragma omp simd
+        for (int64_t c = 0; c < dim; ++c) mx[c] = max_of(mx[c], g[c] + b[c]);
+      }
+      for (int64_t j = 0; j < S; ++j) {
+        if (idx[j] < 0) continue;
+        const int64_t off = overlap && j >= rate ? dim : 0;
+        const float *kv = Ring + idx[j] * ld + off, *g = kv + C, *b = Bias + (j % rate) * C + off;
+#pragma omp simd
+        for (int64_t c = 0; c < dim; ++c) {
+          const float p = fast_exp(g[c] + b[c] - mx[c]);
+          sum[c] += p;
+          acc[c] += p * kv[c];
+        }
+      }
+      float* o = O + w * dim;
+#pragma omp simd
+      for (int64_t c = 0; c < dim; ++c) o[c] = acc[c] / sum[c];
+      const float scale = 1.0f / std::sqrt(dot(o, o, dim) / static_cast<float>(dim) + e);
+#pragma omp simd
+      for (int64_t c = 0; c < dim; ++c) o[c] = o[c] * scale * Nw[c];
+      const float *cw = Cs + w * Rr, *sw = Sn + w * Rr;
+      float* r = o + dim - 2 * Rr;
+      for (int64_t k = 0; k < Rr; ++k) {
+        const float x0 = r[2 * k], x1 = r[2 * k + 1];
+        r[2 * k] = x0 * cw[k] - x1 * sw[k];
+        r[2 * k + 1] = x1 * cw[k] + x0 * sw[k];
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(deepinfer_cpu, m) {
@@ -879,6 +952,8 @@ TORCH_LIBRARY(deepinfer_cpu, m) {
   m.def("swiglu_mlp(Tensor x, Tensor gate_up, Tensor down, float limit) -> Tensor");
   m.def("linear(Tensor x, Tensor weight) -> Tensor");
   m.def("hc_head(Tensor streams, Tensor fn, Tensor base, Tensor scale, float norm_eps, float hc_eps) -> Tensor");
+  m.def("compress_entries(Tensor ring, Tensor rows, Tensor bias, bool overlap, Tensor norm_weight, float eps, "
+        "Tensor cos, Tensor sin) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(deepinfer_cpu, CPU, m) {
@@ -895,4 +970,5 @@ TORCH_LIBRARY_IMPL(deepinfer_cpu, CPU, m) {
   m.impl("swiglu_mlp", &swiglu_mlp);
   m.impl("linear", &linear);
   m.impl("hc_head", &hc_head);
+  m.impl("compress_entries", &compress_entries);
 }

@@ -1,7 +1,7 @@
 """Batch-invariant versions of the cpu ops (DEEPINFER_BATCH_INVARIANT=1).
 
 A token's result must not depend on which other tokens share the step, on its row within
-the step, or on how far the step's index lists are padded with -1. On this backend three
+the step, or on how far the step's index lists are padded with -1. On this backend four
 things break that in the fast ops (measured, tests/unit/test_batch_invariance.py):
 - MKL's sgemm picks its kernel by row count: a 1-row F.linear, a 2-3-row one and a
   >= 4-row one round differently (~1e-6), and with 2+ threads the split moves again.
@@ -17,14 +17,19 @@ things break that in the fast ops (measured, tests/unit/test_batch_invariance.py
   the sink and folds the blocks in column order. A block with no valid index is an exact
   no-op (its weights are exactly 0 and the running max does not move), so trailing -1
   padding, whatever its width, cannot change a result.
-Ops not redefined here (embedding, rms_norm, rope, hc_post, compress_windows, sample,
-apply_token_bitmask) are already row-wise with fixed per-row shapes; the tests check them.
+- A reduction along a non-innermost dim with a small output (the compressor's softmax over a
+  window's tokens) is split over threads along the reduced dim: written here as scans.
+Ops not redefined here (embedding, rms_norm, rope, hc_post, sample, apply_token_bitmask) are
+already row-wise with fixed per-row shapes; the tests check them.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from deepinfer.backends.cpu import ops
 from deepinfer.backends.cpu.ops import _QUERY_BLOCK, rms_norm, topk_by_query_blocks
 
 ROW_BLOCK = 16
@@ -190,5 +195,17 @@ def moe_experts(x, weights, ids, gate_up, down, limit):
     return out
 
 
+def compress_windows(kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """softmax over the window's tokens, weighted sum of kv, with both sums as scans along the
+    window: ATen splits a reduction whose output is small over threads along the reduced dim, so
+    softmax / sum rounded a window differently with 2 threads depending on how many windows the
+    step finished. A scan runs each output's sum in order on one thread; max is exact in any order."""
+    gate = gate.float()
+    weight = (gate - gate.amax(dim=1, keepdim=True)).exp()
+    return (kv.float() * weight).cumsum(dim=1)[:, -1] / weight.cumsum(dim=1)[:, -1]
+
+
+compress_entries = functools.partial(ops.compress_entries, windows=compress_windows)
+
 OPS = ("linear", "grouped_linear", "swiglu", "swiglu_mlp", "hc_pre", "hc_head", "indexer_topk", "sparse_attention",
-       "route_topk", "route_hash", "moe_experts")
+       "route_topk", "route_hash", "moe_experts", "compress_windows", "compress_entries")

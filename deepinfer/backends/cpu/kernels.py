@@ -2,8 +2,8 @@
 
 The reference ops in `ops.py` are plain torch: dozens of small ops per call, which is what a
 decode step of a small model spends its time on (the mHC mix alone is ~80 ops, 8 calls a step).
-`fused_ops.cpp` does thirteen of them in one pass each: hc_pre, hc_post, hc_head, rms_norm,
-rope, sparse_attention and indexer_topk always; linear, moe_experts, swiglu_mlp (the shared
+`fused_ops.cpp` does fourteen of them in one pass each: hc_pre, hc_post, hc_head, rms_norm,
+rope, compress_entries, sparse_attention and indexer_topk always; linear, moe_experts, swiglu_mlp (the shared
 expert), grouped_linear and the two routers for decode-sized batches (larger ones go to the reference,
 whose GEMMs win there). It is built with torch's C++ extension loader on the machine
 that runs it (so `-march=native` is safe) into ~/.cache/deepinfer/cpu_kernels/<hash>, once per
@@ -174,8 +174,14 @@ def moe_experts(x, weights, ids, gate_up, down, limit, *, reference=ops.moe_expe
     return torch.ops.deepinfer_cpu.moe_experts(x, weights, ids, gate_up, down, limit)
 
 
+def compress_entries(ring, rows, bias, overlap, norm_weight, eps, cos, sin, *, reference=ops.compress_entries):
+    if ring.dtype != _F32 or bias.dtype != _F32 or norm_weight.dtype != _F32 or ring.stride(-1) != 1:
+        return reference(ring, rows, bias, overlap, norm_weight, eps, cos, sin)
+    return torch.ops.deepinfer_cpu.compress_entries(ring, rows, bias, overlap, norm_weight, eps, cos, sin)
+
+
 OPS = ("hc_pre", "hc_post", "hc_head", "rms_norm", "rope", "sparse_attention", "indexer_topk", "moe_experts",
-       "grouped_linear", "route_topk", "route_hash", "swiglu_mlp", "linear")
+       "grouped_linear", "route_topk", "route_hash", "swiglu_mlp", "linear", "compress_entries")
 
 
 def batch_invariant_ops() -> dict:

@@ -7,6 +7,8 @@ tokens, and MoE loops only over the experts that were hit.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 import torch.nn.functional as F
 
@@ -119,6 +121,15 @@ def hc_head(streams, fn, base, scale, norm_eps, hc_eps):
 
 def compress_windows(kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     return (kv.float() * gate.float().softmax(dim=1)).sum(dim=1)
+
+
+def compress_entries(ring, rows, bias, overlap, norm_weight, eps, cos, sin, *, windows=compress_windows):
+    """The Accelerator's composite (base.py defines it) on these ops; `windows` is the reduction
+    (invariant.py passes its own)."""
+    from deepinfer.backends.base import Accelerator
+
+    these = SimpleNamespace(compress_windows=windows, rms_norm=rms_norm, rope=rope)
+    return Accelerator.compress_entries(these, ring, rows, bias, overlap, norm_weight, eps, cos, sin)
 
 
 def indexer_topk(q, weights, keys, candidates, topk, scale):
@@ -275,3 +286,4 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     bits = torch.arange(32, dtype=torch.int32, device=logits.device)
     allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).flatten(-2)[..., :vocab].bool()
     logits.masked_fill_(~allowed, float("-inf"))
+

@@ -280,13 +280,13 @@ class DeepseekV4Model:
             info = meta.compressed(layer)
             base = cache.entry_base()
             self._compress(layer, cols("compressor.kv_proj", "compressor.gate_proj"), info, p + "compressor.",
-                           layer.kv[base:], head_dim, layer.comp_ring, cache)
+                           layer.kv[base:], layer.comp_ring, cache)
             if layer.kind != CSA:  # HCA: window keys + every visible entry, planned with the step
                 indices = info["attention_rows"][own]
             else:
                 ip = p + "compressor.indexer."
                 self._compress(layer, cols("compressor.indexer.kv_proj", "compressor.indexer.gate_proj"), info,
-                               ip, layer.index_keys, cfg.index_head_dim, layer.index_ring, cache)
+                               ip, layer.index_keys, layer.index_ring, cache)
                 ccos, csin = meta.rope["compress"]
                 q_idx = ops.linear(q_lora, w[ip + "q_b_proj.weight"]).view(num_tokens, cfg.index_n_heads, -1)
                 q_idx = ops.rope(q_idx, ccos[own], csin[own])
@@ -304,7 +304,7 @@ class DeepseekV4Model:
         return ops.linear(out.flatten(1), w[p + "o_b_proj.weight"])
 
     def _compress(self, layer: LayerState, kv_gate: torch.Tensor, info: dict, p: str,
-                  entries_out: torch.Tensor, dim: int, ring: torch.Tensor, cache: StateCache) -> None:
+                  entries_out: torch.Tensor, ring: torch.Tensor, cache: StateCache) -> None:
         """Stage this step's [kv | gate] projections, turn every finished window into an entry
         (softmax-gated sum, RMSNorm, RoPE at the window's first position) and write it to its page."""
         cfg, ops, w = self.config, self.accel, self.w
@@ -313,23 +313,9 @@ class DeepseekV4Model:
         ring[scratch:scratch + num_tokens].copy_(kv_gate)
         rows = info["tok_rows"]
         if rows.shape[0]:
-            raw = ring[rows.clamp(min=0)].float()  # [W, span, 2C]
-            width = raw.shape[-1] // 2
-            win_kv, win_gate = raw[..., :width], raw[..., width:]
-            rate = layer.rate
-            bias = w[p + "position_bias"]  # [rate, C]
-            if layer.kind == CSA:  # first half: previous window's Ca; second half: own Cb
-                win_gate = win_gate + bias.repeat(2, 1)
-                win_kv = torch.cat([win_kv[:, :rate, :dim], win_kv[:, rate:, dim:]], dim=1)
-                win_gate = torch.cat([win_gate[:, :rate, :dim], win_gate[:, rate:, dim:]], dim=1)
-            else:
-                win_gate = win_gate + bias
-            win_gate = win_gate.masked_fill((rows < 0).unsqueeze(-1), float("-inf"))
-            win_kv = win_kv.masked_fill((rows < 0).unsqueeze(-1), 0.0)
-            entry = ops.compress_windows(win_kv, win_gate)
-            entry = ops.rms_norm(entry, w[p + "kv_norm.weight"], cfg.rms_norm_eps)
-            entry = ops.rope(entry, *info["cos_sin"])
-            entries_out[info["out_rows"]] = entry.to(entries_out.dtype)
+            entry = ops.compress_entries(ring, rows, w[p + "position_bias"], layer.kind == CSA, w[p + "kv_norm.weight"],
+                                         cfg.rms_norm_eps, *info["cos_sin"])
+            entries_out.index_copy_(0, info["out_rows"], entry.to(entries_out.dtype))
         src, dst = info["commit"]
         ring.index_copy_(0, dst, ring.index_select(0, src))
 
