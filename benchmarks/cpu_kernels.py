@@ -52,6 +52,9 @@ def cases(t: int, m: int) -> dict:
         "route_topk": (rn(t, d), rn(e, d), rn(e), 2, 1.5),
         "route_hash": (rn(t, d), rn(e, d), ids, 1.5),
         "swiglu_mlp": (rn(t, d), rn(64, d) * 0.2, rn(d, 32) * 0.2, 7.0),
+        # a CSA layer's kv compressor: the t // 4 windows (rate 4) that t decode tokens finish
+        "compress_entries": (rn(1000, 4 * 32), torch.randint(0, 1000, (max(t // 4, 1), 8), generator=g), rn(4, 64),
+                             True, rn(32), 1e-6, rn(max(t // 4, 1), 4), rn(max(t // 4, 1), 4)),
     }
 
 

@@ -46,17 +46,18 @@ class RopeConfig:
         table of every position so far (grown by doubling): a step looks its rows up instead of
         running a multiply, a cos and a sin over them (~15 us of a decode step's planning). The
         values are those of `positions * inv_freq` computed in float32, as before."""
+        import torch
+
         key = self._key()
         need = int(positions.max()) + 1 if len(positions) else 0
+        if need > _COS_SIN_TABLE_MAX:  # a long context: compute, rather than hold a table of every position
+            freqs = torch.from_numpy(positions)[:, None].float() * _inv_freq(*key)
+            return freqs.cos(), freqs.sin()
         table = _COS_SIN_TABLES.get(key)
         if table is None or table[0].shape[0] < need:
-            import torch
-
             size = max(4096, 1 << max(need - 1, 1).bit_length())
             freqs = torch.arange(size, dtype=torch.float32)[:, None] * _inv_freq(*key)
             table = _COS_SIN_TABLES[key] = (freqs.cos().numpy(), freqs.sin().numpy())
-        import torch
-
         return torch.from_numpy(table[0][positions]), torch.from_numpy(table[1][positions])
 
     def _key(self) -> tuple:
@@ -64,6 +65,7 @@ class RopeConfig:
 
 
 _COS_SIN_TABLES: dict[tuple, tuple] = {}  # RopeConfig key -> (cos, sin) numpy tables
+_COS_SIN_TABLE_MAX = 1 << 16  # positions: 16 MB per table at V4's 64 rotated channels
 
 
 @functools.lru_cache(maxsize=64)

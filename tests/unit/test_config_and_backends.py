@@ -37,6 +37,27 @@ def test_legacy_keys_parse_like_transformers():
         assert torch.equal(ours.rope_main.inv_freq(), rotary.main_inv_freq)
 
 
+def test_rope_cos_sin_come_from_a_table_with_the_computed_values(monkeypatch):
+    """A step gathers cos/sin from a per-config table that grows with the positions seen; the
+    values are those of position * inv_freq in float32, also past the table's cap."""
+    import numpy as np
+
+    from deepinfer.core import config as config_module
+
+    rope = ModelConfig.from_dict(LEGACY).rope_compress
+    monkeypatch.setattr(config_module, "_COS_SIN_TABLES", {})
+    for positions in (np.array([0, 5, 4095, 17]), np.array([9000, 3, 8191]), np.array([], dtype=np.int64)):
+        freqs = torch.from_numpy(positions)[:, None].float() * rope.inv_freq()
+        cos, sin = rope.cos_sin(positions)
+        assert torch.equal(cos, freqs.cos()) and torch.equal(sin, freqs.sin())
+    assert len(config_module._COS_SIN_TABLES) == 1  # one table, grown to 16384 positions
+    assert next(iter(config_module._COS_SIN_TABLES.values()))[0].shape == (16384, rope.dim // 2)
+    monkeypatch.setattr(config_module, "_COS_SIN_TABLE_MAX", 10000)
+    far = np.array([20000, 1])
+    freqs = torch.from_numpy(far)[:, None].float() * rope.inv_freq()
+    assert torch.equal(rope.cos_sin(far)[0], freqs.cos())
+
+
 @pytest.mark.parametrize("change, message", [
     (dict(model_type="llama"), "model_type"),
     (dict(hidden_size=None), "hidden_size"),
