@@ -106,6 +106,30 @@ class Accelerator(ABC):
         """Leaving a block: out[t, m] = post[t, m] * block_out[t] + sum_n comb[t, n, m] * streams[t, n].
         block_out [T, D], streams [T, N, D], post [T, N], comb [T, N, N] -> [T, N, D]."""
 
+    # Fused sequences of the ops above. Each composite is the definition; a backend may override it
+    # with one kernel (a decode step of a small model is bound by the cost per op call).
+    def hc_pre_norm(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+                    norm_eps: float, hc_eps: float, sinkhorn_iters: int, norm_weight: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Entering a block: hc_pre, then RMSNorm (norm_weight, norm_eps) of the collapsed input.
+        -> (the block's input [T, D], post [T, N], comb [T, N, N])."""
+        collapsed, post, comb = self.hc_pre(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters)
+        return self.rms_norm(collapsed, norm_weight, norm_eps), post, comb
+
+    def hc_post_pre_norm(self, block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
+                         comb: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+                         norm_eps: float, hc_eps: float, sinkhorn_iters: int, norm_weight: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Leaving a block and entering the next: hc_post, then hc_pre_norm with the next block's
+        weights. -> (streams [T, N, D], the next block's input [T, D], post, comb)."""
+        streams = self.hc_post(block_out, streams, post, comb)
+        return (streams, *self.hc_pre_norm(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, norm_weight))
+
+    def rms_norm_rope(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor,
+                      sin: torch.Tensor) -> torch.Tensor:
+        """rope(rms_norm(x, weight, eps), cos, sin): a query or key entering attention."""
+        return self.rope(self.rms_norm(x, weight, eps), cos, sin)
+
     @abstractmethod
     def hc_head(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
                 norm_eps: float, hc_eps: float) -> torch.Tensor:

@@ -90,6 +90,10 @@ def _op_cases(acc, seed: int = 0):
         "sparse_attention": lambda r: acc.sparse_attention(q[r], kv, idx[r][:, :int(valid[r].max())], sinks, 0.2),
         "indexer_topk": lambda r: acc.indexer_topk(iq[r], iw[r], ikeys, idx[r][:, :int(valid[r].max())], 24, 0.25),
         "compress_entries": lambda r: acc.compress_entries(ring, wrows[r], wbias, True, wnorm, 1e-6, wcos[r], wsin[r]),
+        "hc_pre_norm": lambda r: acc.hc_pre_norm(streams[r], fn, base, scale, 1e-6, 1e-6, 20, w[0, :D]),
+        "hc_post_pre_norm": lambda r: acc.hc_post_pre_norm(h[r], streams[r], *acc.hc_pre(streams[r], fn, base, scale,
+                                                           1e-6, 1e-6, 20)[1:], fn, base, scale, 1e-6, 1e-6, 20, w[0, :D]),
+        "rms_norm_rope": lambda r: acc.rms_norm_rope(q[r], None, 1e-6, wcos[r], wsin[r]),
     }
 
 

@@ -180,6 +180,31 @@ def test_compress_entries_match_the_reference(seed, overlap, rate, dim, rope):
                        torch.empty(0, dim))
 
 
+@pytest.mark.parametrize("seed", range(2))
+def test_fused_sequences_are_their_kernels_in_sequence(seed):
+    """hc_pre_norm, hc_post_pre_norm and rms_norm_rope: bit for bit the kernels they chain, and
+    within tolerance of the reference composites."""
+    g = _gen(seed)
+    streams, fn, base, scale = (torch.randn(7, 4, 48, generator=g), torch.randn(24, 192, generator=g) * 0.1,
+                                torch.randn(24, generator=g), torch.rand(3, generator=g))
+    norm, block = torch.randn(48, generator=g), torch.randn(7, 48, generator=g)
+    hc = (fn, base, scale, 1e-6, 1e-6, 20)
+    collapsed, post, comb = kernels.hc_pre(streams, *hc)
+    fused = kernels.hc_pre_norm(streams, *hc, norm)
+    assert all(torch.equal(a, b) for a, b in zip(fused, (kernels.rms_norm(collapsed, norm, 1e-6), post, comb)))
+    _close(fused, ref.hc_pre_norm(streams, *hc, norm))
+    nxt = kernels.hc_post(block, streams, post, comb)
+    chained = (nxt, *kernels.hc_pre_norm(nxt, *hc, norm))
+    fused = kernels.hc_post_pre_norm(block, streams, post, comb, *hc, norm)
+    assert all(torch.equal(a, b) for a, b in zip(fused, chained))
+    _close(fused, ref.hc_post_pre_norm(block, streams, post, comb, *hc, norm))
+    q, cos, sin = torch.randn(7, 3, 32, generator=g), torch.randn(7, 4, generator=g), torch.randn(7, 4, generator=g)
+    for weight in (None, torch.randn(32, generator=g)):
+        fused = kernels.rms_norm_rope(q, weight, 1e-6, cos, sin)
+        assert torch.equal(fused, kernels.rope(kernels.rms_norm(q, weight, 1e-6), cos, sin))
+        _close(fused, ref.rms_norm_rope(q, weight, 1e-6, cos, sin))
+
+
 def test_bad_indices_raise_instead_of_reading_out_of_bounds():
     q, kv = torch.randn(2, 4, 32), torch.randn(10, 32)
     with pytest.raises(RuntimeError, match="out of range"):

@@ -935,6 +935,31 @@ at::Tensor compress_entries(const at::Tensor& ring_in, const at::Tensor& rows_in
   return out;
 }
 
+// ---------------------------------------------------------------- fused sequences
+// The Accelerator's composites (base.py) as one call each: the same kernels in the same order, so
+// the results are those of the separate calls, bit for bit, without a Python round trip between.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> hc_pre_norm(const at::Tensor& streams, const at::Tensor& fn,
+                                                           const at::Tensor& base, const at::Tensor& scale,
+                                                           double norm_eps, double hc_eps, int64_t sinkhorn_iters,
+                                                           const at::Tensor& norm_weight) {
+  auto [collapsed, post, comb] = hc_pre(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters);
+  return {rms_norm(collapsed, norm_weight, norm_eps), post, comb};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hc_post_pre_norm(
+    const at::Tensor& block_out, const at::Tensor& streams_in, const at::Tensor& post_in, const at::Tensor& comb_in,
+    const at::Tensor& fn, const at::Tensor& base, const at::Tensor& scale, double norm_eps, double hc_eps,
+    int64_t sinkhorn_iters, const at::Tensor& norm_weight) {
+  at::Tensor streams = hc_post(block_out, streams_in, post_in, comb_in);
+  auto [h, post, comb] = hc_pre_norm(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, norm_weight);
+  return {streams, h, post, comb};
+}
+
+at::Tensor rms_norm_rope(const at::Tensor& x, const c10::optional<at::Tensor>& weight, double eps,
+                         const at::Tensor& cos, const at::Tensor& sin) {
+  return rope(rms_norm(x, weight, eps), cos, sin, false);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(deepinfer_cpu, m) {
@@ -954,6 +979,12 @@ TORCH_LIBRARY(deepinfer_cpu, m) {
   m.def("hc_head(Tensor streams, Tensor fn, Tensor base, Tensor scale, float norm_eps, float hc_eps) -> Tensor");
   m.def("compress_entries(Tensor ring, Tensor rows, Tensor bias, bool overlap, Tensor norm_weight, float eps, "
         "Tensor cos, Tensor sin) -> Tensor");
+  m.def("hc_pre_norm(Tensor streams, Tensor fn, Tensor base, Tensor scale, float norm_eps, float hc_eps, "
+        "int sinkhorn_iters, Tensor norm_weight) -> (Tensor, Tensor, Tensor)");
+  m.def("hc_post_pre_norm(Tensor block_out, Tensor streams, Tensor post, Tensor comb, Tensor fn, Tensor base, "
+        "Tensor scale, float norm_eps, float hc_eps, int sinkhorn_iters, Tensor norm_weight) "
+        "-> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("rms_norm_rope(Tensor x, Tensor? weight, float eps, Tensor cos, Tensor sin) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(deepinfer_cpu, CPU, m) {
@@ -971,4 +1002,7 @@ TORCH_LIBRARY_IMPL(deepinfer_cpu, CPU, m) {
   m.impl("linear", &linear);
   m.impl("hc_head", &hc_head);
   m.impl("compress_entries", &compress_entries);
+  m.impl("hc_pre_norm", &hc_pre_norm);
+  m.impl("hc_post_pre_norm", &hc_post_pre_norm);
+  m.impl("rms_norm_rope", &rms_norm_rope);
 }

@@ -3,7 +3,8 @@
 The reference ops in `ops.py` are plain torch: dozens of small ops per call, which is what a
 decode step of a small model spends its time on (the mHC mix alone is ~80 ops, 8 calls a step).
 `fused_ops.cpp` does fourteen of them in one pass each: hc_pre, hc_post, hc_head, rms_norm,
-rope, compress_entries, sparse_attention and indexer_topk always; linear, moe_experts, swiglu_mlp (the shared
+rope, compress_entries, sparse_attention and indexer_topk always (and the fused sequences
+hc_pre_norm, hc_post_pre_norm and rms_norm_rope, one call each); linear, moe_experts, swiglu_mlp (the shared
 expert), grouped_linear and the two routers for decode-sized batches (larger ones go to the reference,
 whose GEMMs win there). It is built with torch's C++ extension loader on the machine
 that runs it (so `-march=native` is safe) into ~/.cache/deepinfer/cpu_kernels/<hash>, once per
@@ -180,8 +181,29 @@ def compress_entries(ring, rows, bias, overlap, norm_weight, eps, cos, sin, *, r
     return torch.ops.deepinfer_cpu.compress_entries(ring, rows, bias, overlap, norm_weight, eps, cos, sin)
 
 
+def hc_pre_norm(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, norm_weight, *, reference=ops.hc_pre_norm):
+    if streams.dtype != _F32 or fn.dtype != _F32 or norm_weight.dtype != _F32:
+        return reference(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, norm_weight)
+    return torch.ops.deepinfer_cpu.hc_pre_norm(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, norm_weight)
+
+
+def hc_post_pre_norm(block_out, streams, post, comb, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, norm_weight,
+                     *, reference=ops.hc_post_pre_norm):
+    args = (block_out, streams, post, comb, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, norm_weight)
+    if block_out.dtype != _F32 or streams.dtype != _F32 or fn.dtype != _F32 or norm_weight.dtype != _F32:
+        return reference(*args)
+    return torch.ops.deepinfer_cpu.hc_post_pre_norm(*args)
+
+
+def rms_norm_rope(x, weight, eps, cos, sin, *, reference=ops.rms_norm_rope):
+    if x.dtype != _F32 or x.dim() not in (2, 3) or (weight is not None and weight.dtype != _F32):
+        return reference(x, weight, eps, cos, sin)
+    return torch.ops.deepinfer_cpu.rms_norm_rope(x, weight, eps, cos, sin)
+
+
 OPS = ("hc_pre", "hc_post", "hc_head", "rms_norm", "rope", "sparse_attention", "indexer_topk", "moe_experts",
-       "grouped_linear", "route_topk", "route_hash", "swiglu_mlp", "linear", "compress_entries")
+       "grouped_linear", "route_topk", "route_hash", "swiglu_mlp", "linear", "compress_entries", "hc_pre_norm",
+       "hc_post_pre_norm", "rms_norm_rope")
 
 
 def batch_invariant_ops() -> dict:

@@ -7,7 +7,7 @@ tokens, and MoE loops only over the experts that were hit.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -121,15 +121,6 @@ def hc_head(streams, fn, base, scale, norm_eps, hc_eps):
 
 def compress_windows(kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     return (kv.float() * gate.float().softmax(dim=1)).sum(dim=1)
-
-
-def compress_entries(ring, rows, bias, overlap, norm_weight, eps, cos, sin, *, windows=compress_windows):
-    """The Accelerator's composite (base.py defines it) on these ops; `windows` is the reduction
-    (invariant.py passes its own)."""
-    from deepinfer.backends.base import Accelerator
-
-    these = SimpleNamespace(compress_windows=windows, rms_norm=rms_norm, rope=rope)
-    return Accelerator.compress_entries(these, ring, rows, bias, overlap, norm_weight, eps, cos, sin)
 
 
 def indexer_topk(q, weights, keys, candidates, topk, scale):
@@ -287,3 +278,20 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).flatten(-2)[..., :vocab].bool()
     logits.masked_fill_(~allowed, float("-inf"))
 
+
+def composite(name: str, module: str = __name__):
+    """The Accelerator's composite op `name` (base.py defines it) run on the ops of `module`:
+    the reference of an op a backend may fuse into one kernel."""
+    def op(*args):
+        from deepinfer.backends.base import Accelerator
+
+        return getattr(Accelerator, name)(sys.modules[module], *args)
+
+    op.__name__ = op.__qualname__ = name
+    return op
+
+
+compress_entries = composite("compress_entries")
+hc_pre_norm = composite("hc_pre_norm")
+hc_post_pre_norm = composite("hc_post_pre_norm")
+rms_norm_rope = composite("rms_norm_rope")

@@ -223,14 +223,18 @@ class DeepseekV4Model:
         x = ops.embedding(ids, w["model.embed_tokens.weight"])
         streams = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
         features = []
-        for i in range(cfg.num_hidden_layers):
-            p = f"model.layers.{i}."
-            if i in feature_layers:
+        # Blocks alternate attention and MoE. Each block's mHC exit is fused with the next one's
+        # entry (hc_post_pre_norm): one op call between blocks instead of three.
+        h, post, comb = ops.hc_pre_norm(streams, *self._block_entry(0))
+        for b in range(2 * cfg.num_hidden_layers):
+            i = b // 2
+            if b % 2 == 0 and i in feature_layers:  # the streams entering layer i
                 features.append(streams[feature_rows.to(streams.device)].mean(dim=1))
-            streams = self._residual(streams, p + "attn_hc.", p + "input_layernorm.weight",
-                                     lambda h: self._attention(i, h, meta, cache))
-            streams = self._residual(streams, p + "ffn_hc.", p + "post_attention_layernorm.weight",
-                                     lambda h: self._moe(i, h, ids))
+            out = self._attention(i, h, meta, cache) if b % 2 == 0 else self._moe(i, h, ids)
+            if b + 1 < 2 * cfg.num_hidden_layers:
+                streams, h, post, comb = ops.hc_post_pre_norm(out, streams, post, comb, *self._block_entry(b + 1))
+            else:
+                streams = ops.hc_post(out, streams, post, comb)
         streams = meta.all_tokens(streams)[logit_rows.to(streams.device)]
         h = ops.hc_head(streams, w["model.hc_head.hc_fn"], w["model.hc_head.hc_base"],
                         w["model.hc_head.hc_scale"], cfg.rms_norm_eps, cfg.hc_eps)
@@ -241,12 +245,14 @@ class DeepseekV4Model:
     def prepare(self, inp: StepInput, cache: StateCache) -> StepMeta:
         return StepMeta(inp, cache, self.config)
 
-    def _residual(self, streams, hc: str, norm: str, block) -> torch.Tensor:
-        cfg, ops, w = self.config, self.accel, self.w
-        collapsed, post, comb = ops.hc_pre(streams, w[hc + "fn"], w[hc + "base"], w[hc + "scale"],
-                                           cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
-        out = block(ops.rms_norm(collapsed, w[norm], cfg.rms_norm_eps))
-        return ops.hc_post(out, streams, post, comb)
+    def _block_entry(self, b: int) -> tuple:
+        """hc_pre_norm's arguments after the streams for block b (2i: layer i's attention, 2i+1: its MoE)."""
+        cfg, w = self.config, self.w
+        p = f"model.layers.{b // 2}."
+        hc, norm = (p + "attn_hc.", p + "input_layernorm.weight") if b % 2 == 0 else \
+            (p + "ffn_hc.", p + "post_attention_layernorm.weight")
+        return (w[hc + "fn"], w[hc + "base"], w[hc + "scale"], cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters,
+                w[norm])
 
     # ------------------------------------------------------------ attention
     def _attention(self, i: int, h: torch.Tensor, meta: StepMeta, cache: StateCache) -> torch.Tensor:
@@ -269,9 +275,8 @@ class DeepseekV4Model:
 
         q_lora = ops.rms_norm(cols("q_a_proj"), w[p + "q_a_norm.weight"], cfg.rms_norm_eps)
         q = ops.linear(q_lora, w[p + "q_b_proj.weight"]).view(num_tokens, heads, head_dim)
-        q = ops.rope(ops.rms_norm(q, None, cfg.rms_norm_eps), cos[own], sin[own])
-        kv = ops.rms_norm(cols("kv_proj"), w[p + "kv_norm.weight"], cfg.rms_norm_eps)
-        kv = ops.rope(kv, cos, sin)
+        q = ops.rms_norm_rope(q, None, cfg.rms_norm_eps, cos[own], sin[own])
+        kv = ops.rms_norm_rope(cols("kv_proj"), w[p + "kv_norm.weight"], cfg.rms_norm_eps, cos, sin)
         scratch = cache.ring_rows
         layer.kv[scratch:scratch + kv.shape[0]].copy_(kv)
 
