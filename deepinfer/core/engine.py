@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from deepinfer.backends.base import Accelerator
@@ -343,7 +344,8 @@ class LLMEngine:
         for row, req in enumerate(plan.sampling):
             req.output_token_ids.append(-(row + 1))
             req.pending += 1
-        t = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731  (host metadata; StepMeta moves it)
+        # host metadata (StepMeta moves it); via numpy, which takes a list in a third of torch.tensor's time
+        t = lambda xs: torch.from_numpy(np.array(xs, dtype=np.int64))  # noqa: E731
         plan.inp = StepInput(t(ids), t(slots), t(starts), t(lens))
         if any(restored):  # a prefix-cache hit is being replayed in this step
             plan.inp.window_floor, plan.inp.num_restored = t(floors), t(restored)

@@ -90,9 +90,11 @@ class StepMeta:
         self._to_device(cache.device)
 
     def _to_device(self, device: torch.device) -> None:
+        on_host = device.type == "cpu"
+
         def move(t):
             t = torch.from_numpy(t) if isinstance(t, np.ndarray) else t
-            return t.to(device, non_blocking=True)
+            return t if on_host else t.to(device, non_blocking=True)
 
         self.ids = move(self.inp.ids)
         self.window_rows = move(self.window_rows)
