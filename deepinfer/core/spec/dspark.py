@@ -146,8 +146,8 @@ class DSparkDrafter:
     def context_kv(self, k: int, ctx: torch.Tensor, cos_sin) -> torch.Tensor:
         """Stage k's KV for context rows [T, D] -> [T, head_dim]."""
         ops, w, p = self.accel, self.w, f"mtp.{k}.attn."
-        kv = ops.rms_norm(ops.linear(ctx, w[p + "wkv.weight"]), w[p + "kv_norm.weight"], self.cfg.rms_norm_eps)
-        return ops.rope(kv, *cos_sin)
+        return ops.rms_norm_rope(ops.linear(ctx, w[p + "wkv.weight"]), w[p + "kv_norm.weight"], self.cfg.rms_norm_eps,
+                                 *cos_sin)
 
     def stages(self, ids: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
         """Block tokens `ids` [T] at `positions` through every stage; `attend(k, q, kv)` does
@@ -169,18 +169,17 @@ class DSparkDrafter:
 
     def _residual(self, streams, hc: str, norm: str, block) -> torch.Tensor:
         cfg, ops, w = self.cfg, self.accel, self.w
-        collapsed, post, comb = ops.hc_pre(streams, w[hc + "fn"], w[hc + "base"], w[hc + "scale"],
-                                           cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
-        return ops.hc_post(block(ops.rms_norm(collapsed, w[norm], cfg.rms_norm_eps)), streams, post, comb)
+        h, post, comb = ops.hc_pre_norm(streams, w[hc + "fn"], w[hc + "base"], w[hc + "scale"], cfg.rms_norm_eps,
+                                        cfg.hc_eps, cfg.hc_sinkhorn_iters, w[norm])
+        return ops.hc_post(block(h), streams, post, comb)
 
     def _attention(self, k: int, h: torch.Tensor, cos_sin, attend) -> torch.Tensor:
         cfg, ops, w, p = self.cfg, self.accel, self.w, f"mtp.{k}.attn."
         t = h.shape[0]
         q = ops.rms_norm(ops.linear(h, w[p + "wq_a.weight"]), w[p + "q_norm.weight"], cfg.rms_norm_eps)
         q = ops.linear(q, w[p + "wq_b.weight"]).view(t, cfg.num_attention_heads, cfg.head_dim)
-        q = ops.rope(ops.rms_norm(q, None, cfg.rms_norm_eps), *cos_sin)
-        kv = ops.rope(ops.rms_norm(ops.linear(h, w[p + "wkv.weight"]), w[p + "kv_norm.weight"], cfg.rms_norm_eps),
-                      *cos_sin)
+        q = ops.rms_norm_rope(q, None, cfg.rms_norm_eps, *cos_sin)
+        kv = ops.rms_norm_rope(ops.linear(h, w[p + "wkv.weight"]), w[p + "kv_norm.weight"], cfg.rms_norm_eps, *cos_sin)
         out = ops.rope(attend(k, q, kv), *cos_sin, inverse=True)
         out = ops.grouped_linear(out.reshape(t, cfg.o_groups, -1), w[p + "wo_a.weight"])
         return ops.linear(out.flatten(1), w[p + "wo_b.weight"])
