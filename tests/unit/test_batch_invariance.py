@@ -43,7 +43,27 @@ def test_flags_follow_the_env_at_construction(invariant, default, kernels_env):
     assert not default.batch_invariant and not default.deterministic_sampling
     assert CpuAccelerator.batch_invariant is False
     assert default.rms_norm is (fast.rms_norm if kernels_env == "torch" else kernels.rms_norm)
-    assert invariant.linear is invariant_ops.linear  # never the GEMV kernel: it hands big batches to MKL
+    if kernels_env == "torch":
+        assert invariant.linear is invariant_ops.linear
+    else:  # the row-wise GEMV kernel at every size: never kernels.linear's hand-over to MKL above 2 rows
+        assert invariant.linear.func is kernels.linear and invariant.linear.keywords["max_tokens"] == float("inf")
+
+
+def test_linear_row_is_the_same_in_any_batch_on_the_kernels(monkeypatch):
+    """The mode's linear on the kernels at a narrow and a wide (weight-stationary) matrix: a row
+    alone, in a 40-row batch, at any position."""
+    monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "1")
+    monkeypatch.setenv("DEEPINFER_CPU_KERNELS", "1")
+    acc = CpuAccelerator()
+    g = _gen(8)
+    for k, n in ((64, 300), (256, 1100)):  # 1100 x 256 floats > 256 KB: read weight-stationary
+        x, w = torch.randn(40, k, generator=g), torch.randn(n, k, generator=g)
+        full = acc.linear(x, w)
+        assert (full - fast.linear(x, w)).abs().max() <= 1e-5 * fast.linear(x, w).abs().max()
+        for row in (0, 15, 16, 33, 39):
+            assert torch.equal(acc.linear(x[row:row + 1], w)[0], full[row])
+            assert torch.equal(acc.linear(x[row:], w)[0], full[row])
+            assert torch.equal(acc.linear(x.roll(5 - row, 0), w)[5], full[row])
 
 
 # ---------------------------------------------------------------- op level

@@ -130,9 +130,12 @@ def indexer_topk(q, weights, keys, candidates, topk, scale, *, reference=ops.ind
 
 
 def linear(x, weight, *, reference=ops.linear, max_tokens=_LINEAR_MAX_TOKENS):
-    if x.dim() != 2 or x.shape[0] > max_tokens or x.dtype != _F32 or weight.dtype != _F32:
+    if x.dim() == 0 or x.numel() > max_tokens * x.shape[-1] or x.dtype != _F32 or weight.dtype != _F32:
         return reference(x, weight)
-    return torch.ops.deepinfer_cpu.linear(x, weight)
+    if x.dim() == 2:
+        return torch.ops.deepinfer_cpu.linear(x, weight)
+    # any leading shape as rows: a row's result must not depend on how its batch is shaped
+    return torch.ops.deepinfer_cpu.linear(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])
 
 
 def hc_head(streams, fn, base, scale, norm_eps, hc_eps, *, reference=ops.hc_head):
@@ -217,10 +220,12 @@ def batch_invariant_ops() -> dict:
 
     out = {}
     for name in OPS:
-        if name == "linear":  # invariant.py's fixed-block GEMM: the GEMV kernel is slower at prefill sizes
-            continue
         reference = getattr(invariant, name, getattr(ops, name))  # invariant.py redefines only what it must
+        # linear: the GEMV kernel at every size. invariant.py's alternative pads rows to blocks of
+        # 16 for a fixed-shape GEMM, ~9x the GEMV's time for a decode row; the GEMV loses only on
+        # prefills of narrow matrices (1.5x at 64 x 512, 256 rows; it wins at every size at 256 wide).
         limits = {"max_macs_per_expert": math.inf} if name == "moe_experts" else \
-            {"max_macs": math.inf} if name in ("grouped_linear", "swiglu_mlp", "route_topk", "route_hash") else {}
+            {"max_macs": math.inf} if name in ("grouped_linear", "swiglu_mlp", "route_topk", "route_hash") else \
+            {"max_tokens": math.inf} if name == "linear" else {}
         out[name] = functools.partial(globals()[name], reference=reference, **limits)
     return out
