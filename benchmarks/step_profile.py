@@ -1,0 +1,105 @@
+"""Where a decode step's time goes: every accelerator op call timed inside real engine steps,
+against the whole step, on a steady batch of decoding requests (the 4-layer test model by default).
+The rest of the step is Python: scheduling, step planning (StepMeta), the graph's glue between op
+calls, sampling bookkeeping and post-processing. A composite op that calls other ops is timed once,
+as the outermost call. Prints a table and writes JSON.
+
+    python benchmarks/step_profile.py [--model DIR | --tiny-config mixed_hc4_yarn] [--batch 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+import time
+
+import torch
+
+OPS = ("linear", "grouped_linear", "fp8_block_linear", "embedding", "rms_norm", "rope", "swiglu", "hc_pre", "hc_post",
+       "hc_pre_norm", "hc_post_pre_norm", "rms_norm_rope", "hc_head", "compress_windows", "compress_entries",
+       "indexer_topk", "sparse_attention", "route_topk", "route_hash", "moe_experts", "swiglu_mlp", "sample",
+       "apply_token_bitmask")
+
+
+def timed_ops(accel) -> tuple[collections.Counter, collections.Counter]:
+    """Wrap the accelerator's ops (on the instance) with timers; returns (seconds, calls) per op."""
+    seconds, calls, depth = collections.Counter(), collections.Counter(), [0]
+    for name in OPS:
+        op = getattr(accel, name)
+
+        def timed(*args, _op=op, _name=name, **kwargs):
+            depth[0] += 1
+            start = time.perf_counter()
+            try:
+                return _op(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+                if depth[0] == 0:  # a composite's inner calls are part of its own time
+                    seconds[_name] += time.perf_counter() - start
+                    calls[_name] += 1
+
+        setattr(accel, name, timed)
+    return seconds, calls
+
+
+def profile(model: str, batch: int, prompt_len: int, steps: int) -> dict:
+    from deepinfer import LLM, SamplingParams
+
+    llm = LLM(model, max_num_seqs=batch)
+    engine = llm.engine
+    vocab = engine.model_config.vocab_size
+    prompts = torch.randint(3, vocab, (batch, prompt_len), generator=torch.Generator().manual_seed(0)).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 20, ignore_eos=True)
+    for ids in prompts:
+        engine.add_request(ids, params)
+    for _ in range(10):  # the prefill and a few decode steps
+        engine.step()
+    seconds, calls = timed_ops(llm.accel)
+    engine.timeline.clear()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    step_ms = (time.perf_counter() - start) / steps * 1e3
+    ops = {name: dict(ms=seconds[name] / steps * 1e3, calls=calls[name] / steps) for name in seconds}
+    phases = {k: v / steps * 1e3 for k, v in engine.timeline.items()}
+    engine.close()
+    return dict(batch=batch, prompt_len=prompt_len, steps=steps, step_ms=step_ms, ops=ops, phases_ms=phases)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--tiny-config", default="mixed_hc4_yarn")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    sys.path.insert(0, os.path.dirname(__file__))
+    from throughput import _model_dir  # the test config's model, saved to a temporary directory
+
+    model = _model_dir(args)
+    out = profile(model, args.batch, args.prompt_len, args.steps)
+    in_ops = sum(v["ms"] for v in out["ops"].values())
+    calls = sum(v["calls"] for v in out["ops"].values())
+    print(f"{args.model or 'test config ' + args.tiny_config}: batch {args.batch} decoding, "
+          f"{args.prompt_len}-token prompts, {args.steps} steps, {torch.get_num_threads()} thread(s)")
+    print("| op | ms/step | calls/step |")
+    print("|---|---|---|")
+    for name, v in sorted(out["ops"].items(), key=lambda kv: -kv[1]["ms"]):
+        print(f"| {name} | {v['ms']:.3f} | {v['calls']:.1f} |")
+    print(f"| all op calls | {in_ops:.3f} | {calls:.1f} |")
+    print(f"| rest of the step (Python) | {out['step_ms'] - in_ops:.3f} | |")
+    print(f"| whole step | {out['step_ms']:.3f} | |")
+    print("phases (ms/step): " + ", ".join(f"{k} {v:.3f}" for k, v in out["phases_ms"].items()))
+    out["model"] = args.model or f"test config {args.tiny_config}"
+    path = args.json or ("benchmarks/results/step_profile_" + ("tiny_test" if not args.model else "model") + ".json")
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
