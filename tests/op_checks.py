@@ -52,3 +52,35 @@ def assert_close(op: str, out, expected, tol: float) -> None:
     err, scale = float((out - expected).abs().max()), float(expected.abs().max())
     print(f"\n{op}: max rel err {err / max(scale, 1e-30):.2e} (tol {tol:.0e})", end="")
     assert err <= tol * scale, f"{op}: max abs err {err:.2e} > {tol} x max|ref| = {tol * scale:.2e}"
+
+
+FUSED_OPS = ("hc_pre_norm", "hc_post_pre_norm", "rms_norm_rope", "swiglu_mlp", "compress_entries")
+
+
+def fused_op_inputs(op: str, t: int) -> tuple:
+    """Inputs of the Accelerator's composite ops (base.py) for t tokens (t windows for
+    compress_entries): a backend's version against the cpu reference, like every other op."""
+    gen = seeded(40, t, FUSED_OPS.index(op))
+    n, d = 4, 48
+    hc = (randn(gen, (2 + n) * n, n * d, scale=0.1), randn(gen, (2 + n) * n, scale=0.2), torch.rand(3, generator=gen),
+          1e-6, 1e-6, 20)
+    streams = randn(gen, t, n, d)
+    if op == "hc_pre_norm":
+        return (streams, *hc, randn(gen, d))
+    if op == "hc_post_pre_norm":
+        return (randn(gen, t, d), streams, torch.rand(t, n, generator=gen) * 2, torch.rand(t, n, n, generator=gen),
+                *hc, randn(gen, d))
+    if op == "rms_norm_rope":
+        return randn(gen, t, 3, 32, scale=3.0), randn(gen, 32), 1e-6, randn(gen, t, 4), randn(gen, t, 4)
+    if op == "swiglu_mlp":
+        return randn(gen, t, d), randn(gen, 2 * 24, d, scale=0.2), randn(gen, d, 24, scale=0.2), 7.0
+    # a CSA compressor (rate 4, overlapping windows of 8 staged rows), the first window's previous half absent
+    rate, dim = 4, 32
+    rows = torch.randint(0, 60, (t, 2 * rate), generator=gen)
+    rows[0, :rate] = -1
+    return (randn(gen, 60, 4 * dim), rows, randn(gen, rate, 2 * dim), True, randn(gen, dim), 1e-6,
+            randn(gen, t, 4), randn(gen, t, 4))
+
+
+def as_tuple(out) -> tuple:
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)

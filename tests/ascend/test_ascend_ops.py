@@ -20,6 +20,7 @@ Tolerance: max |ascend - cpu| <= TOL[op] * max |cpu|; 0.0 = bit-identical; ids/t
 | indexer_topk        | Triton + torch stable sort              | ids equal       | equal                  |
 | linear, grouped_linear, embedding, sample | reference torch   | 0 / tokens equal| 0 / equal              |
 | apply_token_bitmask | Triton                                  | 0               | 0                      |
+| hc_pre_norm, hc_post_pre_norm, rms_norm_rope, swiglu_mlp, compress_entries | base.py composites of the above | 1e-5 | 2.7e-7, 2.5e-7, 0, 6.4e-8, 1.7e-7 |
 
 Measured with `pytest -s tests/ascend` (each comparison prints its error); the whole directory ~55 s.
 """
@@ -32,11 +33,14 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed: the ascend backend's Triton kernels cannot run")
 
 from deepinfer.backends.cpu import ops as ref  # noqa: E402
-from op_checks import assert_close, indices, poisoned, randn, run, seeded  # noqa: E402
+from op_checks import (FUSED_OPS, as_tuple, assert_close, fused_op_inputs, indices, poisoned,  # noqa: E402
+                       randn, run, seeded)
 
 TOL = {"rms_norm": 1e-5, "swiglu": 1e-5, "moe_experts": 1e-5, "rope": 0.0, "hc_pre": 1e-5, "hc_post": 1e-5,
        "hc_head": 1e-5, "compress_windows": 1e-5, "sparse_attention": 1e-5, "route_topk": 1e-5,
-       "route_hash": 1e-5, "linear": 0.0, "grouped_linear": 0.0, "embedding": 0.0}
+       "route_hash": 1e-5, "linear": 0.0, "grouped_linear": 0.0, "embedding": 0.0,
+       # composites of the ops above (base.py): each within the sum of its parts' tolerances
+       "hc_pre_norm": 1e-5, "hc_post_pre_norm": 1e-5, "rms_norm_rope": 1e-5, "swiglu_mlp": 1e-5, "compress_entries": 1e-5}
 TOKENS = (1, 7, 33)
 
 
@@ -188,3 +192,16 @@ def test_apply_token_bitmask(asc, b, v):
     asc.apply_token_bitmask(out, bitmask.to(asc.device))
     ref.apply_token_bitmask(expected, bitmask)
     assert torch.equal(out.cpu(), expected)
+
+
+# ------------------------------------------------------------------ fused composites (base.py)
+
+
+@pytest.mark.parametrize("t", TOKENS)
+@pytest.mark.parametrize("op", FUSED_OPS)
+def test_fused_composites(t, op, asc):
+    """hc_pre_norm, hc_post_pre_norm, rms_norm_rope, swiglu_mlp and compress_entries: this backend
+    runs the base-class composite of its own ops; every output within the composite's tolerance."""
+    out, expected = run(asc, op, *fused_op_inputs(op, t))
+    for o, e in zip(as_tuple(out), as_tuple(expected), strict=True):
+        _close(op, o, e)

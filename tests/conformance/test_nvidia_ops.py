@@ -27,6 +27,11 @@ Exact ops (0.0) must match bit for bit; integer outputs (ids, tokens) must be eq
 | moe_experts         | 1e-5   | 3.4e-7                            |
 | sample              | tokens | equal (greedy and sampled rows)   |
 | apply_token_bitmask | 0      | 0                                 |
+| hc_pre_norm         | 1e-5   | 2.7e-7 (composites of the above)  |
+| hc_post_pre_norm    | 1e-5   | 2.5e-7                            |
+| rms_norm_rope       | 1e-5   | 1.4e-7                            |
+| swiglu_mlp          | 1e-5   | 5.4e-7                            |
+| compress_entries    | 1e-5   | 1.7e-7                            |
 
 Measured with `pytest -s` (each comparison prints its relative error); interpreted runtime ~25 s.
 """
@@ -40,13 +45,16 @@ pytest.importorskip("triton", reason="triton is not installed: the nvidia backen
 
 from deepinfer.backends import AcceleratorUnavailable, cuda_usable, get_accelerator  # noqa: E402
 from deepinfer.backends.cpu import ops as ref  # noqa: E402
-from op_checks import assert_close, indices, poisoned, randn, run, seeded  # noqa: E402
+from op_checks import (FUSED_OPS, as_tuple, assert_close, fused_op_inputs, indices, poisoned,  # noqa: E402
+                       randn, run, seeded)
 
 TOL = {
     "rms_norm": 1e-5, "rope": 1e-6, "swiglu": 1e-5, "linear": 1e-5, "grouped_linear": 1e-5,
     "embedding": 0.0, "hc_pre": 1e-5, "hc_post": 1e-5, "hc_head": 1e-5, "compress_windows": 1e-5,
     "sparse_attention": 1e-5, "route_topk": 1e-5, "route_hash": 1e-5, "moe_experts": 1e-5,
     "apply_token_bitmask": 0.0,
+    # composites of the ops above (base.py): each within the sum of its parts' tolerances
+    "hc_pre_norm": 1e-5, "hc_post_pre_norm": 1e-5, "rms_norm_rope": 1e-5, "swiglu_mlp": 1e-5, "compress_entries": 1e-5,
 }
 TOKENS = (1, 7, 33)
 
@@ -292,3 +300,16 @@ def test_nvidia_without_gpu_or_interpreter_is_a_clear_error(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(AcceleratorUnavailable, match="TRITON_INTERPRET=1"):
         get_accelerator("nvidia")
+
+
+# ------------------------------------------------------------------ fused composites (base.py)
+
+
+@pytest.mark.parametrize("t", TOKENS)
+@pytest.mark.parametrize("op", FUSED_OPS)
+def test_fused_composites(t, op, nv):
+    """hc_pre_norm, hc_post_pre_norm, rms_norm_rope, swiglu_mlp and compress_entries: this backend
+    runs the base-class composite of its own ops; every output within the composite's tolerance."""
+    out, expected = run(nv, op, *fused_op_inputs(op, t))
+    for o, e in zip(as_tuple(out), as_tuple(expected), strict=True):
+        _close(op, o, e)
