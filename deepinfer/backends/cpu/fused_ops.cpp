@@ -127,6 +127,21 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return out;
 }
 
+// 1 / rms(x) with eps inside the root: the RMSNorm scale (and mHC's input normalisation)
+inline float inv_rms(const float* x, int64_t n, float eps) {
+  return 1.0f / std::sqrt(dot(x, x, n) / static_cast<float>(n) + eps);
+}
+
+// RoPE on R interleaved pairs: (x0, x1) -> (x0 c - x1 s, x1 c + x0 s), s negated for the inverse.
+// `out` may be `in`.
+inline void rotate_pairs(const float* in, float* out, const float* c, const float* s, int64_t R, float sign) {
+  for (int64_t k = 0; k < R; ++k) {
+    const float x0 = in[2 * k], x1 = in[2 * k + 1], sk = sign * s[k];
+    out[2 * k] = x0 * c[k] - x1 * sk;
+    out[2 * k + 1] = x1 * c[k] + x0 * sk;
+  }
+}
+
 // x[0] + ... + x[n-1] in the order of a dot product (lane partials, the same tree, the tail)
 inline float sum_of(const float* __restrict x, int64_t n) {
   float acc[kLanes] = {};
@@ -306,7 +321,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hc_pre(const at::Tensor& streams_
       for (int64_t b = 0; b < bt; ++b) {
         const int64_t t = t0 + b;
         const float* x = S + t * nd;
-        const float r = 1.0f / std::sqrt(dot(x, x, nd) / static_cast<float>(nd) + neps);
+        const float r = inv_rms(x, nd, neps);
         gemv(x, F, nd, nd, mixes, mix);  // all mixes in one pass over x: no per-mix reduction
         for (int64_t m = 0; m < mixes; ++m) mix[m] *= r;
         for (int64_t j = 0; j < n; ++j) {
@@ -365,7 +380,7 @@ at::Tensor hc_head(const at::Tensor& streams_in, const at::Tensor& fn_in, const 
     float* mix = mix_buf.data();
     for (int64_t t = begin; t < end; ++t) {
       const float* x = S + t * nd;
-      const float r = 1.0f / std::sqrt(dot(x, x, nd) / static_cast<float>(nd) + neps);
+      const float r = inv_rms(x, nd, neps);
       gemv(x, F, nd, nd, n, mix);
       float* o = O + t * D;
       std::fill(o, o + D, 0.0f);
@@ -444,7 +459,7 @@ at::Tensor rms_norm(const at::Tensor& x_in, const c10::optional<at::Tensor>& wei
     for (int64_t r = begin; r < end; ++r) {
       const float* xr = X + r * stride;
       float* o = O + r * D;
-      const float scale = 1.0f / std::sqrt(dot(xr, xr, D) / static_cast<float>(D) + e);
+      const float scale = inv_rms(xr, D, e);
       if (W) {
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) o[d] = xr[d] * scale * W[d];
@@ -478,11 +493,7 @@ at::Tensor rope(const at::Tensor& x_in, const at::Tensor& cos_in, const at::Tens
         float* o = O + (t * H + h) * D;
         const int64_t nope = D - 2 * R;
         std::copy(xr, xr + nope, o);
-        for (int64_t k = 0; k < R; ++k) {
-          const float x0 = xr[nope + 2 * k], x1 = xr[nope + 2 * k + 1], sk = sign * s[k];
-          o[nope + 2 * k] = x0 * c[k] - x1 * sk;
-          o[nope + 2 * k + 1] = x1 * c[k] + x0 * sk;
-        }
+        rotate_pairs(xr + nope, o + nope, c, s, R, sign);
       }
     }
   });
@@ -920,16 +931,10 @@ at::Tensor compress_entries(const at::Tensor& ring_in, const at::Tensor& rows_in
       float* o = O + w * dim;
 #pragma omp simd
       for (int64_t c = 0; c < dim; ++c) o[c] = acc[c] / sum[c];
-      const float scale = 1.0f / std::sqrt(dot(o, o, dim) / static_cast<float>(dim) + e);
+      const float scale = inv_rms(o, dim, e);
 #pragma omp simd
       for (int64_t c = 0; c < dim; ++c) o[c] = o[c] * scale * Nw[c];
-      const float *cw = Cs + w * Rr, *sw = Sn + w * Rr;
-      float* r = o + dim - 2 * Rr;
-      for (int64_t k = 0; k < Rr; ++k) {
-        const float x0 = r[2 * k], x1 = r[2 * k + 1];
-        r[2 * k] = x0 * cw[k] - x1 * sw[k];
-        r[2 * k + 1] = x1 * cw[k] + x0 * sw[k];
-      }
+      rotate_pairs(o + dim - 2 * Rr, o + dim - 2 * Rr, Cs + w * Rr, Sn + w * Rr, Rr, 1.0f);
     }
   });
   return out;
