@@ -4,6 +4,7 @@ and the relative difference of the outputs. Prints a table.
 
     python benchmarks/cpu_kernels.py [--tokens 32] [--candidates 256]
     python benchmarks/cpu_kernels.py --crossover   # the small-batch kernels vs GEMMs over batch sizes
+    python benchmarks/cpu_kernels.py --invariant-linear   # batch-invariant mode's linear: GEMV vs padded GEMM
 """
 
 from __future__ import annotations
@@ -90,6 +91,23 @@ def crossover(reps: int) -> None:
             print(f"| {t} | " + " | ".join(cells) + " |")
 
 
+def invariant_linear(reps: int) -> None:
+    """Batch-invariant mode's linear on the kernels (the GEMV at every size) against invariant.py's
+    row-padded fixed-block GEMM, with plain MKL (not batch-invariant) for scale: us per call."""
+    from deepinfer.backends.cpu import invariant
+
+    g = torch.Generator().manual_seed(0)
+    print("| K x N | rows | GEMV kernel | invariant.py GEMM | MKL |")
+    print("|---|---|---|---|---|")
+    for k, n in ((64, 512), (128, 512), (256, 600), (256, 8192)):
+        w = torch.randn(n, k, generator=g)
+        for t in (1, 4, 16, 64, 256):
+            x = torch.randn(t, k, generator=g)
+            r = max(reps // t, 5)
+            cells = [_time(f, (x, w), r) for f in (torch.ops.deepinfer_cpu.linear, invariant.linear, ops.linear)]
+            print(f"| {k} x {n} | {t} | " + " | ".join(f"{c:.1f}" for c in cells) + " |")
+
+
 def _picks_kernel(name: str, args) -> bool:
     """Whether kernels.py sends these inputs to the fused kernel (its limits), not the reference."""
     picked = []
@@ -103,12 +121,15 @@ def main() -> None:
     parser.add_argument("--candidates", type=int, default=256, help="indexer candidates per token")
     parser.add_argument("--reps", type=int, default=300)
     parser.add_argument("--crossover", action="store_true", help="projection kernels vs GEMMs over batch sizes")
+    parser.add_argument("--invariant-linear", action="store_true", help="batch-invariant linear: GEMV vs padded GEMM")
     args = parser.parse_args()
     if not kernels.load():
         raise SystemExit("the cpu kernels did not build (see the warning)")
     torch.set_num_threads(1)
     if args.crossover:
         return crossover(max(args.reps // 10, 10))
+    if args.invariant_linear:
+        return invariant_linear(args.reps)
     print(f"{args.tokens} tokens, 1 thread")
     print("| op | reference us | fused us | speedup | max rel diff |")
     print("|---|---|---|---|---|")

@@ -223,7 +223,8 @@ def batch_invariant_ops() -> dict:
         reference = getattr(invariant, name, getattr(ops, name))  # invariant.py redefines only what it must
         # linear: the GEMV kernel at every size. invariant.py's alternative pads rows to blocks of
         # 16 for a fixed-shape GEMM, ~9x the GEMV's time for a decode row; the GEMV loses only on
-        # prefills of narrow matrices (1.5x at 64 x 512, 256 rows; it wins at every size at 256 wide).
+        # prefills of narrow matrices (1.5x at 64 x 512, 256 rows; it wins at every size at 256 wide;
+        # `python benchmarks/cpu_kernels.py --invariant-linear`).
         limits = {"max_macs_per_expert": math.inf} if name == "moe_experts" else \
             {"max_macs": math.inf} if name in ("grouped_linear", "swiglu_mlp", "route_topk", "route_hash") else \
             {"max_tokens": math.inf} if name == "linear" else {}
