@@ -82,5 +82,9 @@ def fused_op_inputs(op: str, t: int) -> tuple:
             randn(gen, t, 4), randn(gen, t, 4))
 
 
-def as_tuple(out) -> tuple:
-    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+def check_fused(acc, op: str, t: int, tol: float) -> None:
+    """A backend's composite op (base.py, or its own override) against the cpu reference: every output."""
+    out, expected = run(acc, op, *fused_op_inputs(op, t))
+    out, expected = (out, expected) if isinstance(expected, tuple) else ((out,), (expected,))
+    for o, e in zip(out, expected, strict=True):
+        assert_close(op, o, e, tol)

@@ -33,8 +33,8 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed: the ascend backend's Triton kernels cannot run")
 
 from deepinfer.backends.cpu import ops as ref  # noqa: E402
-from op_checks import (FUSED_OPS, as_tuple, assert_close, fused_op_inputs, indices, poisoned,  # noqa: E402
-                       randn, run, seeded)
+from op_checks import (FUSED_OPS, assert_close, check_fused, indices, poisoned, randn, run,  # noqa: E402
+                       seeded)
 
 TOL = {"rms_norm": 1e-5, "swiglu": 1e-5, "moe_experts": 1e-5, "rope": 0.0, "hc_pre": 1e-5, "hc_post": 1e-5,
        "hc_head": 1e-5, "compress_windows": 1e-5, "sparse_attention": 1e-5, "route_topk": 1e-5,
@@ -202,6 +202,4 @@ def test_apply_token_bitmask(asc, b, v):
 def test_fused_composites(t, op, asc):
     """hc_pre_norm, hc_post_pre_norm, rms_norm_rope, swiglu_mlp and compress_entries: this backend
     runs the base-class composite of its own ops; every output within the composite's tolerance."""
-    out, expected = run(asc, op, *fused_op_inputs(op, t))
-    for o, e in zip(as_tuple(out), as_tuple(expected), strict=True):
-        _close(op, o, e)
+    check_fused(asc, op, t, TOL[op])

@@ -45,8 +45,8 @@ pytest.importorskip("triton", reason="triton is not installed: the nvidia backen
 
 from deepinfer.backends import AcceleratorUnavailable, cuda_usable, get_accelerator  # noqa: E402
 from deepinfer.backends.cpu import ops as ref  # noqa: E402
-from op_checks import (FUSED_OPS, as_tuple, assert_close, fused_op_inputs, indices, poisoned,  # noqa: E402
-                       randn, run, seeded)
+from op_checks import (FUSED_OPS, assert_close, check_fused, indices, poisoned, randn, run,  # noqa: E402
+                       seeded)
 
 TOL = {
     "rms_norm": 1e-5, "rope": 1e-6, "swiglu": 1e-5, "linear": 1e-5, "grouped_linear": 1e-5,
@@ -310,6 +310,4 @@ def test_nvidia_without_gpu_or_interpreter_is_a_clear_error(monkeypatch):
 def test_fused_composites(t, op, nv):
     """hc_pre_norm, hc_post_pre_norm, rms_norm_rope, swiglu_mlp and compress_entries: this backend
     runs the base-class composite of its own ops; every output within the composite's tolerance."""
-    out, expected = run(nv, op, *fused_op_inputs(op, t))
-    for o, e in zip(as_tuple(out), as_tuple(expected), strict=True):
-        _close(op, o, e)
+    check_fused(nv, op, t, TOL[op])
