@@ -94,6 +94,9 @@ _VARS = [
     EnvVar("DEEPINFER_HF_MODEL_DIR", "", _str, "local checkpoint used when LLM(model=None)"),
     EnvVar("DEEPINFER_CPU_KERNELS", True, _bool,
            "cpu backend: fused C++ kernels for the hot ops (compiled on first use); 0 = reference ops only"),
+    EnvVar("DEEPINFER_CPU_STEP_PROGRAM", True, _bool,
+           "cpu backend: run decode-sized steps as one C++ call of the fused kernels (same results as the "
+           "op-by-op graph); 0 = always the graph"),
     EnvVar("DEEPINFER_CPU_THREADS", 0, _int,
            "intra-op threads of the cpu backend; 0 = 1 for small models (hidden <= 1024), else all cores"),
 ]

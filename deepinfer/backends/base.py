@@ -227,6 +227,15 @@ class Accelerator(ABC):
         """In place: logits[b, v] = -inf where bit v of bitmask[b] is 0. bitmask [B, ceil(V/32)]
         int32, little-endian bits within each word (xgrammar's layout)."""
 
+    # -------------------------------------------------------------- step programs
+    def step_program(self, model, cache):
+        """A faster way to run `model.forward` on `cache`, or None (the default: the model's Python
+        graph, op by op). What it returns has `runs(meta) -> bool` (whether it takes this step) and
+        `__call__(meta, logit_rows) -> logits`, with the same results and cache updates as the
+        graph. A backend may replay a captured graph here (CUDA graphs); the cpu backend runs the
+        step as one C++ call (backends/cpu/step_program.py)."""
+        return None
+
     # -------------------------------------------------------------- device
     def synchronize(self) -> None:
         """Wait for all queued work on the device."""

@@ -48,17 +48,27 @@ class RopeConfig:
         values are those of `positions * inv_freq` computed in float32, as before."""
         import torch
 
-        key = self._key()
         need = int(positions.max()) + 1 if len(positions) else 0
-        if need > _COS_SIN_TABLE_MAX:  # a long context: compute, rather than hold a table of every position
-            freqs = torch.from_numpy(positions)[:, None].float() * _inv_freq(*key)
+        table = self.table(need)
+        if table is None:  # a long context: compute, rather than hold a table of every position
+            freqs = torch.from_numpy(positions)[:, None].float() * _inv_freq(*self._key())
             return freqs.cos(), freqs.sin()
+        return torch.from_numpy(table[0][positions]), torch.from_numpy(table[1][positions])
+
+    def table(self, need: int) -> "tuple[np.ndarray, np.ndarray] | None":
+        """The (cos, sin) tables [>= need, dim // 2] behind `cos_sin` (shared, read-only), or None
+        past the longest table kept."""
+        import torch
+
+        if need > _COS_SIN_TABLE_MAX:
+            return None
+        key = self._key()
         table = _COS_SIN_TABLES.get(key)
         if table is None or table[0].shape[0] < need:
             size = max(4096, 1 << max(need - 1, 1).bit_length())
             freqs = torch.arange(size, dtype=torch.float32)[:, None] * _inv_freq(*key)
             table = _COS_SIN_TABLES[key] = (freqs.cos().numpy(), freqs.sin().numpy())
-        return torch.from_numpy(table[0][positions]), torch.from_numpy(table[1][positions])
+        return table
 
     def _key(self) -> tuple:
         return self.theta, self.dim, tuple(sorted(self.yarn.items())) if self.yarn else None

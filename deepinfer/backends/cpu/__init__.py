@@ -75,6 +75,14 @@ class CpuAccelerator(Accelerator):
     sample = staticmethod(ops.sample)
     apply_token_bitmask = staticmethod(ops.apply_token_bitmask)
 
+    def step_program(self, model, cache):
+        from deepinfer import envs
+        from deepinfer.backends.cpu.step_program import StepProgram
+
+        if not self.fused_kernels or not envs.get("DEEPINFER_CPU_STEP_PROGRAM"):
+            return None
+        return StepProgram.build(model, cache, self)
+
     def kernel_signature(self) -> str:
         return f"{super().kernel_signature()} fused {kernels.build_digest() if self.fused_kernels else 'off'}"
 

@@ -9,7 +9,8 @@
 // Every kernel works token by token with a fixed summation order inside a token, so a token's
 // result never depends on which other tokens share the batch (batch-invariant by construction).
 
-#include <ATen/ATen.h>
+#include "fused_ops.h"
+
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -26,7 +27,7 @@
 #include <immintrin.h>
 #endif
 
-namespace {
+namespace deepinfer_cpu {
 
 // exp(x) for float32 in straight-line code GCC can vectorise (std::exp is a scalar libm call,
 // ~20 cycles: the attention softmax and the MoE SiLU were spending most of their time in it).
@@ -965,7 +966,9 @@ at::Tensor rms_norm_rope(const at::Tensor& x, const c10::optional<at::Tensor>& w
   return rope(rms_norm(x, weight, eps), cos, sin, false);
 }
 
-}  // namespace
+}  // namespace deepinfer_cpu
+
+using namespace deepinfer_cpu;
 
 TORCH_LIBRARY(deepinfer_cpu, m) {
   m.def("hc_pre(Tensor streams, Tensor fn, Tensor base, Tensor scale, float norm_eps, float hc_eps, "

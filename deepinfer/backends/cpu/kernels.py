@@ -27,7 +27,10 @@ import torch
 
 from deepinfer.backends.cpu import ops
 
-_SOURCE = os.path.join(os.path.dirname(__file__), "fused_ops.cpp")
+_HERE = os.path.dirname(__file__)
+# one library: the kernels, and the step program that chains them (step_program.py)
+_SOURCES = [os.path.join(_HERE, name) for name in ("fused_ops.cpp", "step_program.cpp")]
+_HEADERS = [os.path.join(_HERE, "fused_ops.h")]
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd"]
 _lock = threading.Lock()
 _loaded: bool | None = None  # None: not tried yet
@@ -35,8 +38,11 @@ _loaded: bool | None = None  # None: not tried yet
 
 def build_digest() -> str:
     """Names one build of the kernels: their source, torch and the compiler flags."""
-    with open(_SOURCE, "rb") as f:
-        return hashlib.sha256(f.read() + torch.__version__.encode() + " ".join(_FLAGS).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(torch.__version__.encode() + " ".join(_FLAGS).encode())
+    for path in _SOURCES + _HEADERS:
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    return digest.hexdigest()[:16]
 
 
 def _build_dir() -> str:
@@ -62,7 +68,7 @@ def _try_load(path: str) -> bool:
     if not built:
         print("deepinfer: compiling the cpu backend's C++ kernels (once, ~30 s)...", file=sys.stderr, flush=True)
     try:
-        cpp_extension.load(name="deepinfer_cpu_kernels", sources=[_SOURCE], extra_cflags=_FLAGS,
+        cpp_extension.load(name="deepinfer_cpu_kernels", sources=_SOURCES, extra_cflags=_FLAGS,
                            build_directory=path, is_python_module=False, verbose=False)
     except Exception as exc:  # no compiler, no ninja, a broken toolchain: the reference ops still work
         warnings.warn(f"deepinfer: the cpu C++ kernels could not be built ({type(exc).__name__}: "

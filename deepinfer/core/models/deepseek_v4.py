@@ -56,17 +56,32 @@ class StepMeta:
     arrays of a few hundred elements, where a torch op's fixed cost (~5 us) was most of a
     decode step's planning time."""
 
-    def __init__(self, inp: StepInput, cache: StateCache, config: ModelConfig):
+    def __init__(self, inp: StepInput, cache: StateCache, config: ModelConfig, planner=None):
         self.inp, self.cache, self.config = inp, cache, config
         self.starts, self.slots = inp.starts.numpy(), inp.slots.numpy()
         lens = inp.lens.numpy()
-        self.seq, within = _arange_within(lens)
         self.first = np.cumsum(lens) - lens  # flat index of each sequence's first token
-        self.positions = self.starts[self.seq] + within
         self.ends = self.starts + lens
-        self.num_tokens = len(self.seq)
+        self.num_tokens = int(lens.sum())
         if self.num_tokens > cache.max_step_tokens:
             raise ValueError(f"step has {self.num_tokens} tokens, cache scratch holds {cache.max_step_tokens}")
+        self._by_rate: dict[tuple[str, int], dict] = {}
+        # Rows this process computes the token-wise work for (queries, MoE, residual streams):
+        # all of them, unless context parallelism (deepinfer/parallel) split the step over ranks;
+        # keys and compressed inputs are then completed from the other ranks by all_tokens.
+        self.own: slice | torch.Tensor = slice(None)
+        # An accelerator's planner (its step program's) may compute the same arrays faster; it
+        # declines what it does not cover (it returns False), and the numpy below is the definition.
+        replay = inp.window_floor is not None or inp.num_restored is not None
+        if planner is None or replay or not planner(self):
+            self._plan()
+        self._to_device(cache.device)
+
+    def _plan(self) -> None:
+        """Every index array of the step, in numpy."""
+        inp, cache, config = self.inp, self.cache, self.config
+        self.seq, within = _arange_within(inp.lens.numpy())
+        self.positions = self.starts[self.seq] + within
         self.rope = {"main": config.rope_main.cos_sin(self.positions),
                      "compress": config.rope_compress.cos_sin(self.positions)}
         window = config.sliding_window
@@ -77,17 +92,11 @@ class StepMeta:
             key_pos = np.where(key_pos >= floor[:, None], key_pos, -1)
         self.window_rows = self.rows(key_pos, self.seq[:, None], cache.ring, 0)
         self.window_commit = self._commit(cache.ring, 0)
-        self._by_rate: dict[tuple[str, int], dict] = {}
-        # Rows this process computes the token-wise work for (queries, MoE, residual streams):
-        # all of them, unless context parallelism (deepinfer/parallel) split the step over ranks;
-        # keys and compressor inputs are then completed from the other ranks by all_tokens.
-        self.own: slice | torch.Tensor = slice(None)
         # Read the block table now: with overlapped scheduling the CPU may hand a freed slot or
         # page to another request while this step is still queued on the device.
         for layer in cache.layers:
             if layer.rate:
                 self.compressed(layer)
-        self._to_device(cache.device)
 
     def _to_device(self, device: torch.device) -> None:
         on_host = device.type == "cpu"
@@ -180,6 +189,7 @@ class DeepseekV4Model:
         self.w = {name: accel.prepare_weight(name, t) for name, t in weights.items()}
         if config.tie_word_embeddings and "lm_head.weight" not in self.w:
             self.w["lm_head.weight"] = self.w["model.embed_tokens.weight"]
+        self._program, self._program_cache = None, None  # see _step_program
 
     @staticmethod
     def _fuse_input_projections(weights: dict[str, torch.Tensor], i: int, index_scale: float) -> dict[str, tuple[int, int]]:
@@ -218,9 +228,20 @@ class DeepseekV4Model:
         `meta` (from `self.prepare(inp, cache)`) may be built ahead, on the CPU, while an
         earlier step runs. With `feature_layers` (the DSpark drafter's context), returns
         (logits, features [len(feature_rows), len(feature_layers), D]): the attention input of
-        those layers, averaged over the hc streams, at the flat token indices `feature_rows`."""
-        cfg, ops, w = self.config, self.accel, self.w
+        those layers, averaged over the hc streams, at the flat token indices `feature_rows`.
+        The accelerator's step program (Accelerator.step_program) runs the steps it takes; the
+        others run `forward_graph`."""
         meta = meta if meta is not None else self.prepare(inp, cache)
+        program = self._step_program(cache)
+        if program is not None and not feature_layers and program.runs(meta):
+            return program(meta, logit_rows.to(cache.device))
+        return self.forward_graph(meta, cache, logit_rows, feature_layers, feature_rows)
+
+    @torch.inference_mode()
+    def forward_graph(self, meta: StepMeta, cache: StateCache, logit_rows: torch.Tensor,
+                      feature_layers: tuple[int, ...] = (), feature_rows: torch.Tensor | None = None):
+        """`forward` op by op: the definition every step program must reproduce."""
+        cfg, ops, w = self.config, self.accel, self.w
         ids = meta.ids[meta.own]
         x = ops.embedding(ids, w["model.embed_tokens.weight"])
         streams = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
@@ -244,8 +265,18 @@ class DeepseekV4Model:
         logits = ops.linear(h, w["lm_head.weight"])
         return (logits, torch.stack(features, dim=1)) if feature_layers else logits
 
+    def _step_program(self, cache: StateCache):
+        """The accelerator's step program for `cache` (built on first use), or None. Not with
+        expert parallelism: its `routed_experts` hook dispatches to other ranks from Python."""
+        if "routed_experts" in vars(self):
+            return None
+        if self._program_cache is not cache:
+            self._program, self._program_cache = self.accel.step_program(self, cache), cache
+        return self._program
+
     def prepare(self, inp: StepInput, cache: StateCache) -> StepMeta:
-        return StepMeta(inp, cache, self.config)
+        program = self._step_program(cache)
+        return StepMeta(inp, cache, self.config, planner=program.plan if program is not None else None)
 
     def _block_entry(self, b: int) -> tuple:
         """hc_pre_norm's arguments after the streams for block b (2i: layer i's attention, 2i+1: its MoE)."""
