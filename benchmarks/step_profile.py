@@ -2,7 +2,10 @@
 against the whole step, on a steady batch of decoding requests (the 4-layer test model by default).
 The rest of the step is Python: scheduling, step planning (StepMeta), the graph's glue between op
 calls, sampling bookkeeping and post-processing. A composite op that calls other ops is timed once,
-as the outermost call. Prints a table and writes JSON.
+as the outermost call. Timing the ops replaces them, so the model runs its Python graph op by op;
+the same steps are first timed as the engine runs them by default on the cpu (the step program:
+one C++ call per step, and several greedy decode steps per call with DEEPINFER_MULTI_STEP_DECODE).
+Prints a table and writes JSON.
 
     python benchmarks/step_profile.py [--model DIR | --tiny-config mixed_hc4_yarn] [--batch 32]
 """
@@ -52,11 +55,23 @@ def profile(model: str, batch: int, prompt_len: int, steps: int) -> dict:
     engine = llm.engine
     vocab = engine.model_config.vocab_size
     prompts = torch.randint(3, vocab, (batch, prompt_len), generator=torch.Generator().manual_seed(0)).tolist()
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 20, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=3 * steps + 40, ignore_eos=True)
     for ids in prompts:
         engine.add_request(ids, params)
     for _ in range(10):  # the prefill and a few decode steps
         engine.step()
+
+    def ms_per_decode_step(n: int, multi_step: int) -> float:
+        engine.multi_step, start, done = multi_step, time.perf_counter(), 0
+        while done < n:
+            engine.step()
+            done += engine.last_step.decode_tokens // batch
+        return (time.perf_counter() - start) / done * 1e3
+
+    default = engine.multi_step
+    as_run = {"step program, one step per call": ms_per_decode_step(steps, 1),
+              f"step program, up to {default} steps per call": ms_per_decode_step(steps, default)}
+    engine.multi_step = default
     seconds, calls = timed_ops(llm.accel)
     engine.timeline.clear()
     start = time.perf_counter()
@@ -66,7 +81,8 @@ def profile(model: str, batch: int, prompt_len: int, steps: int) -> dict:
     ops = {name: dict(ms=seconds[name] / steps * 1e3, calls=calls[name] / steps) for name in seconds}
     phases = {k: v / steps * 1e3 for k, v in engine.timeline.items()}
     engine.close()
-    return dict(batch=batch, prompt_len=prompt_len, steps=steps, step_ms=step_ms, ops=ops, phases_ms=phases)
+    return dict(batch=batch, prompt_len=prompt_len, steps=steps, step_ms=step_ms, ops=ops, phases_ms=phases,
+                as_run_ms=as_run)
 
 
 def main() -> None:
@@ -87,6 +103,12 @@ def main() -> None:
     calls = sum(v["calls"] for v in out["ops"].values())
     print(f"{args.model or 'test config ' + args.tiny_config}: batch {args.batch} decoding, "
           f"{args.prompt_len}-token prompts, {args.steps} steps, {torch.get_num_threads()} thread(s)")
+    print("| the same decode steps, as the engine runs them | ms/step |")
+    print("|---|---|")
+    for name, ms in out["as_run_ms"].items():
+        print(f"| {name} | {ms:.3f} |")
+    print(f"| Python graph, op by op (profiled below) | {out['step_ms']:.3f} |")
+    print()
     print("| op | ms/step | calls/step |")
     print("|---|---|---|")
     for name, v in sorted(out["ops"].items(), key=lambda kv: -kv[1]["ms"]):

@@ -97,6 +97,9 @@ _VARS = [
     EnvVar("DEEPINFER_CPU_STEP_PROGRAM", True, _bool,
            "cpu backend: run decode-sized steps as one C++ call of the fused kernels (same results as the "
            "op-by-op graph); 0 = always the graph"),
+    EnvVar("DEEPINFER_MULTI_STEP_DECODE", 8, _int,
+           "greedy decode steps per call of the accelerator's step program when every running request "
+           "decodes greedily and none waits (multi-step scheduling); 1 = one step per call"),
     EnvVar("DEEPINFER_CPU_THREADS", 0, _int,
            "intra-op threads of the cpu backend; 0 = 1 for small models (hidden <= 1024), else all cores"),
 ]

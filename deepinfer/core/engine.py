@@ -130,6 +130,7 @@ class LLMEngine:
         self.last_step = StepStats()
         self.structured = None  # structured outputs (core/structured.py), built on the first so_args request
         self.zero_overhead = envs.zero_overhead_scheduling(default=accel.overlap_scheduling)
+        self.multi_step = max(1, envs.get("DEEPINFER_MULTI_STEP_DECODE"))
         # one worker runs the model so the CPU can plan the next step meanwhile
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deepinfer-step") \
             if self.zero_overhead else None
@@ -251,6 +252,11 @@ class LLMEngine:
             return grammar_failed + self._drain()  # finish step N before planning a synchronous one
         with self._timed("schedule"):
             chunks = self.scheduler.schedule()
+        steps = self._multi_step_length(chunks) if chunks and not overlap else 1
+        finished = self._multi_step(chunks, steps) if steps > 1 else None
+        if finished is not None:
+            self.last_step = StepStats(0, steps * len(chunks), time.perf_counter() - t0)
+            return grammar_failed + finished
         with self._timed("prepare"):
             plan = self._plan(chunks, draft=not overlap) if chunks else None
         finished = list(grammar_failed)
@@ -268,6 +274,66 @@ class LLMEngine:
         if self.spec is not None and plan is not None and not overlap:  # a whole step, planned to finished
             self.spec.observe_step(plan, self.last_step.seconds)
         return finished
+
+    def _multi_step_length(self, chunks: list[ScheduledChunk]) -> int:
+        """How many decode steps this step may run in one call of the model (multi-step
+        scheduling: the per-step planning and post-processing happen once per call), 1 for a plain
+        step. Only when every scheduled request decodes one greedy token with nothing that needs
+        the host between tokens (drafting, a grammar, logprobs), none waits to be admitted (it
+        would wait for the whole call), and no request reaches max_tokens or max_model_len within
+        the call: stop tokens and strings are checked afterwards, dropping what followed them."""
+        steps = self.multi_step
+        if steps <= 1 or self.spec is not None or self.scheduler.waiting:
+            return 1
+        if self.model.step_program(self.cache) is None:  # the accelerator has no way to run several
+            self.multi_step = 1
+            return 1
+        for c in chunks:
+            req = c.request
+            if (c.num_tokens != 1 or not c.completes or req.num_computed < req.num_prompt_tokens or req.pending
+                    or req.params.temperature >= 1e-5 or req.params.top_logprobs or req.grammar is not None):
+                return 1
+            steps = min(steps, req.params.max_tokens - len(req.output_token_ids), self.max_model_len - req.num_tokens)
+            if steps <= 1 or not self.cache.can_grow(req.slot, req.num_computed + steps):
+                return 1
+        return steps
+
+    def _multi_step(self, chunks: list[ScheduledChunk], steps: int) -> list[Request] | None:
+        """Run `steps` greedy decode steps of the scheduled requests in one model call, then
+        post-process their tokens in order, as `steps` plain steps would have; None when the model
+        cannot take this batch (a plain step follows). A request that stops within the call keeps
+        the tokens up to its stop; the state computed past it is released with it."""
+        reqs = [c.request for c in chunks]
+        with self._timed("prepare"):
+            for req in reqs:
+                self.cache.grow(req.slot, req.num_computed + steps)
+            starts = [req.num_computed for req in reqs]
+            ids = [req.token(start) for req, start in zip(reqs, starts)]
+        with self._timed("forward"):
+            tokens = self.model.decode_steps(ids, [req.slot for req in reqs], starts, steps, self.cache)
+        if tokens is None:
+            return None
+        finished = []
+        with self._timed("postprocess"):
+            for req, start, new_tokens in zip(reqs, starts, tokens.t().tolist()):
+                req.num_computed = start + steps
+                for j, token in enumerate(new_tokens):
+                    req.output_token_ids.append(token)
+                    self._check_stop(req, token)
+                    if req.is_finished:  # positions fed with tokens it keeps: start .. start + j
+                        req.num_computed = start + j + 1
+                        self._retire(req)
+                        finished.append(req)
+                        break
+        return finished
+
+    def _retire(self, req: Request) -> None:
+        """A request that just finished: flush its text, free its slot and pages."""
+        if req.detok is not None and not isinstance(req.stop_reason, str):
+            req.text += req.detok.flush()
+        if self.spec is not None:
+            self.spec.forget(req.request_id)
+        self.scheduler.finish(req)
 
     def _needs_sync(self) -> bool:
         """Overlap would be wrong when a grammar must see step N's token before it masks step
@@ -424,11 +490,7 @@ class LLMEngine:
                 if req.grammar is not None:  # structured outputs: advance the matcher, stop when it terminates
                     self.structured.accept(req, token)
             if req.is_finished:
-                if req.detok is not None and not isinstance(req.stop_reason, str):
-                    req.text += req.detok.flush()
-                if self.spec is not None:
-                    self.spec.forget(req.request_id)
-                self.scheduler.finish(req)
+                self._retire(req)
                 finished.append(req)
         return finished
 

@@ -75,6 +75,8 @@ class RankWorker:
             if self.parallel.context_parallel_size > 1 else None
         if self.cp is not None:
             self.cp.install(model)
+        if self.ep is not None or self.cp is not None:  # their collectives run inside every forward
+            self.engine.multi_step = 1
         self.forwards = 0
         forward = model.forward
 

@@ -86,7 +86,7 @@ def _check_every_step_against_the_graph(model):
     forward = model.forward
 
     def both(inp, cache, logit_rows, meta=None, **kw):
-        program = model._step_program(cache)
+        program = model.step_program(cache)
         assert program is not None
         numpy_meta = StepMeta(inp, cache, model.config)  # the definition
         planned = []
@@ -128,13 +128,13 @@ def test_program_steps_equal_the_graph_bit_for_bit(name, invariant, monkeypatch)
     prompts = [torch.randint(2, cfg.vocab_size, (n,), generator=g) for n in lengths]
     cache = new_cache(model)
     logits = run_schedule(model, cache, prompts, _schedule(lengths, 0, 48))
-    program = model._step_program(cache)
+    program = model.step_program(cache)
     assert counts["program"] > 20, counts
     assert program.max_tokens >= 32
     # and the logits are the model's: the same prompts through the graph alone, in one step each
     monkeypatch.setenv("DEEPINFER_CPU_STEP_PROGRAM", "0")
     graph_only = build_model(hf, cfg)
-    assert graph_only._step_program(new_cache(graph_only)) is None
+    assert graph_only.step_program(new_cache(graph_only)) is None
     for prompt, got in zip(prompts, logits):
         alone = run_schedule(graph_only, new_cache(graph_only), [prompt], [[(0, len(prompt))]])[0]
         torch.testing.assert_close(got, alone, rtol=2e-4, atol=2e-4)
@@ -144,7 +144,7 @@ def test_steps_the_program_does_not_take_run_the_graph(monkeypatch):
     hf, cfg = make_hf_model("mixed_hc4_yarn", seed=7)
     model = build_model(hf, cfg)
     cache = new_cache(model)
-    program = model._step_program(cache)
+    program = model.step_program(cache)
     calls = []
     graph = model.forward_graph
     monkeypatch.setattr(model, "forward_graph", lambda *a, **k: calls.append(1) or graph(*a, **k))
@@ -165,13 +165,13 @@ def test_program_is_off_where_it_does_not_apply(monkeypatch):
     hf, cfg = make_hf_model("csa_hc2", seed=7)
     monkeypatch.setenv("DEEPINFER_CPU_STEP_PROGRAM", "0")
     model = build_model(hf, cfg)
-    assert model._step_program(new_cache(model)) is None
+    assert model.step_program(new_cache(model)) is None
     monkeypatch.setenv("DEEPINFER_CPU_STEP_PROGRAM", "1")
     model = build_model(hf, cfg)
-    assert model._step_program(new_cache(model)) is not None
+    assert model.step_program(new_cache(model)) is not None
     bf16_cache = type(new_cache(model))(model.config, max_seqs=2, num_pages=8, max_step_tokens=64, max_model_len=256,
                             dtype=torch.bfloat16)
-    assert model._step_program(bf16_cache) is None  # the kernels take float32 pools only
+    assert model.step_program(bf16_cache) is None  # the kernels take float32 pools only
     monkeypatch.setenv("DEEPINFER_CPU_KERNELS", "0")
     model = build_model(hf, cfg)
-    assert model._step_program(new_cache(model)) is None
+    assert model.step_program(new_cache(model)) is None

@@ -56,6 +56,10 @@ at::Tensor tensor_or_undefined(const c10::Dict<std::string, at::Tensor>& d, cons
 
 }  // namespace
 
+std::vector<at::Tensor> plan_step(const at::Tensor& starts_in, const at::Tensor& lens_in, const at::Tensor& slots_in,
+                                  const at::Tensor& block_table_in, std::vector<at::Tensor> rope_tables,
+                                  std::vector<int64_t> geometry, std::vector<int64_t> kinds, int64_t entry_base);
+
 struct StepProgram : torch::CustomClassHolder {
   // globals: embed, lm_head, final norm, hc_head_{fn,base,scale}; params: see step_program.py
   StepProgram(c10::Dict<std::string, at::Tensor> globals, c10::Dict<std::string, double> params)
@@ -134,6 +138,26 @@ struct StepProgram : torch::CustomClassHolder {
     h = hc_head(streams, head_fn_, head_base_, head_scale_, norm_eps_, hc_eps_);
     h = rms_norm(h, norm_, norm_eps_);
     return project(h, lm_head_);
+  }
+
+  // `steps` greedy decode steps in a row (multi-step scheduling): each sequence feeds `ids` at
+  // position `starts`, then its own argmax, steps times; planned by plan_step, sampled as
+  // ops.sample does for a greedy row (argmax of the logits). Returns the tokens [steps, B]. The
+  // caller grew every sequence's pages for the steps and checked that all its rows are greedy.
+  at::Tensor decode(at::Tensor ids, at::Tensor slots, at::Tensor starts, int64_t steps, at::Tensor block_table,
+                    std::vector<at::Tensor> rope_tables, std::vector<int64_t> geometry, std::vector<int64_t> kinds) {
+    const int64_t B = ids.size(0);
+    at::Tensor tokens = at::empty({steps, B}, ids.options());
+    const at::Tensor lens = at::ones({B}, starts.options()), rows = at::arange(B, starts.options());
+    for (int64_t s = 0; s < steps; ++s) {
+      std::vector<at::Tensor> plan =
+          plan_step(starts + s, lens, slots, block_table, rope_tables, geometry, kinds, entry_base_);
+      std::vector<at::Tensor> step = {ids};  // forward's layout: plan_step's minus seq and positions
+      step.insert(step.end(), plan.begin() + 2, plan.end());
+      ids = forward(step, rows).argmax(-1);
+      tokens[s].copy_(ids);
+    }
+    return tokens;
   }
 
  private:
@@ -343,7 +367,8 @@ TORCH_LIBRARY_FRAGMENT(deepinfer_cpu, m) {
   m.class_<deepinfer_cpu::StepProgram>("StepProgram")
       .def(torch::init<c10::Dict<std::string, at::Tensor>, c10::Dict<std::string, double>>())
       .def("add_layer", &deepinfer_cpu::StepProgram::add_layer)
-      .def("forward", &deepinfer_cpu::StepProgram::forward);
+      .def("forward", &deepinfer_cpu::StepProgram::forward)
+      .def("decode", &deepinfer_cpu::StepProgram::decode);
   m.def("plan_step(Tensor starts, Tensor lens, Tensor slots, Tensor block_table, Tensor[] rope_tables, "
         "int[] geometry, int[] kinds, int entry_base) -> Tensor[]", &deepinfer_cpu::plan_step);
 }

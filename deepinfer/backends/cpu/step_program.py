@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
 
 from deepinfer.backends.cpu import kernels
@@ -88,18 +89,12 @@ class StepProgram:
     def plan(self, meta) -> bool:
         """StepMeta's planner: fill `meta`'s index arrays (the numpy ones of StepMeta._plan, same
         values) in one C++ call. False (meta plans in numpy) past the longest RoPE table."""
-        cfg = self.model.config
-        need = int(meta.ends.max()) if len(meta.ends) else 0
-        main, comp = cfg.rope_main.table(need), cfg.rope_compress.table(need)
-        if main is None or comp is None:
+        tables = self._rope_tables(int(meta.ends.max()) if len(meta.ends) else 0)
+        if tables is None:
             return False
-        if self._tables is None or self._tables[0] is not main[0] or self._tables[2] is not comp[0]:
-            self._tables = (*main, *comp)
-            self._table_tensors = [torch.from_numpy(t) for t in self._tables]
         inp = meta.inp
-        out = torch.ops.deepinfer_cpu.plan_step(inp.starts, inp.lens, inp.slots, self._block_table,
-                                                self._table_tensors, self._geometry, self._kinds,
-                                                self.cache.entry_base())
+        out = torch.ops.deepinfer_cpu.plan_step(inp.starts, inp.lens, inp.slots, self._block_table, tables,
+                                                self._geometry, self._kinds, self.cache.entry_base())
         seq, positions, window_rows, window_src, window_dst, cos, sin, comp_cos, comp_sin = out[:9]
         meta.seq, meta.positions = seq.numpy(), positions.numpy()
         meta.window_rows, meta.window_commit = window_rows, (window_src, window_dst)
@@ -113,10 +108,40 @@ class StepProgram:
             meta._by_rate[(layer.kind, layer.rate)] = info
         return True
 
+    def _rope_tables(self, need: int) -> list[torch.Tensor] | None:
+        """cos, sin of the main and the compress RoPE covering positions < need (RopeConfig.table's
+        shared arrays), or None past the longest table kept."""
+        cfg = self.model.config
+        main, comp = cfg.rope_main.table(need), cfg.rope_compress.table(need)
+        if main is None or comp is None:
+            return None
+        if self._tables is None or self._tables[0] is not main[0] or self._tables[2] is not comp[0]:
+            self._tables = (*main, *comp)
+            self._table_tensors = [torch.from_numpy(t) for t in self._tables]
+        return self._table_tensors
+
     def runs(self, meta) -> bool:
         """Whether this step can run as the program (else the model runs its Python graph)."""
-        return (0 < meta.num_tokens <= self.max_tokens and isinstance(meta.own, slice)
-                and all(getattr(self.model.accel, name) is fn for name, fn in self.ops.items()))
+        return 0 < meta.num_tokens <= self.max_tokens and isinstance(meta.own, slice) and self.ops_unchanged()
+
+    def ops_unchanged(self) -> bool:
+        """The accelerator still has the ops the program was built from (a profiler or a test
+        double may have replaced one since: the graph then runs, so the replacement is called)."""
+        return all(getattr(self.model.accel, name) is fn for name, fn in self.ops.items())
+
+    def decode(self, ids: list[int], slots: list[int], starts: list[int], steps: int) -> torch.Tensor | None:
+        """`steps` greedy decode steps of a batch in one call (multi-step scheduling): sequence b
+        feeds ids[b] at position starts[b], then each step its own argmax. Returns the sampled
+        tokens [steps, B], or None where this cannot run (too many sequences for the kernels,
+        positions past the RoPE tables, a replaced op). The caller grew the pages and checked
+        that every row samples greedily."""
+        tables = self._rope_tables(max(starts) + steps)
+        if not 0 < len(ids) <= self.max_tokens or tables is None or not self.ops_unchanged():
+            return None
+        as_tensor = lambda xs: torch.from_numpy(np.array(xs, dtype=np.int64))  # noqa: E731
+        with torch.inference_mode():
+            return self.program.decode(as_tensor(ids), as_tensor(slots), as_tensor(starts), steps, self._block_table,
+                                       tables, self._geometry, self._kinds)
 
     def __call__(self, meta, logit_rows: torch.Tensor) -> torch.Tensor:
         step = [meta.ids, meta.window_rows, *meta.window_commit, *meta.rope["main"], *meta.rope["compress"]]

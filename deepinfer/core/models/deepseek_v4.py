@@ -189,7 +189,7 @@ class DeepseekV4Model:
         self.w = {name: accel.prepare_weight(name, t) for name, t in weights.items()}
         if config.tie_word_embeddings and "lm_head.weight" not in self.w:
             self.w["lm_head.weight"] = self.w["model.embed_tokens.weight"]
-        self._program, self._program_cache = None, None  # see _step_program
+        self._program, self._program_cache = None, None  # see step_program
 
     @staticmethod
     def _fuse_input_projections(weights: dict[str, torch.Tensor], i: int, index_scale: float) -> dict[str, tuple[int, int]]:
@@ -232,7 +232,7 @@ class DeepseekV4Model:
         The accelerator's step program (Accelerator.step_program) runs the steps it takes; the
         others run `forward_graph`."""
         meta = meta if meta is not None else self.prepare(inp, cache)
-        program = self._step_program(cache)
+        program = self.step_program(cache)
         if program is not None and not feature_layers and program.runs(meta):
             return program(meta, logit_rows.to(cache.device))
         return self.forward_graph(meta, cache, logit_rows, feature_layers, feature_rows)
@@ -265,7 +265,7 @@ class DeepseekV4Model:
         logits = ops.linear(h, w["lm_head.weight"])
         return (logits, torch.stack(features, dim=1)) if feature_layers else logits
 
-    def _step_program(self, cache: StateCache):
+    def step_program(self, cache: StateCache):
         """The accelerator's step program for `cache` (built on first use), or None. Not with
         expert parallelism: its `routed_experts` hook dispatches to other ranks from Python."""
         if "routed_experts" in vars(self):
@@ -274,8 +274,18 @@ class DeepseekV4Model:
             self._program, self._program_cache = self.accel.step_program(self, cache), cache
         return self._program
 
+    def decode_steps(self, ids: list[int], slots: list[int], starts: list[int], steps: int,
+                     cache: StateCache) -> torch.Tensor | None:
+        """`steps` greedy decode steps of a batch in one call of the accelerator's step program
+        (multi-step scheduling): sequence b feeds ids[b] at position starts[b], then its own argmax
+        each step. Returns the tokens [steps, B], or None where the program cannot (no program, or
+        not for this batch): the engine then runs the steps one by one, with the same results."""
+        program = self.step_program(cache)
+        decode = getattr(program, "decode", None)
+        return decode(ids, slots, starts, steps) if decode is not None else None
+
     def prepare(self, inp: StepInput, cache: StateCache) -> StepMeta:
-        program = self._step_program(cache)
+        program = self.step_program(cache)
         return StepMeta(inp, cache, self.config, planner=program.plan if program is not None else None)
 
     def _block_entry(self, b: int) -> tuple:

@@ -1,0 +1,128 @@
+"""Multi-step scheduling: several greedy decode steps per model call (DEEPINFER_MULTI_STEP_DECODE)
+must give exactly what one step per call gives, stop where that stops, and free everything."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tiny_models import hf_greedy
+from deepinfer import LLM, SamplingParams
+
+
+def _prompts(lengths: list[int], seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, 512, (n,), generator=gen).tolist() for n in lengths]
+
+
+def _llm(path, monkeypatch, steps: int, **kw) -> LLM:
+    monkeypatch.setenv("DEEPINFER_MULTI_STEP_DECODE", str(steps))
+    kw = dict(max_num_seqs=8, max_num_batched_tokens=512, num_cache_pages=64) | kw
+    return LLM(path, **kw)
+
+
+def _count_calls(llm: LLM) -> list[int]:
+    """Counts the model's multi-step calls that ran (returned tokens)."""
+    model, calls = llm.engine.model, []
+    decode_steps = model.decode_steps
+
+    def counted(*a, **kw):
+        out = decode_steps(*a, **kw)
+        calls.append(0 if out is None else out.shape[0])
+        return out
+
+    model.decode_steps = counted
+    return calls
+
+
+def _outputs(llm, prompts, params):
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].stop_reason, o.outputs[0].text)
+            for o in outs]
+
+
+def test_multi_step_equals_one_step_per_call(tiny_model_dir, monkeypatch):
+    path, hf = tiny_model_dir
+    one = _llm(path, monkeypatch, 1)
+    prompts = _prompts([3, 50, 130, 290, 77, 20], seed=1)
+    # stop ids and strings taken from the free-running outputs, so requests stop inside a call
+    free = _outputs(one, prompts, SamplingParams(temperature=0.0, max_tokens=45, ignore_eos=True))
+    params = [SamplingParams(temperature=0.0, max_tokens=45, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[free[2][0][10]], ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=33, ignore_eos=False),
+              SamplingParams(temperature=0.0, max_tokens=45, stop=[free[4][3][20:23]], ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)]
+    ref = _outputs(one, prompts, params)
+    multi = _llm(path, monkeypatch, 8)
+    calls = _count_calls(multi)
+    got = _outputs(multi, prompts, params)
+    assert got == ref
+    assert ref[2][1] == "stop" and len(ref[2][0]) == free[2][0].index(free[2][0][10]) + 1
+    assert ref[4][1] == "stop" and isinstance(ref[4][2], str)
+    assert calls and max(calls) == 8, calls  # it ran, in calls of up to 8 steps
+    engine = multi.engine
+    assert engine.cache.num_free_pages == engine.cache.num_pages and engine.cache.num_free_slots == engine.cache.max_seqs
+    for prompt, (tokens, *_) in zip(prompts[:2], got[:2]):
+        assert tokens == hf_greedy(hf, prompt, len(tokens))
+
+
+def test_state_after_a_stop_inside_a_call_serves_the_prefix_cache(tiny_model_dir, monkeypatch):
+    """A request that stops mid-call leaves its full pages in the prefix cache: they must hold the
+    state of the tokens it kept, not of the ones computed past its stop."""
+    path, _ = tiny_model_dir
+    prompt = _prompts([200], seed=3)[0]
+    one = _llm(path, monkeypatch, 1)
+    free = one.generate(prompt_token_ids=[prompt], use_tqdm=False,
+                        sampling_params=SamplingParams(temperature=0.0, max_tokens=90, ignore_eos=True))[0]
+    stop_at = next(i for i in range(61, 90) if free.outputs[0].token_ids[i] not in free.outputs[0].token_ids[:i])
+    stop = SamplingParams(temperature=0.0, max_tokens=90, stop_token_ids=[free.outputs[0].token_ids[stop_at]],
+                          ignore_eos=True)
+    multi = _llm(path, monkeypatch, 8)
+    calls = _count_calls(multi)
+    first = multi.generate(prompt_token_ids=[prompt], sampling_params=stop, use_tqdm=False)[0].outputs[0]
+    assert first.token_ids == free.outputs[0].token_ids[:stop_at + 1] and calls
+    follow = prompt + first.token_ids + [7, 8, 9]  # pages of positions 0..255 come from the cache
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    got = multi.generate(prompt_token_ids=[follow], sampling_params=params, use_tqdm=False)[0].outputs[0]
+    assert multi.stats()["prefix_cache_hit_tokens"] >= 128
+    fresh = _llm(path, monkeypatch, 1)
+    assert got.token_ids == fresh.generate(prompt_token_ids=[follow], sampling_params=params,
+                                           use_tqdm=False)[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.7, max_tokens=12, seq_seed=3, ignore_eos=True),
+                                    SamplingParams(temperature=0.0, max_tokens=12, top_logprobs=2, ignore_eos=True)],
+                         ids=["sampled", "logprobs"])
+def test_rows_that_need_the_host_between_tokens_run_one_step_per_call(tiny_model_dir, monkeypatch, params):
+    path, _ = tiny_model_dir
+    prompts = _prompts([40, 60], seed=4)
+    one = _outputs(_llm(path, monkeypatch, 1), prompts, params)
+    multi = _llm(path, monkeypatch, 8)
+    calls = _count_calls(multi)
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    mixed = multi.generate(prompt_token_ids=prompts, sampling_params=[params, greedy], use_tqdm=False)
+    assert not calls  # one such row keeps the whole batch at one step per call
+    assert [o.outputs[0].token_ids for o in mixed][0] == one[0][0]
+
+
+def test_a_waiting_request_is_not_held_back_by_a_call(tiny_model_dir, monkeypatch):
+    """With a request waiting for a slot, steps stay single so it is admitted as soon as one frees."""
+    path, _ = tiny_model_dir
+    multi = _llm(path, monkeypatch, 8, max_num_seqs=2)
+    engine, model = multi.engine, multi.engine.model
+    waiting_at_calls = []
+    decode_steps = model.decode_steps
+    model.decode_steps = lambda *a, **kw: waiting_at_calls.append(len(engine.scheduler.waiting)) or decode_steps(*a, **kw)
+    prompts = _prompts([30, 30, 30], seed=5)
+    reqs = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True))
+            for p, m in zip(prompts, (3, 40, 10))]
+    steps_until_admitted = 0
+    while reqs[2].slot is None:
+        engine.step()
+        steps_until_admitted += 1
+    assert steps_until_admitted <= 4  # prefill, then the first request's two decode steps
+    while engine.has_unfinished():
+        engine.step()
+    assert [len(r.output_token_ids) for r in reqs] == [3, 40, 10]
+    assert waiting_at_calls and set(waiting_at_calls) == {0}
