@@ -55,9 +55,10 @@ def profile(model: str, batch: int, prompt_len: int, steps: int) -> dict:
     engine = llm.engine
     vocab = engine.model_config.vocab_size
     prompts = torch.randint(3, vocab, (batch, prompt_len), generator=torch.Generator().manual_seed(0)).tolist()
-    params = SamplingParams(temperature=0.0, max_tokens=3 * steps + 40, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=4 * steps + 40, ignore_eos=True)
     for ids in prompts:
         engine.add_request(ids, params)
+    default, engine.multi_step = engine.multi_step, 1
     for _ in range(10):  # the prefill and a few decode steps
         engine.step()
 
@@ -68,7 +69,6 @@ def profile(model: str, batch: int, prompt_len: int, steps: int) -> dict:
             done += engine.last_step.decode_tokens // batch
         return (time.perf_counter() - start) / done * 1e3
 
-    default = engine.multi_step
     as_run = {"step program, one step per call": ms_per_decode_step(steps, 1),
               f"step program, up to {default} steps per call": ms_per_decode_step(steps, default)}
     engine.multi_step = default

@@ -288,10 +288,13 @@ class LLMEngine:
         if self.model.step_program(self.cache) is None:  # the accelerator has no way to run several
             self.multi_step = 1
             return 1
+        window = self.model_config.sliding_window
         for c in chunks:
             req = c.request
             if (c.num_tokens != 1 or not c.completes or req.num_computed < req.num_prompt_tokens or req.pending
                     or req.params.temperature >= 1e-5 or req.params.top_logprobs or req.grammar is not None):
+                return 1
+            if req.window_floor and req.num_computed - req.window_floor < window:  # a replay's floor still masks keys
                 return 1
             steps = min(steps, req.params.max_tokens - len(req.output_token_ids), self.max_model_len - req.num_tokens)
             if steps <= 1 or not self.cache.can_grow(req.slot, req.num_computed + steps):
