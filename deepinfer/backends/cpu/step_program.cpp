@@ -66,23 +66,15 @@ struct StepProgram : torch::CustomClassHolder {
       : embed_(globals.at("embed")), lm_head_(globals.at("lm_head")), norm_(globals.at("norm")),
         head_fn_(globals.at("hc_head_fn")), head_base_(globals.at("hc_head_base")),
         head_scale_(globals.at("hc_head_scale")) {
-    hc_mult_ = static_cast<int64_t>(params.at("hc_mult"));
-    norm_eps_ = params.at("rms_norm_eps");
-    hc_eps_ = params.at("hc_eps");
-    sinkhorn_iters_ = static_cast<int64_t>(params.at("hc_sinkhorn_iters"));
-    heads_ = static_cast<int64_t>(params.at("num_attention_heads"));
-    head_dim_ = static_cast<int64_t>(params.at("head_dim"));
-    attn_scale_ = params.at("attn_scale");
-    o_groups_ = static_cast<int64_t>(params.at("o_groups"));
-    index_heads_ = static_cast<int64_t>(params.at("index_n_heads"));
-    index_topk_ = static_cast<int64_t>(params.at("index_topk"));
-    index_scale_ = params.at("index_scale");
-    top_k_ = static_cast<int64_t>(params.at("num_experts_per_tok"));
-    routed_scaling_ = params.at("routed_scaling_factor");
+    auto count = [&](const char* key) { return static_cast<int64_t>(params.at(key)); };
+    hc_mult_ = count("hc_mult"), sinkhorn_iters_ = count("hc_sinkhorn_iters");
+    heads_ = count("num_attention_heads"), head_dim_ = count("head_dim"), o_groups_ = count("o_groups");
+    index_heads_ = count("index_n_heads"), index_topk_ = count("index_topk"), top_k_ = count("num_experts_per_tok");
+    linear_max_tokens_ = count("linear_max_tokens"), kv_scratch_ = count("ring_rows");
+    entry_base_ = count("entry_base");
+    norm_eps_ = params.at("rms_norm_eps"), hc_eps_ = params.at("hc_eps"), attn_scale_ = params.at("attn_scale");
+    index_scale_ = params.at("index_scale"), routed_scaling_ = params.at("routed_scaling_factor");
     swiglu_limit_ = params.at("swiglu_limit");
-    linear_max_tokens_ = static_cast<int64_t>(params.at("linear_max_tokens"));
-    kv_scratch_ = static_cast<int64_t>(params.at("ring_rows"));
-    entry_base_ = static_cast<int64_t>(params.at("entry_base"));
   }
 
   void add_layer(c10::Dict<std::string, at::Tensor> t, c10::Dict<std::string, int64_t> n) {
