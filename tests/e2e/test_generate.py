@@ -124,15 +124,20 @@ def test_max_model_len_stops_generation(tiny_model_dir):
     assert out.finish_reason == "length" and len(out.token_ids) == 14
 
 
-def test_random_workload_with_aborts_frees_everything(tiny_model_dir):
+@pytest.mark.parametrize("temperatures, requests, max_num_seqs", [((0.0, 0.8), 200, 16), ((0.0,), 48, 64)],
+                         ids=["mixed", "greedy, multi-step calls"])
+def test_random_workload_with_aborts_frees_everything(tiny_model_dir, temperatures, requests, max_num_seqs):
     path, _ = tiny_model_dir
-    llm = LLM(path, max_num_seqs=16, max_num_batched_tokens=256, num_cache_pages=12)
+    llm = LLM(path, max_num_seqs=max_num_seqs, max_num_batched_tokens=256, num_cache_pages=12)
     engine = llm.engine
+    calls = []  # multi-step calls that ran (greedy rows, nobody waiting)
+    decode_steps = engine.model.decode_steps
+    engine.model.decode_steps = lambda *a, **kw: calls.append(1) or decode_steps(*a, **kw)
     rng = random.Random(7)
     reqs = []
-    for i in range(200):
+    for i in range(requests):
         n = rng.randint(1, 150)
-        params = SamplingParams(temperature=rng.choice([0.0, 0.8]), max_tokens=rng.randint(1, 12), ignore_eos=True)
+        params = SamplingParams(temperature=rng.choice(temperatures), max_tokens=rng.randint(1, 40), ignore_eos=True)
         reqs.append(engine.add_request([rng.randint(2, 511) for _ in range(n)], params))
     aborted = set()
     steps = 0
@@ -151,6 +156,7 @@ def test_random_workload_with_aborts_frees_everything(tiny_model_dir):
         else:
             assert r.finish_reason == "length" and len(r.output_token_ids) == r.params.max_tokens
     assert aborted, "the workload should have aborted some requests"
+    assert calls or len(temperatures) > 1, "the greedy workload should have run multi-step calls"
     engine.pop_finished()
     assert engine.cache.num_free_pages == engine.cache.num_pages
     assert engine.cache.num_free_slots == engine.cache.max_seqs
