@@ -6,7 +6,8 @@ decode step of a small model spends its time on (the mHC mix alone is ~80 ops, 8
 rope, compress_entries, sparse_attention and indexer_topk always; linear, moe_experts, swiglu_mlp
 (the shared expert), grouped_linear and the two routers for decode-sized batches (larger ones go to
 the reference, whose GEMMs win there). The fused sequences hc_pre_norm, hc_post_pre_norm and
-rms_norm_rope chain those kernels in one call. It is built with torch's C++ extension loader on the machine
+rms_norm_rope chain those kernels in one call. `step_program.cpp`, in the same library, chains the
+whole forward (step_program.py). It is built with torch's C++ extension loader on the machine
 that runs it (so `-march=native` is safe) into ~/.cache/deepinfer/cpu_kernels/<hash>, once per
 source/torch/compiler version; later processes only load the library.
 
