@@ -232,8 +232,10 @@ class Accelerator(ABC):
         """A faster way to run `model.forward` on `cache`, or None (the default: the model's Python
         graph, op by op). What it returns has `runs(meta) -> bool` (whether it takes this step) and
         `__call__(meta, logit_rows) -> logits`, with the same results and cache updates as the
-        graph. A backend may replay a captured graph here (CUDA graphs); the cpu backend runs the
-        step as one C++ call (backends/cpu/step_program.py)."""
+        graph; optionally `plan(meta) -> bool` (StepMeta's index arrays, the same values, or False to
+        leave them to numpy) and `decode(ids, slots, starts, steps) -> tokens [steps, B] | None`
+        (greedy multi-step decoding). A backend may replay a captured graph here (CUDA graphs); the
+        cpu backend runs the step as one C++ call (backends/cpu/step_program.py)."""
         return None
 
     # -------------------------------------------------------------- device

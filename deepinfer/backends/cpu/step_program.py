@@ -61,8 +61,13 @@ class StepProgram:
              "hc_head_fn": w["model.hc_head.hc_fn"], "hc_head_base": w["model.hc_head.hc_base"],
              "hc_head_scale": w["model.hc_head.hc_scale"]},
             {k: float(v) for k, v in params.items()})
-        # one layer of each compressed kind: StepMeta.compressed(layer) is that kind's step info
-        self.info_layers = []
+        # one layer of each compressed kind, in order: StepMeta.compressed(layer) is that kind's step info
+        first_of_kind = {}
+        for layer in cache.layers:
+            if layer.rate:
+                first_of_kind.setdefault((layer.kind, layer.rate), layer)
+        self.info_layers = list(first_of_kind.values())
+        self._info_index = {key: k for k, key in enumerate(first_of_kind)}
         for i, layer in enumerate(cache.layers):
             tensors, ints = self._layer(model, i, layer)
             program.add_layer(tensors, ints)
@@ -204,11 +209,7 @@ class StepProgram:
             t.update(comp_bias=w[c + "position_bias"], comp_norm=w[c + "kv_norm.weight"], comp_ring=layer.comp_ring)
             cols("comp", "compressor.kv_proj", "compressor.gate_proj")
             ints["comp_scratch"] = self.cache.max_seqs * layer.comp_ring_size
-            kinds = [(x.kind, x.rate) for x in self.info_layers]
-            if (layer.kind, layer.rate) not in kinds:
-                self.info_layers.append(layer)
-                kinds.append((layer.kind, layer.rate))
-            ints["info"] = kinds.index((layer.kind, layer.rate))
+            ints["info"] = self._info_index[(layer.kind, layer.rate)]
         if layer.kind == CSA:
             x = a + "compressor.indexer."
             t.update(index_bias=w[x + "position_bias"], index_norm=w[x + "kv_norm.weight"],

@@ -285,8 +285,7 @@ class DeepseekV4Model:
         return decode(ids, slots, starts, steps) if decode is not None else None
 
     def prepare(self, inp: StepInput, cache: StateCache) -> StepMeta:
-        program = self.step_program(cache)
-        return StepMeta(inp, cache, self.config, planner=program.plan if program is not None else None)
+        return StepMeta(inp, cache, self.config, planner=getattr(self.step_program(cache), "plan", None))
 
     def _block_entry(self, b: int) -> tuple:
         """hc_pre_norm's arguments after the streams for block b (2i: layer i's attention, 2i+1: its MoE)."""
