@@ -104,16 +104,25 @@ def test_cli_reports_bad_model_dir(tmp_path):
 @pytest.mark.slow
 def test_non_editable_install_ships_the_model(tmp_path):
     """`pip install .` (not editable) must carry the model files as package data."""
+    import sysconfig
+
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     py = venv / "bin" / "python"
+    # The new venv reads its dependencies (torch, ...) from the environment running this test, whatever
+    # that is (a venv or not): a plain path line, so that environment's own .pth files (an editable
+    # deepinfer among them) are not processed and the copy installed below is the one imported.
+    purelib = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    with open(os.path.join(purelib, "parent_env.pth"), "w") as f:
+        f.write(sysconfig.get_paths()["purelib"] + "\n")
     subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", REPO],
                    check=True, timeout=600)
     code = ("import deepinfer, os; from deepinfer.llm import DEFAULT_MODEL_DIR as d; "
             "print(d); print(sorted(os.listdir(d)))")
     proc = subprocess.run([str(py), "-c", code], capture_output=True, text=True, cwd=tmp_path, check=True)
     location, files = proc.stdout.splitlines()
-    assert "site-packages" in location
+    assert location.startswith(str(venv)) and "site-packages" in location
     for name in ("config.json", "model.safetensors", "tokenizer.json"):
         assert name in files
 
