@@ -16,9 +16,19 @@ Conventions for all ops:
 
 from __future__ import annotations
 
+import enum
 from abc import ABC, abstractmethod
 
 import torch
+
+
+class WeightRole(enum.Enum):
+    """Which op reads a weight: a backend may store a weight in the layout that op wants (ascend
+    keeps expert stacks transposed for npu_grouped_matmul). The model, which owns its tensor names,
+    says the role; a backend never guesses it from a name."""
+
+    PLAIN = "plain"  # read by linear, embedding, norms, routers, tables: the checkpoint layout
+    EXPERTS = "experts"  # [E, N, K] stacks of routed experts, read only by moe_experts
 
 
 class Accelerator(ABC):
@@ -28,8 +38,15 @@ class Accelerator(ABC):
     dist_backend: str = "gloo"
 
     # capabilities (core gates features on these, never on `name`)
-    batch_invariant: bool = False  # results independent of batch composition when enabled
-    deterministic_sampling: bool = False  # seq_seed + batch invariance => identical reruns
+    batch_invariant: bool = False  # every op gives a row the same result in any batch (as constructed)
+    # seq_seed reruns are identical whatever shares the batch (batch-invariant ops + counter-based
+    # noise). The one gate core checks: DEEPINFER_BATCH_INVARIANT=1 on a backend without it is
+    # refused, and a seeded request's warning says what is missing.
+    deterministic_sampling: bool = False
+    # DEEPINFER_BATCH_INVARIANT=1 at construction switches this backend to batch-invariant ops (cpu:
+    # its fast ops are not). A backend whose ops are always invariant (nvidia) or never (ascend)
+    # has nothing to switch.
+    batch_invariant_mode: bool = False
     fp8_weights: bool = False  # can run FP8 block-scaled GEMMs natively
     # Plan step N+1 on the host while step N runs (DEEPINFER_ZERO_OVERHEAD_SCHEDULING's default):
     # pays where the device runs asynchronously to the Python thread that launches its work.
@@ -39,9 +56,9 @@ class Accelerator(ABC):
     speculative_decoding: bool = True
 
     # -------------------------------------------------------------- weights
-    def prepare_weight(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """Move a loaded float32 (or int64) checkpoint tensor to the device, in the
-        layout and dtype this backend computes with. Called once per tensor at load."""
+    def prepare_weight(self, tensor: torch.Tensor, role: WeightRole = WeightRole.PLAIN) -> torch.Tensor:
+        """Move a loaded float32 (or int64) checkpoint tensor to the device, in the layout and
+        dtype this backend computes with for the op `role` names. Called once per tensor at load."""
         return tensor.to(self.device)
 
     # -------------------------------------------------------------- dense

@@ -62,6 +62,20 @@ def test_batch_invariant_mode_is_refused_on_ascend(monkeypatch, model_dir):
         LLM(model_dir[0])
 
 
+def test_seq_seed_on_ascend_warns_that_reruns_may_differ(monkeypatch, model_dir, caplog):
+    import logging
+
+    from deepinfer import LLM, SamplingParams
+
+    monkeypatch.delenv("DEEPINFER_BATCH_INVARIANT", raising=False)
+    llm = LLM(model_dir[0], accelerator="ascend", max_num_seqs=2, max_num_batched_tokens=64, num_cache_pages=4)
+    with caplog.at_level(logging.WARNING, logger="deepinfer"):
+        llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=SamplingParams(max_tokens=1, seq_seed=1),
+                     use_tqdm=False)
+    msgs = [r.getMessage() for r in caplog.records if r.name == "deepinfer"]
+    assert len(msgs) == 1 and "the ascend backend does not" in msgs[0] and "BATCH_INVARIANT" not in msgs[0]
+
+
 def test_llm_generates_on_ascend_like_cpu(monkeypatch, model_dir):
     """The engine path (device, memory query, sampler) on ascend: greedy tokens equal the cpu backend's."""
     from deepinfer import LLM, SamplingParams
@@ -77,3 +91,23 @@ def test_llm_generates_on_ascend_like_cpu(monkeypatch, model_dir):
         out[acc] = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params,
                                                                  use_tqdm=False)]
     assert out["ascend"] == out["cpu"] and all(len(t) == 4 for t in out["cpu"])
+
+
+@pytest.mark.slow
+def test_shipped_model_drafts_on_ascend_like_cpu(monkeypatch):
+    """ascend drafts by default: the shipped model's DSpark drafter (its experts in the layout
+    npu_grouped_matmul takes) generates the same greedy tokens as cpu without drafting."""
+    from deepinfer import LLM, SamplingParams
+
+    monkeypatch.delenv("DEEPINFER_BATCH_INVARIANT", raising=False)
+    monkeypatch.delenv("DEEPINFER_USE_NEXTN_DECODE", raising=False)
+    monkeypatch.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "0")  # fixed length: no start-up profile under the interpreter
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = ["def fib(n):"]
+    asc = LLM(accelerator="ascend", max_num_seqs=2, max_num_batched_tokens=128, num_cache_pages=4)
+    assert asc.engine.spec is not None  # the backend's default: draft
+    drafted = [o.outputs[0].token_ids for o in asc.generate(prompts, params, use_tqdm=False)]
+    assert asc.engine.spec.stats["verified"] > 0
+    cpu = LLM(accelerator="cpu", max_num_seqs=2, max_num_batched_tokens=128, num_cache_pages=4)
+    assert cpu.engine.spec is None
+    assert drafted == [o.outputs[0].token_ids for o in cpu.generate(prompts, params, use_tqdm=False)]

@@ -56,7 +56,7 @@ import os
 import torch
 
 from deepinfer.backends.ascend import ascendc, npu_ops
-from deepinfer.backends.base import Accelerator
+from deepinfer.backends.base import Accelerator, WeightRole
 from deepinfer.backends.cpu import ops as reference
 
 try:
@@ -149,11 +149,11 @@ class AscendAccelerator(Accelerator):
             self.compress_windows = ascendc.compress_windows
             self.hc_pre = ascendc.make_hc_pre(self.rms_norm, self.linear)
 
-    def prepare_weight(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    def prepare_weight(self, tensor: torch.Tensor, role: WeightRole = WeightRole.PLAIN) -> torch.Tensor:
         # float32 storage keeps the ops comparable to the cpu reference (bf16 is a later, measured step)
         if tensor.is_floating_point():
             tensor = tensor.float()
-        if name.endswith(npu_ops.EXPERT_WEIGHTS):
+        if role is WeightRole.EXPERTS:
             tensor = npu_ops.prepare_expert_weight(tensor)
         return tensor.to(self.device).contiguous()
 

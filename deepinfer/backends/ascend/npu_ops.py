@@ -18,17 +18,14 @@ import torch
 
 _npu = None  # the torch_npu module, set by bind()
 
-# The expert weights are stored transposed, [E, K, N], the layout npu_grouped_matmul multiplies by.
-EXPERT_WEIGHTS = ("experts.gate_up_proj", "experts.down_proj")
-
-
 def bind(torch_npu) -> None:
     global _npu
     _npu = torch_npu
 
 
 def prepare_expert_weight(tensor: torch.Tensor) -> torch.Tensor:
-    """[E, N, K] checkpoint layout -> [E, K, N] contiguous (done once, at load)."""
+    """[E, N, K] checkpoint layout -> [E, K, N] contiguous, the layout npu_grouped_matmul multiplies
+    by (done once, at load, for weights of role EXPERTS)."""
     return tensor.transpose(1, 2).contiguous()
 
 
@@ -53,7 +50,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
 
 
 def moe_experts(x, weights, ids, gate_up, down, limit):
-    """gate_up [E, D, 2I], down [E, I, D]: the layouts prepare_weight stored (see EXPERT_WEIGHTS)."""
+    """gate_up [E, D, 2I], down [E, I, D]: the layouts prepare_weight stored (role EXPERTS)."""
     num_tokens, top_k = ids.shape
     num_experts, inter = gate_up.shape[0], gate_up.shape[2] // 2
     if num_tokens == 0:

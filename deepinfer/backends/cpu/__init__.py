@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from deepinfer.backends.base import Accelerator
+from deepinfer.backends.base import Accelerator, WeightRole
 from deepinfer.backends.cpu import invariant, kernels, ops
 
 
@@ -19,6 +19,7 @@ class CpuAccelerator(Accelerator):
     # construction swaps in the ops of `invariant.py` and only then claims both capabilities.
     batch_invariant = False
     deterministic_sampling = False
+    batch_invariant_mode = True
     fp8_weights = False
     # The "device" is the host: a forward on a worker thread and the next step's planning contend
     # for the GIL, and the overlap measured 0.76x (batch 32) to 0.95x (batch 1) of synchronous steps.
@@ -45,7 +46,7 @@ class CpuAccelerator(Accelerator):
             for op in kernels.OPS:
                 setattr(self, op, getattr(kernels, op))
 
-    def prepare_weight(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    def prepare_weight(self, tensor: torch.Tensor, role: WeightRole = WeightRole.PLAIN) -> torch.Tensor:
         # bf16 matmuls run ~100x slower than fp32 on these CPUs: compute in float32.
         if tensor.is_floating_point():
             tensor = tensor.float()

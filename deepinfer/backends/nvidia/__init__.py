@@ -1,4 +1,11 @@
-"""NVIDIA backend: every op is a Triton kernel (selection steps that need a sort use torch's sort).
+"""NVIDIA backend: Triton kernels, and the csrc/cuda sparse attention where it is built.
+
+Not everything is a Triton kernel: indexer_topk and route_topk compute scores in Triton and select
+with torch's (stable) sort/topk exactly as the reference; sample's top-k/top-p mask is the
+reference's sort-based filter (temperature, the SplitMix64 Gumbel noise and argmax are Triton);
+the MoE expert grouping is torch (argsort + bincount) around Triton GEMMs; the base class's fused
+sequences (hc_pre_norm, hc_post_pre_norm, rms_norm_rope, swiglu_mlp, compress_entries) run as
+composites of the kernels.
 
 The kernels run unchanged under the Triton interpreter (`TRITON_INTERPRET=1`) on CPU tensors;
 that is how CI, which has no GPU, executes them. Batch invariance: every reduction is done
@@ -9,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer.backends.base import Accelerator
+from deepinfer.backends.base import Accelerator, WeightRole
 
 try:
     import triton  # noqa: F401
@@ -17,13 +24,6 @@ except ImportError as exc:  # the registry turns this into the user-facing error
     raise ImportError("the nvidia backend needs Triton: pip install triton") from exc
 
 from deepinfer.backends.nvidia import attention, cuda_ext, elementwise, fp8, gemm, sampling  # noqa: E402
-
-# Ops that run the cpu reference instead of a Triton kernel (none today). The README lists them.
-# Not fallbacks but worth knowing: indexer_topk and route_topk compute scores in Triton and select
-# with torch's (stable) sort/topk exactly as the reference; sample's top-k/top-p mask is the
-# reference's sort-based filter, while temperature, the SplitMix64 Gumbel noise and argmax are Triton.
-REFERENCE_FALLBACK_OPS: tuple[str, ...] = ()
-
 
 def _device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() and torch.cuda.device_count() > 0 \
@@ -33,6 +33,8 @@ def _device() -> torch.device:
 class NvidiaAccelerator(Accelerator):
     name = "nvidia"
     dist_backend = "nccl"
+    # Always: every kernel's tiles and reduction order are fixed by the weight/feature shape, never
+    # by the token count, so DEEPINFER_BATCH_INVARIANT has nothing to switch here.
     batch_invariant = True
     deterministic_sampling = True
     fp8_weights = False  # FP8 block-scaled GEMMs land with csrc/cuda; weights are dequantized at load
@@ -44,7 +46,7 @@ class NvidiaAccelerator(Accelerator):
         if self.device.type == "cuda" and cuda_ext.load() is not None:
             self.sparse_attention = cuda_ext.sparse_decode_attention
 
-    def prepare_weight(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    def prepare_weight(self, tensor: torch.Tensor, role: WeightRole = WeightRole.PLAIN) -> torch.Tensor:
         # float32 storage keeps the kernels comparable to the cpu reference; bf16 storage is a
         # later, measured step (every kernel already casts loads to fp32).
         if tensor.is_floating_point():

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from deepinfer.backends.base import Accelerator
+from deepinfer.backends.base import Accelerator, WeightRole
 from deepinfer.core.cache import LayerState, StateCache
 from deepinfer.core.config import CSA, SLIDING, ModelConfig
 
@@ -186,7 +186,10 @@ class DeepseekV4Model:
         self._key_cols = [(splits["kv_proj"][0], max(b for name, (_, b) in splits.items()
                                                      if not name.endswith("weights_proj")))
                           for splits in self.input_proj_splits]
-        self.w = {name: accel.prepare_weight(name, t) for name, t in weights.items()}
+        experts = {f"model.layers.{i}.mlp.experts.{n}" for i in range(config.num_hidden_layers)
+                   for n in ("gate_up_proj", "down_proj")}  # read by moe_experts
+        self.w = {name: accel.prepare_weight(t, WeightRole.EXPERTS if name in experts else WeightRole.PLAIN)
+                  for name, t in weights.items()}
         if config.tie_word_embeddings and "lm_head.weight" not in self.w:
             self.w["lm_head.weight"] = self.w["model.embed_tokens.weight"]
         self._program, self._program_cache = None, None  # see step_program

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer.backends.base import Accelerator
+from deepinfer.backends.base import Accelerator, WeightRole
 from deepinfer.core.config import ModelConfig
 
 
@@ -120,8 +120,9 @@ class DSparkDrafter:
                 raise ValueError(f"DSpark drafter: missing tensor {name} (shape {shape})")
             if tuple(weights[name].shape) != shape:
                 raise ValueError(f"DSpark drafter: {name} has shape {tuple(weights[name].shape)}, expected {shape}")
-        self.w = {n: accel.prepare_weight(n, t) for n, t in
-                  fuse_experts(weights, dcfg.num_stages, cfg.n_routed_experts).items()}
+        experts = {f"mtp.{k}.ffn.experts.{n}" for k in range(dcfg.num_stages) for n in ("gate_up", "down")}
+        self.w = {n: accel.prepare_weight(t, WeightRole.EXPERTS if n in experts else WeightRole.PLAIN)
+                  for n, t in fuse_experts(weights, dcfg.num_stages, cfg.n_routed_experts).items()}
         self.embed = target_weights["model.embed_tokens.weight"]  # frozen, shared with the target
         self.lm_head = target_weights["lm_head.weight"]
         self.window = cfg.sliding_window
