@@ -7,7 +7,7 @@ flops counted from the shapes: compulsory traffic, fp32 storage, fp8 weights at 
 this device's ceilings, measured first (a 1 GiB copy; an 8192^3 bf16 matmul).
 
 On a GPU the shapes are DeepSeek-V4-Flash's (32 of the 256 experts are allocated: only hit
-experts cost time); expected to take a minute or two (not yet run on a GPU). Without a GPU it
+experts cost time); about a minute on an H200 (its run: benchmarks/results/gpu_kernels_h200.json). Without a GPU it
 is a smoke run: tiny shapes through the Triton interpreter, times not meaningful. Exits 1 if any
 row FAILs; never asserts on time.
 

@@ -26,6 +26,21 @@ def default_model() -> str:
     return envs.get("DEEPINFER_HF_MODEL_DIR") or DEFAULT_MODEL_DIR
 
 
+def deterministic_sampling_gaps(accel, drafting: bool) -> list[str]:
+    """What a seeded request still needs for identical reruns on `accel` (empty: nothing).
+    The accelerator's `deterministic_sampling` decides; the confidence-scheduled verify length
+    matters only when the engine drafts (its lengths follow measured step times)."""
+    from deepinfer import envs
+
+    missing = []
+    if not accel.deterministic_sampling:
+        missing.append("DEEPINFER_BATCH_INVARIANT=1 (set when the LLM is created)" if accel.batch_invariant_mode
+                       else f"a backend that offers it (the {accel.name} backend does not: use nvidia)")
+    if drafting and envs.mtp_varlen():
+        missing.append("DEEPINFER_ENABLE_MTP_VARLEN=0")
+    return missing
+
+
 class LLM:
     def __init__(self, model: str | os.PathLike | None = None, tokenizer: str | os.PathLike | None = None, *,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
@@ -45,12 +60,11 @@ class LLM:
         self.parallel = None  # deepinfer.parallel.ParallelExecutor when any parallel size exceeds 1
         from deepinfer import envs
 
-        if envs.batch_invariant() and not self.accel.batch_invariant:
+        if envs.batch_invariant() and not self.accel.deterministic_sampling:
             raise ValueError(
                 f"DEEPINFER_BATCH_INVARIANT=1 but the {self.accel.name} backend has no batch-invariant mode: "
                 "batch-invariant inference and deterministic sampling are NVIDIA-only (plus the cpu reference, "
                 "for testing); unset DEEPINFER_BATCH_INVARIANT or use DEEPINFER_ACCELERATOR=nvidia")
-        self._batch_invariant = envs.batch_invariant()  # what the accelerator was built with
         self._seed_warned = False
         torch.manual_seed(seed)
         config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -136,13 +150,7 @@ class LLM:
 
     def _warn_if_not_deterministic(self) -> None:
         """seq_seed alone does not make reruns identical; say once which condition is missing."""
-        from deepinfer import envs
-
-        missing = []
-        if not self._batch_invariant:
-            missing.append("DEEPINFER_BATCH_INVARIANT=1 (set when the LLM is created)")
-        if envs.mtp_varlen():
-            missing.append("DEEPINFER_ENABLE_MTP_VARLEN=0")
+        missing = deterministic_sampling_gaps(self.accel, drafting=self.engine.spec is not None)
         if missing:
             self._seed_warned = True
             logger.warning("seq_seed is set but sampling is not deterministic: a seeded request's tokens can "

@@ -142,9 +142,27 @@ def test_seq_seed_without_the_mode_is_logged_once(tiny_model_dir, monkeypatch, c
 
     monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "1")
     monkeypatch.delenv("DEEPINFER_ENABLE_MTP_VARLEN")  # default 1: variable verification length
-    llm = LLM(path, accelerator="cpu", num_cache_pages=4)
-    msgs = records(llm, seeded)
+    # without a drafter the verify length plays no part: nothing is missing
+    assert records(LLM(path, accelerator="cpu", num_cache_pages=4), seeded) == []
+    # the shipped model drafts when asked to: then the variable length is what is missing
+    monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "5")
+    drafting = LLM(accelerator="cpu", num_cache_pages=4)
+    assert drafting.engine.spec is not None
+    msgs = records(drafting, seeded)
     assert len(msgs) == 1 and "DEEPINFER_ENABLE_MTP_VARLEN=0" in msgs[0] and "BATCH_INVARIANT" not in msgs[0]
 
     monkeypatch.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "0")
-    assert records(LLM(path, accelerator="cpu", num_cache_pages=4), seeded) == []
+    assert records(LLM(accelerator="cpu", num_cache_pages=4), seeded) == []
+
+
+def test_seq_seed_on_nvidia_needs_no_mode(tiny_model_dir, monkeypatch, caplog):
+    """nvidia's kernels are batch-invariant whatever DEEPINFER_BATCH_INVARIANT says: a seeded request
+    is deterministic without it, and nothing is logged."""
+    _require_nvidia()
+    monkeypatch.delenv("DEEPINFER_BATCH_INVARIANT", raising=False)
+    llm = LLM(tiny_model_dir[0], accelerator="nvidia", max_num_seqs=2, max_num_batched_tokens=64, num_cache_pages=4)
+    assert llm.accel.deterministic_sampling and llm.engine.spec is None
+    with caplog.at_level(logging.WARNING, logger="deepinfer"):
+        llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=SamplingParams(max_tokens=1, seq_seed=1),
+                     use_tqdm=False)
+    assert [r.getMessage() for r in caplog.records if r.name == "deepinfer"] == []

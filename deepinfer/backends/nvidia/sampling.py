@@ -84,10 +84,11 @@ def _splitmix64(x, G: tl.constexpr, M1: tl.constexpr, M2: tl.constexpr):
 def _argmax_kernel(x_ptr, div_ptr, seed_ptr, pos_ptr, out_ptr, V, stride,
                    NOISE: tl.constexpr, G: tl.constexpr, M1: tl.constexpr, M2: tl.constexpr,
                    BLOCK: tl.constexpr):
-    """out[b] = argmax_v(x[b, v] / div[b] (+ Gumbel noise of (seed, position, v))), first index on ties."""
+    """out[b] = argmax_v(x[b, v] (/ div[b] + Gumbel noise of (seed, position, v))), first index on ties.
+    Without NOISE (greedy) the divisor, seed and position pointers are not read."""
     b = tl.program_id(0)
-    div = tl.load(div_ptr + b)
     if NOISE:
+        div = tl.load(div_ptr + b)
         seed = tl.load(seed_ptr + b).to(tl.uint64, bitcast=True)
         pos = tl.load(pos_ptr + b).to(tl.uint64, bitcast=True)
         row_key = _splitmix64(_splitmix64(seed, G, M1, M2) ^ pos, G, M1, M2)
@@ -95,9 +96,9 @@ def _argmax_kernel(x_ptr, div_ptr, seed_ptr, pos_ptr, out_ptr, V, stride,
     best_idx = 0
     for v0 in range(0, V, BLOCK):
         v = v0 + tl.arange(0, BLOCK)
-        # correctly rounded division, as torch's (GPU `/` is approximate)
-        x = tl.math.div_rn(tl.load(x_ptr + b * stride + v, mask=v < V, other=float("-inf")).to(tl.float32), div)
+        x = tl.load(x_ptr + b * stride + v, mask=v < V, other=float("-inf")).to(tl.float32)
         if NOISE:
+            x = tl.math.div_rn(x, div)  # correctly rounded division, as torch's (GPU `/` is approximate)
             bits = _splitmix64(row_key + v.to(tl.uint64) * G, G, M1, M2)
             u = ((bits >> 40).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
             x = x + -tl.log(-tl.log(u))
@@ -110,20 +111,22 @@ def _argmax_kernel(x_ptr, div_ptr, seed_ptr, pos_ptr, out_ptr, V, stride,
     tl.store(out_ptr + b, best_idx.to(tl.int64))
 
 
-def _argmax(values, divisor, seeds, positions, noise: bool) -> torch.Tensor:
+def _argmax(values, noise: tuple | None = None) -> torch.Tensor:
+    """Greedy argmax per row, or with noise = (divisor, seeds, positions) the Gumbel-max sample of
+    values / divisor."""
     rows, vocab = values.shape
     out = alloc.empty(rows, dtype=torch.int64, device=values.device)
+    divisor, seeds, positions = noise if noise is not None else (values, values, values)  # unread when greedy
     if rows:
-        _argmax_kernel[(rows,)](values, divisor, seeds, positions, out, vocab, values.stride(0), NOISE=noise,
-                                G=_GOLDEN, M1=_MIX1, M2=_MIX2, BLOCK=_VOCAB_BLOCK)
+        _argmax_kernel[(rows,)](values, divisor, seeds, positions, out, vocab, values.stride(0),
+                                NOISE=noise is not None, G=_GOLDEN, M1=_MIX1, M2=_MIX2, BLOCK=_VOCAB_BLOCK)
     return out
 
 
 def sample(logits, temperature, top_k, top_p, seeds, positions):
     logits = logits.float().contiguous()
     greedy = temperature < 1e-5
-    ones = torch.ones(logits.shape[0], dtype=torch.float32, device=logits.device)
-    tokens = _argmax(logits, ones, seeds, positions, noise=False)
+    tokens = _argmax(logits)
     if bool(greedy.all()):
         return tokens
     rows = (~greedy).nonzero().squeeze(1)
@@ -135,8 +138,8 @@ def sample(logits, temperature, top_k, top_p, seeds, positions):
         scaled = values / temp.unsqueeze(1)
         values = torch.where(filtered.unsqueeze(1), filter_logits(scaled, top_k[rows], top_p[rows]), values)
         divisor = torch.where(filtered, torch.ones_like(temp), temp)
-    tokens[rows] = _argmax(values.contiguous(), divisor.contiguous(), seeds[rows].contiguous(),
-                           positions[rows].contiguous(), noise=True)
+    tokens[rows] = _argmax(values.contiguous(), (divisor.contiguous(), seeds[rows].contiguous(),
+                                                  positions[rows].contiguous()))
     return tokens
 
 

@@ -66,7 +66,11 @@ class SpecDecoder:
         if not envs.mtp_varlen():
             return
         per_seq = self.max_draft + 1
-        max_tokens = min(max_step_tokens, cache.max_seqs * per_seq)
+        # as many sequences as the cache can hold at once from position 0 (a small page pool holds
+        # fewer than max_seqs: the profile must not ask for pages that do not exist)
+        need = cache.pages_for(per_seq)
+        fits = cache.max_seqs if need == 0 else min(cache.max_seqs, cache.num_free_pages // need)
+        max_tokens = min(max_step_tokens, max(fits, 1) * per_seq)
         key = {"model": repr(self.model.config), "drafter": repr(self.drafter.dcfg),
                "backend": self.accel.kernel_signature(),
                "threads": torch.get_num_threads(), "tokens": max_tokens, "per_seq": per_seq,
@@ -92,8 +96,8 @@ class SpecDecoder:
             lens = [tokens // seqs + (1 if i < tokens % seqs else 0) for i in range(seqs)]
             slots = [cache.allocate_slot() for _ in range(seqs)]
             try:
-                start = self.model.config.sliding_window
-                if not all(cache.can_grow(s, start + n) for s, n in zip(slots, lens)):
+                start = self.model.config.sliding_window  # a full window, where the cache holds it
+                if sum(cache.pages_for(start + n) for n in lens) > cache.num_free_pages:
                     start = 0
                 for s, n in zip(slots, lens):
                     cache.grow(s, start + n)
