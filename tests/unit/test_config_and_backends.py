@@ -94,8 +94,11 @@ def test_nvidia_without_gpu_or_interpreter_is_a_clear_error(monkeypatch):
 
 def test_ascend_refuses_clearly_without_torch_npu(monkeypatch):
     monkeypatch.setenv("DEEPINFER_ACCELERATOR", "ascend")
-    with pytest.raises((AcceleratorUnavailable, NotImplementedError), match="ascend|DEEPINFER_ACCELERATOR"):
+    with pytest.raises(AcceleratorUnavailable) as err:
         get_accelerator()
+    assert str(err.value) == (
+        "DEEPINFER_ACCELERATOR=ascend but torch_npu cannot be imported (No module named 'torch_npu'). Install CANN "
+        "and the torch_npu build matching your torch, or set DEEPINFER_ACCELERATOR=cpu.")
 
 
 def test_auto_picks_cpu_here(monkeypatch):
