@@ -10,6 +10,8 @@ and the relative difference of the outputs. Prints a table.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import time
 
 import torch
@@ -122,6 +124,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=300)
     parser.add_argument("--crossover", action="store_true", help="projection kernels vs GEMMs over batch sizes")
     parser.add_argument("--invariant-linear", action="store_true", help="batch-invariant linear: GEMV vs padded GEMM")
+    parser.add_argument("--json", default="benchmarks/results/cpu_kernels.json", help="where the main table goes")
     args = parser.parse_args()
     if not kernels.load():
         raise SystemExit("the cpu kernels did not build (see the warning)")
@@ -130,9 +133,11 @@ def main() -> None:
         return crossover(max(args.reps // 10, 10))
     if args.invariant_linear:
         return invariant_linear(args.reps)
-    print(f"{args.tokens} tokens, 1 thread")
+    load = os.getloadavg()  # other work on the cores inflates both columns: recorded with them
+    print(f"{args.tokens} tokens, 1 thread, load average {load[0]:.2f}")
     print("| op | reference us | fused us | speedup | max rel diff |")
     print("|---|---|---|---|---|")
+    rows = []
     for name, inputs in cases(args.tokens, args.candidates).items():
         ref_fn, fused_fn = getattr(ops, name), getattr(kernels, name)
         diff = ("same picks" if torch.equal(fused_fn(*inputs), ref_fn(*inputs)) else "picks differ") \
@@ -144,6 +149,11 @@ def main() -> None:
             diff = f"{_rel(fw.gather(1, fo), rw.gather(1, ro)):.1e}" if torch.equal(fi, ri) else "ids differ"
         ref_us, fused_us = _time(ref_fn, inputs, args.reps), _time(fused_fn, inputs, args.reps)
         print(f"| {name} | {ref_us:.1f} | {fused_us:.1f} | {ref_us / fused_us:.1f}x | {diff} |")
+        rows.append(dict(op=name, reference_us=ref_us, fused_us=fused_us, speedup=ref_us / fused_us, max_rel_diff=diff))
+    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump(dict(tokens=args.tokens, candidates=args.candidates, reps=args.reps, threads=1, load_average=load,
+                       rows=rows), f, indent=2)
 
 
 if __name__ == "__main__":

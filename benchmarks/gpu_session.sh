@@ -9,9 +9,10 @@
 # the cpu reference at DeepSeek-V4-Flash shapes, timed; the engine end to end (CLI on the shipped
 # model); throughput vs transformers on the GPU (test model and shipped model); a profile of decode
 # steps (where the time goes); the conformance suite with compiled kernels (TRITON_INTERPRET=0);
-# DSpark and prefix-cache end-to-end tests. If the image's transformers predates
-# DeepseekV4ForCausalLM, a wheel in .gpu_wheels/ (git-ignored; `pip download transformers==5.24.0
-# --no-deps -d .gpu_wheels`) is installed into /tmp/pydeps first.
+# DSpark and prefix-cache end-to-end tests. The device machine reaches no package index: what its
+# image lacks travels as wheels in .gpu_wheels/ (git-ignored) and is installed into /tmp/pydeps first:
+# `pip download transformers==5.24.0 pytest-xdist pytest-timeout execnet --no-deps -d .gpu_wheels`
+# (transformers if the image's predates DeepseekV4ForCausalLM; xdist and timeout are in the test extra).
 set -uo pipefail
 OUT="${OUT:-gpu_out}"
 mkdir -p "$OUT"

@@ -7,6 +7,11 @@ adds --turn-tokens of the same file per turn (the "user message") plus --reply g
 (the "assistant"); conversations are served one request at a time, so TTFT is prefill time.
 
     python benchmarks/prefix_cache.py [--model DIR] [--conversations 4] [--turns 6]
+    python benchmarks/prefix_cache.py --quality   # held-out perplexity after a hit, compact vs exact
+
+--quality scores held-out files of the shipped model after a hit at 256/512/768 tokens for KEEP
+134, 140 and 256 (tests/prefix_quality.py, which tests/e2e/test_prefix_cache.py bounds) and writes
+benchmarks/results/prefix_cache_quality.json.
 """
 
 from __future__ import annotations
@@ -72,8 +77,30 @@ def run(model, mode: str, args) -> dict:
                 wall_s=wall, stats=stats)
 
 
+def quality(path: str) -> None:
+    sys.path.insert(0, os.path.join(REPO, "tests"))
+    from prefix_quality import heldout_quality
+
+    from deepinfer import LLM
+
+    os.environ["DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE"] = "compact"
+    rows = []
+    for keep in (128 + 6, 140, 256):
+        os.environ["DEEPINFER_YOCO_PREFILL_KEEP_TOKENS"] = str(keep)
+        rows += heldout_quality(LLM(max_num_seqs=8, max_num_batched_tokens=2048), keep)
+    print("relative perplexity change of compact vs off (per-token deviation as a fraction of truncation's)")
+    print("| KEEP | " + " | ".join(f"H={h}" for h in sorted({r['hit'] for r in rows})) + " |")
+    print("|---|---|---|---|")
+    for keep in sorted({r["keep"] for r in rows}):
+        cells = [f"{r['rel_change']:+.3%} ({r['deviation_fraction']:.3f})" for r in rows if r["keep"] == keep]
+        print(f"| {keep} | " + " | ".join(cells) + " |")
+    with open(path, "w") as f:
+        json.dump(dict(model="deepinfer/assets/tiny-dsv4", rows=rows), f, indent=2)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quality", action="store_true", help="held-out perplexity after a hit, not speed")
     parser.add_argument("--model", default=None)
     parser.add_argument("--conversations", type=int, default=4)
     parser.add_argument("--turns", type=int, default=6)
@@ -82,6 +109,8 @@ def main() -> None:
     parser.add_argument("--reply", type=int, default=32, help="greedy tokens generated per turn")
     parser.add_argument("--json", default="benchmarks/results/prefix_cache.json")
     args = parser.parse_args()
+    if args.quality:
+        return quality("benchmarks/results/prefix_cache_quality.json")
     rows = [run(args.model, mode, args) for mode in ("off", "compact")]
     off, compact = rows
     print({k: round(v, 3) for k, v in compact["stats"].items()})

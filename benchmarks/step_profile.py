@@ -7,7 +7,10 @@ the same steps are first timed as the engine runs them by default on the cpu (th
 one C++ call per step, and several greedy decode steps per call with DEEPINFER_MULTI_STEP_DECODE).
 Prints a table and writes JSON.
 
-    python benchmarks/step_profile.py [--model DIR | --tiny-config mixed_hc4_yarn] [--batch 32]
+    python benchmarks/step_profile.py [--model DIR | --tiny-config mixed_hc4_yarn [--vocab deepseek]] [--batch 32]
+
+The LM head (the `linear` call on lm_head.weight) is reported as its own row, `linear (LM head)`:
+with a real 129,280-token vocabulary it is a large share of a small model's step.
 """
 
 from __future__ import annotations
@@ -27,13 +30,16 @@ OPS = ("linear", "grouped_linear", "fp8_block_linear", "embedding", "rms_norm", 
        "apply_token_bitmask")
 
 
-def timed_ops(accel) -> tuple[collections.Counter, collections.Counter]:
-    """Wrap the accelerator's ops (on the instance) with timers; returns (seconds, calls) per op."""
+def timed_ops(accel, lm_head: torch.Tensor) -> tuple[collections.Counter, collections.Counter]:
+    """Wrap the accelerator's ops (on the instance) with timers; returns (seconds, calls) per op, the
+    LM head's linear counted apart."""
     seconds, calls, depth = collections.Counter(), collections.Counter(), [0]
     for name in OPS:
         op = getattr(accel, name)
 
         def timed(*args, _op=op, _name=name, **kwargs):
+            if _name == "linear" and args[1] is lm_head:
+                _name = "linear (LM head)"
             depth[0] += 1
             start = time.perf_counter()
             try:
@@ -72,7 +78,7 @@ def profile(model: str, batch: int, prompt_len: int, steps: int) -> dict:
     as_run = {"step program, one step per call": ms_per_decode_step(steps, 1),
               f"step program, up to {default} steps per call": ms_per_decode_step(steps, default)}
     engine.multi_step = default
-    seconds, calls = timed_ops(llm.accel)
+    seconds, calls = timed_ops(llm.accel, engine.model.w["lm_head.weight"])
     engine.timeline.clear()
     start = time.perf_counter()
     for _ in range(steps):
@@ -87,21 +93,20 @@ def profile(model: str, batch: int, prompt_len: int, steps: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--tiny-config", default="mixed_hc4_yarn")
+    sys.path.insert(0, os.path.dirname(__file__))
+    from throughput import _model_dir, add_model_args, model_label  # the test config's model, saved to a temp dir
+
+    add_model_args(parser)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    sys.path.insert(0, os.path.dirname(__file__))
-    from throughput import _model_dir  # the test config's model, saved to a temporary directory
-
     model = _model_dir(args)
     out = profile(model, args.batch, args.prompt_len, args.steps)
     in_ops = sum(v["ms"] for v in out["ops"].values())
     calls = sum(v["calls"] for v in out["ops"].values())
-    print(f"{args.model or 'test config ' + args.tiny_config}: batch {args.batch} decoding, "
+    print(f"{model_label(args)}: batch {args.batch} decoding, "
           f"{args.prompt_len}-token prompts, {args.steps} steps, {torch.get_num_threads()} thread(s)")
     print("| the same decode steps, as the engine runs them | ms/step |")
     print("|---|---|")
@@ -117,8 +122,15 @@ def main() -> None:
     print(f"| rest of the step (Python) | {out['step_ms'] - in_ops:.3f} | |")
     print(f"| whole step | {out['step_ms']:.3f} | |")
     print("phases (ms/step): " + ", ".join(f"{k} {v:.3f}" for k, v in out["phases_ms"].items()))
-    out["model"] = args.model or f"test config {args.tiny_config}"
-    path = args.json or ("benchmarks/results/step_profile_" + ("tiny_test" if not args.model else "model") + ".json")
+    out["model"] = model_label(args)
+    head_ms = out["ops"].get("linear (LM head)", {"ms": 0.0})["ms"]
+    as_run = next(iter(out["as_run_ms"].values()))  # one step per call, as the engine runs it
+    out["lm_head_ms"] = head_ms
+    out["lm_head_share"] = {"op-by-op step": head_ms / out["step_ms"], "step as run": head_ms / as_run}
+    print(f"LM head: {head_ms:.3f} ms = {100 * head_ms / out['step_ms']:.0f}% of the op-by-op step, "
+          f"{100 * head_ms / as_run:.0f}% of the step as run (one step per call)")
+    path = args.json or ("benchmarks/results/step_profile_" + ("model" if args.model else "tiny_test" if args.vocab == "test"
+                                                               else "tiny_test_deepseek_vocab") + ".json")
     with open(path, "w") as f:
         json.dump(out, f, indent=1)
 

@@ -2,6 +2,7 @@
 greedy settings, in one run. Prints a table and writes JSON.
 
     python benchmarks/throughput.py                      # tiny random V4 from the tests
+    python benchmarks/throughput.py --vocab deepseek     # the same with DeepSeek's 129,280-token vocabulary
     python benchmarks/throughput.py --model deepinfer/assets/tiny-dsv4
     python benchmarks/throughput.py --batches 32 --cores 2    # both engines on 2 cores
 
@@ -27,14 +28,32 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 
 def _model_dir(args) -> str:
+    """--model, else the tiny test config (with DeepSeek's real vocabulary and tokenizer when
+    --vocab deepseek: the LM head and embedding of a real model, the layers of a tiny one)."""
     if args.model:
         return args.model
-    from tiny_models import make_hf_model
+    from tiny_models import DEEPSEEK_VOCAB, make_hf_model, write_deepseek_tokenizer
 
-    hf, _ = make_hf_model(args.tiny_config, seed=0)
+    real_vocab = getattr(args, "vocab", "test") == "deepseek"
+    hf, _ = make_hf_model(args.tiny_config, seed=0, **({"vocab_size": DEEPSEEK_VOCAB} if real_vocab else {}))
     path = tempfile.mkdtemp(prefix="deepinfer_bench_")
     hf.save_pretrained(path, safe_serialization=True)
+    if real_vocab:
+        write_deepseek_tokenizer(path)
     return path
+
+
+def model_label(args) -> str:
+    if args.model:
+        return args.model
+    return f"test config {args.tiny_config}" + (", DeepSeek vocabulary" if args.vocab == "deepseek" else "")
+
+
+def add_model_args(parser) -> None:
+    parser.add_argument("--model", default=None, help="model dir (default: a tiny random V4 of the tests)")
+    parser.add_argument("--tiny-config", default="mixed_hc4_yarn")
+    parser.add_argument("--vocab", choices=("test", "deepseek"), default="test",
+                        help="the tiny config's vocabulary: its own 512 tokens, or DeepSeek's 129,280")
 
 
 def _prompts(vocab: int, batch: int, length: int) -> list[list[int]]:
@@ -96,8 +115,7 @@ def run_transformers(model_dir: str, prompts, new_tokens: int, cores: int = 1) -
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="model dir (default: a tiny random V4 of the tests)")
-    parser.add_argument("--tiny-config", default="mixed_hc4_yarn")
+    add_model_args(parser)
     parser.add_argument("--batches", default="1,32")
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=128)
@@ -109,6 +127,7 @@ def main() -> None:
     torch.manual_seed(0)
     model_dir = _model_dir(args)
     vocab = json.load(open(os.path.join(model_dir, "config.json")))["vocab_size"]
+    load = os.getloadavg()  # other work on the cores skews every figure: recorded with them
     rows = []
     for batch in [int(b) for b in args.batches.split(",")]:
         prompts = _prompts(vocab, batch, args.prompt_len)
@@ -119,7 +138,8 @@ def main() -> None:
                          identical_outputs=f"{same}/{batch}"))
     where = torch.cuda.get_device_name() if torch.cuda.is_available() else \
         f"cpu, {args.cores} core(s) per engine" + (f" (deepinfer data_parallel_size={args.cores})" if args.cores > 1 else "")
-    print(f"model: {model_dir}  prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, greedy, {where}")
+    print(f"model: {model_label(args)} ({model_dir})  prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, "
+          f"greedy, {where}; load average before {load[0]:.2f}")
     print("| batch | engine | output tok/s | TTFT (s) | TPOT (ms) | speedup | identical outputs |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
@@ -131,8 +151,9 @@ def main() -> None:
                   f"{extra[0]} | {extra[1]} |")
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
-        json.dump(dict(model=model_dir, device=where, cores=args.cores, prompt_len=args.prompt_len,
-                       new_tokens=args.new_tokens, rows=rows), f, indent=2)
+        json.dump(dict(model=model_label(args), vocab_size=vocab, device=where, cores=args.cores,
+                       prompt_len=args.prompt_len, new_tokens=args.new_tokens, load_average=load, rows=rows), f,
+                  indent=2)
 
 
 if __name__ == "__main__":

