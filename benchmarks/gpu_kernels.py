@@ -30,9 +30,10 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from deepinfer.backends import get_accelerator  # noqa: E402
-from deepinfer.backends.cpu import ops as ref  # noqa: E402
-from deepinfer.backends.nvidia import attention, cuda_ext  # noqa: E402
-from deepinfer.backends.nvidia.fp8 import FP8_DOT_TOL  # noqa: E402
+from deepinfer.backends import reference as ref  # noqa: E402
+from deepinfer.backends.nvidia import cuda_ext  # noqa: E402
+from deepinfer.backends.triton import attention  # noqa: E402
+from deepinfer.backends.triton.fp8 import FP8_DOT_TOL  # noqa: E402
 
 
 @dataclass(slots=True)

@@ -27,10 +27,10 @@ def run(model, layout: dict, batch: int, prompt_len: int, new_tokens: int) -> di
     from deepinfer import LLM, SamplingParams
     from deepinfer.parallel.worker import RankWorker
 
-    from deepinfer.core.config import ModelConfig
     from deepinfer.llm import default_model
+    from deepinfer.models.registry import load_config
 
-    vocab = ModelConfig.from_dir(model or default_model()).vocab_size
+    vocab = load_config(model or default_model())[0].vocab_size
     prompts = torch.randint(3, vocab, (batch, prompt_len), generator=torch.Generator().manual_seed(0)).tolist()
     llm = LLM(model, max_num_seqs=batch, max_num_batched_tokens=max(2048, batch * prompt_len), **layout)
     try:

@@ -25,32 +25,38 @@ import time
 import torch
 
 OPS = ("linear", "grouped_linear", "fp8_block_linear", "embedding", "rms_norm", "rope", "swiglu", "hc_pre", "hc_post",
-       "hc_pre_norm", "hc_post_pre_norm", "rms_norm_rope", "hc_head", "compress_windows", "compress_entries",
-       "indexer_topk", "sparse_attention", "route_topk", "route_hash", "moe_experts", "swiglu_mlp", "sample",
-       "apply_token_bitmask")
+       "hc_head", "compress_windows", "indexer_topk", "sparse_attention", "route_topk", "route_hash", "moe_experts",
+       "swiglu_mlp", "sample", "apply_token_bitmask")
 
 
 def timed_ops(accel, lm_head: torch.Tensor) -> tuple[collections.Counter, collections.Counter]:
     """Wrap the accelerator's ops (on the instance) with timers; returns (seconds, calls) per op, the
     LM head's linear counted apart."""
     seconds, calls, depth = collections.Counter(), collections.Counter(), [0]
-    for name in OPS:
-        op = getattr(accel, name)
 
-        def timed(*args, _op=op, _name=name, **kwargs):
-            if _name == "linear" and args[1] is lm_head:
-                _name = "linear (LM head)"
+    def timer(op, name):
+        def timed(*args, **kwargs):
+            label = "linear (LM head)" if name == "linear" and args[1] is lm_head else name
             depth[0] += 1
             start = time.perf_counter()
             try:
-                return _op(*args, **kwargs)
+                return op(*args, **kwargs)
             finally:
                 depth[0] -= 1
                 if depth[0] == 0:  # a composite's inner calls are part of its own time
-                    seconds[_name] += time.perf_counter() - start
-                    calls[_name] += 1
+                    seconds[label] += time.perf_counter() - start
+                    calls[label] += 1
+        return timed
 
-        setattr(accel, name, timed)
+    for name in OPS:
+        setattr(accel, name, timer(getattr(accel, name), name))
+    kernel = accel.kernel  # a model's fused sequences (e.g. hc_pre_norm), timed under their own names
+
+    def timed_kernel(name):
+        found = kernel(name)
+        return None if found is None else timer(found, name)
+
+    accel.kernel = timed_kernel
     return seconds, calls
 
 

@@ -6,23 +6,24 @@ import torch
 
 from deepinfer.backends import get_accelerator
 from deepinfer.core.cache import StateCache
-from deepinfer.core.config import ModelConfig
-from deepinfer.core.models.deepseek_v4 import DeepseekV4Model, StepInput, expected_tensors
+from deepinfer.models.base import StepInput
+from deepinfer.models.deepseek_v4 import DeepseekV4Config, DeepseekV4Model
 
 
 def build_model(hf_model, hf_config, accelerator: str = "cpu") -> DeepseekV4Model:
-    cfg = ModelConfig.from_dict(hf_config.to_dict())
+    cfg = DeepseekV4Config.from_dict(hf_config.to_dict())
     state = hf_model.state_dict()
-    return DeepseekV4Model(cfg, {k: state[k] for k in expected_tensors(cfg)}, get_accelerator(accelerator))
+    return DeepseekV4Model(cfg, {k: state[k] for k in DeepseekV4Model.checkpoint_tensors(cfg)},
+                           get_accelerator(accelerator))
 
 
-def new_cache(model: DeepseekV4Model, max_seqs: int = 8, max_step_tokens: int = 2048,
-              max_model_len: int = 2048, num_pages: int = 256) -> StateCache:
-    return StateCache(model.config, max_seqs=max_seqs, num_pages=num_pages, max_step_tokens=max_step_tokens,
-                      max_model_len=max_model_len, device=model.accel.device)
+def new_cache(model, max_seqs: int = 8, max_step_tokens: int = 2048, max_model_len: int = 2048,
+              num_pages: int = 256, margin: int = 0) -> StateCache:
+    return StateCache(model.cache_spec(margin), max_seqs=max_seqs, num_pages=num_pages,
+                      max_step_tokens=max_step_tokens, max_model_len=max_model_len, device=model.accel.device)
 
 
-def run_schedule(model: DeepseekV4Model, cache: StateCache, prompts: list[torch.Tensor],
+def run_schedule(model, cache: StateCache, prompts: list[torch.Tensor],
                  steps: list[list[tuple[int, int]]]) -> list[torch.Tensor]:
     """Feed `prompts` to the model as `steps` prescribes: each step lists (sequence, n new tokens).
     Returns, per sequence, the logits of every fed position [len, V]."""

@@ -5,13 +5,13 @@ from __future__ import annotations
 import torch
 
 from deepinfer.backends import get_accelerator
-from deepinfer.backends.cpu import ops as ref
+from deepinfer.backends import reference as ref
 
 
 def poisoned(name: str):
     """Generator for a module fixture: the backend, with every kernel output allocated as NaN so an
     element a kernel fails to write shows up as a mismatch."""
-    from deepinfer.backends.nvidia import alloc
+    from deepinfer.backends.triton import alloc
 
     acc = get_accelerator(name)
     alloc.poison = True
@@ -58,7 +58,7 @@ FUSED_OPS = ("hc_pre_norm", "hc_post_pre_norm", "rms_norm_rope", "swiglu_mlp", "
 
 
 def fused_op_inputs(op: str, t: int) -> tuple:
-    """Inputs of the Accelerator's composite ops (base.py) for t tokens (t windows for
+    """Inputs of the fused sequences (models/deepseek_v4/fused.py; swiglu_mlp: base.py) for t tokens (t windows for
     compress_entries): a backend's version against the cpu reference, like every other op."""
     gen = seeded(40, t, FUSED_OPS.index(op))
     n, d = 4, 48
@@ -83,8 +83,16 @@ def fused_op_inputs(op: str, t: int) -> tuple:
 
 
 def check_fused(acc, op: str, t: int, tol: float) -> None:
-    """A backend's composite op (base.py, or its own override) against the cpu reference: every output."""
-    out, expected = run(acc, op, *fused_op_inputs(op, t))
+    """A fused sequence on a backend (DeepSeek-V4's composite over its ops, or its own kernel;
+    swiglu_mlp: base.py's) against the same on the cpu reference ops: every output."""
+    from deepinfer.backends.cpu import CpuAccelerator
+    from deepinfer.models.deepseek_v4 import fused
+
+    args = fused_op_inputs(op, t)
+    if op == "swiglu_mlp":  # an Accelerator op (with a default composite)
+        out, expected = run(acc, op, *args)
+    else:
+        out, expected = getattr(fused, op)(acc, *to_device(acc, *args)), getattr(fused, op)(CpuAccelerator(), *args)
     out, expected = (out, expected) if isinstance(expected, tuple) else ((out,), (expected,))
     for o, e in zip(out, expected, strict=True):
         assert_close(op, o, e, tol)

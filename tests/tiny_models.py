@@ -81,15 +81,15 @@ def add_random_drafter(model_dir, seed: int = 0, block_size: int = 5, target_lay
 
     from safetensors.torch import save_file
 
-    from deepinfer.core.config import ModelConfig
-    from deepinfer.core.spec.dspark import DSparkConfig, stage_names
+    from deepinfer.models.deepseek_v4.dspark import DSparkConfig, stage_names
+    from deepinfer.models.registry import load_config
 
     model_dir = Path(model_dir)
     config = json.loads((model_dir / "config.json").read_text())
     config.update(dspark_block_size=block_size, dspark_noise_token_id=2, dspark_markov_rank=markov_rank,
                   dspark_target_layer_ids=list(target_layer_ids))
     (model_dir / "config.json").write_text(json.dumps(config, indent=2))
-    cfg = ModelConfig.from_dir(model_dir)
+    cfg, _ = load_config(model_dir)
     dcfg = DSparkConfig(block_size, 2, tuple(target_layer_ids), markov_rank, num_stages)
     gen = torch.Generator().manual_seed(seed)
     tensors = {}

@@ -7,7 +7,7 @@
 2. target   -- the shipped model, frozen, run by deepinfer's own forward on the cpu backend:
                per sequence, logits of every position and the drafter's context features
                (attention input of dspark_target_layer_ids, averaged over hc streams).
-3. drafter  -- deepinfer/core/spec/dspark.py's own graph (the code the engine runs), one stage
+3. drafter  -- deepinfer/models/deepseek_v4/dspark.py's own graph (the code the engine runs), one stage
                initialised from the target's last layer (a sliding-window V4 block), main_proj
                selecting the last target layer's features, Markov head bias zero, confidence
                head zero. Embedding and LM head are the target's, frozen.
@@ -47,10 +47,11 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 from deepinfer.backends.cpu import CpuAccelerator  # noqa: E402
 from deepinfer.core.cache import StateCache  # noqa: E402
-from deepinfer.core.config import ModelConfig  # noqa: E402
 from deepinfer.core.loader import load_checkpoint  # noqa: E402
-from deepinfer.core.models.deepseek_v4 import DeepseekV4Model, StepInput, expected_tensors  # noqa: E402
-from deepinfer.core.spec.dspark import DSparkConfig, DSparkDrafter, fuse_experts, stage_names  # noqa: E402
+from deepinfer.models.base import StepInput  # noqa: E402
+from deepinfer.models.deepseek_v4 import DeepseekV4Model  # noqa: E402
+from deepinfer.models.deepseek_v4.dspark import DSparkConfig, DSparkDrafter, fuse_experts, stage_names  # noqa: E402
+from deepinfer.models.registry import load_config  # noqa: E402
 
 DSPARK_KEYS = dict(dspark_block_size=5, dspark_noise_token_id=2, dspark_target_layer_ids=[3, 4, 5],
                    dspark_markov_rank=32)
@@ -76,11 +77,11 @@ class Target:
     """The frozen shipped model: logits and drafter context features for whole sequences."""
 
     def __init__(self, model_dir, layers, batch: int, seq_len: int):
-        self.cfg = ModelConfig.from_dir(model_dir)
-        weights, _ = load_checkpoint(model_dir, expected_tensors(self.cfg))
+        self.cfg, _ = load_config(model_dir)
+        weights, _ = load_checkpoint(model_dir, DeepseekV4Model.checkpoint_tensors(self.cfg), DeepseekV4Model)
         self.model = DeepseekV4Model(self.cfg, weights, CpuAccelerator())
         self.layers, self.batch, self.seq_len = tuple(layers), batch, seq_len
-        self.cache = StateCache(self.cfg, max_seqs=batch, num_pages=batch * -(-seq_len // 128),
+        self.cache = StateCache(self.model.cache_spec(margin=0), max_seqs=batch, num_pages=batch * -(-seq_len // 128),
                                 max_step_tokens=batch * seq_len, max_model_len=seq_len)
         for s in range(batch):
             self.cache.allocate_slot()
@@ -289,7 +290,7 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(1)
     model_dir = pathlib.Path(args.model)
-    cfg = ModelConfig.from_dir(model_dir)
+    cfg, _ = load_config(model_dir)
     cfg.dspark = dict(DSPARK_KEYS)
     dcfg = DSparkConfig(DSPARK_KEYS["dspark_block_size"], DSPARK_KEYS["dspark_noise_token_id"],
                         tuple(DSPARK_KEYS["dspark_target_layer_ids"]), DSPARK_KEYS["dspark_markov_rank"], 1)

@@ -46,9 +46,9 @@ def _describe_machine() -> str:
 
 def _make(name: str) -> Accelerator:
     if name == "cpu":
-        from deepinfer.backends.cpu import CpuAccelerator
+        from deepinfer.backends import cpu
 
-        return CpuAccelerator()
+        return cpu.make()
     if name == "nvidia":
         if not (cuda_usable() or triton_interpreter()):
             raise AcceleratorUnavailable(

@@ -123,30 +123,6 @@ class Accelerator(ABC):
         """Leaving a block: out[t, m] = post[t, m] * block_out[t] + sum_n comb[t, n, m] * streams[t, n].
         block_out [T, D], streams [T, N, D], post [T, N], comb [T, N, N] -> [T, N, D]."""
 
-    # Fused sequences of the ops above. Each composite is the definition; a backend may override it
-    # with one kernel (a decode step of a small model is bound by the cost per op call).
-    def hc_pre_norm(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-                    norm_eps: float, hc_eps: float, sinkhorn_iters: int, norm_weight: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Entering a block: hc_pre, then RMSNorm (norm_weight, norm_eps) of the collapsed input.
-        -> (the block's input [T, D], post [T, N], comb [T, N, N])."""
-        collapsed, post, comb = self.hc_pre(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters)
-        return self.rms_norm(collapsed, norm_weight, norm_eps), post, comb
-
-    def hc_post_pre_norm(self, block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
-                         comb: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-                         norm_eps: float, hc_eps: float, sinkhorn_iters: int, norm_weight: torch.Tensor
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Leaving a block and entering the next: hc_post, then hc_pre_norm with the next block's
-        weights. -> (streams [T, N, D], the next block's input [T, D], post, comb)."""
-        streams = self.hc_post(block_out, streams, post, comb)
-        return (streams, *self.hc_pre_norm(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, norm_weight))
-
-    def rms_norm_rope(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor,
-                      sin: torch.Tensor) -> torch.Tensor:
-        """rope(rms_norm(x, weight, eps), cos, sin): a query or key entering attention."""
-        return self.rope(self.rms_norm(x, weight, eps), cos, sin)
-
     @abstractmethod
     def hc_head(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
                 norm_eps: float, hc_eps: float) -> torch.Tensor:
@@ -159,29 +135,6 @@ class Accelerator(ABC):
         """Compressor reduction: out[w] = sum_j softmax_j(gate[w, j]) * kv[w, j] per channel.
         kv, gate [W, L, D] (gate already includes the position bias; -inf slots get weight 0)
         -> [W, D] float32."""
-
-    def compress_entries(self, ring: torch.Tensor, rows: torch.Tensor, bias: torch.Tensor, overlap: bool,
-                         norm_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """The compressor's entries for finished windows, from its staged rows. ring [R, 2C]: each
-        token's [kv | gate]; rows [W, S]: a window's tokens (-1 = absent, weight 0); bias [rate, C]:
-        the gate's position bias (token j gets row j % rate). Without overlap (HCA) S = rate and
-        C = dim; with it (CSA) S = 2 rate and C = 2 dim: the first rate tokens (the previous window)
-        contribute their first dim channels, the last rate their second. Entry =
-        rope(rms_norm(compress_windows(kv, gate + bias), norm_weight, eps), cos, sin): [W, dim]
-        float32, dim = len(norm_weight), cos/sin [W, R] at each window's position.
-        This composite is the definition; a backend may override it with a fused kernel."""
-        raw = ring[rows.clamp(min=0)].float()  # [W, S, 2C]
-        width, dim, rate = raw.shape[-1] // 2, norm_weight.shape[0], bias.shape[0]
-        kv, gate = raw[..., :width], raw[..., width:]
-        if overlap:
-            gate = gate + bias.repeat(2, 1)
-            kv = torch.cat([kv[:, :rate, :dim], kv[:, rate:, dim:]], dim=1)
-            gate = torch.cat([gate[:, :rate, :dim], gate[:, rate:, dim:]], dim=1)
-        else:
-            gate = gate + bias
-        absent = (rows < 0).unsqueeze(-1)
-        entry = self.compress_windows(kv.masked_fill(absent, 0.0), gate.masked_fill(absent, float("-inf")))
-        return self.rope(self.rms_norm(entry, norm_weight, eps), cos, sin)
 
     @abstractmethod
     def indexer_topk(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
@@ -243,6 +196,14 @@ class Accelerator(ABC):
     def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
         """In place: logits[b, v] = -inf where bit v of bitmask[b] is 0. bitmask [B, ceil(V/32)]
         int32, little-endian bits within each word (xgrammar's layout)."""
+
+    # -------------------------------------------------------------- fused sequences
+    def kernel(self, name: str):
+        """This backend's single kernel for a model's fused op sequence `name` (e.g. DeepSeek-V4's
+        hc_pre_norm, defined as a composite in models/deepseek_v4/fused.py), or None: the model
+        then runs its composite. A kernel takes the composite's arguments and returns its result,
+        or None for an input it does not take. Only a backend that has such kernels overrides this."""
+        return None
 
     # -------------------------------------------------------------- step programs
     def step_program(self, model, cache):

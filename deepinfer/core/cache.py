@@ -1,28 +1,17 @@
-"""The decode-state cache of DeepSeek-V4: what a sequence needs between steps, and no more.
+"""The decode-state cache: preallocated pools a model declares (its CacheSpec), sequence slots,
+and pages of state that grows with the sequence.
 
-Per sequence slot and layer:
-- a sliding-window ring of KV: `window + margin` rows (margin = rollback room for drafts);
-- on CSA/HCA layers, a compressor ring holding the raw (kv, gate) projections of the
-  tokens whose window is not finished (CSA keeps two windows for the overlap), plus the
-  same margin;
-- on CSA layers the same for the indexer's compressor.
-Rings are indexed by position modulo their size, so speculative tokens that are rejected
-need no undo: with `margin` >= the longest draft, a stale row written for a rejected
-position can never alias a position that is still read, and the compressed entry a
-rejected token finished is rewritten by the step that feeds the real token at that
-position before any later token can see it.
-Compressed entries (and CSA indexer keys) grow with the sequence; they live in pages.
-One page covers `page_tokens` positions of a sequence (a multiple of every compress
-rate), i.e. page_tokens/rate entries on each compressing layer, so a single block
-table per sequence serves every layer.
-
+A pool is one tensor of rows of `width` features, in up to three regions:
+- slot rows: `ring` rows per sequence slot, indexed by position modulo `ring` (sliding-window
+  state: rejected speculative tokens need no undo while the ring keeps a rollback margin);
+- scratch rows: one per token of the step (max_step_tokens), where a step stages its new rows
+  before they are committed (a prefill chunk longer than a ring must not overwrite rows its own
+  earlier tokens still read);
+- page rows: state that grows with the sequence, one row per `stride` positions, in pages of
+  `page_tokens` positions. One block table per sequence serves every paged pool: page p of a
+  sequence holds rows of positions [p * page_tokens, (p + 1) * page_tokens) in every paged pool.
 Pages of finished (or preempted) sequences stay in a prefix cache (core/prefix_cache.py) until
 their page is needed: a free page is one on the free list or an idle cached one.
-
-Each layer's KV lives in one tensor `[ring rows | step scratch | compressed entries]` so
-attention takes one pool and one index list. The scratch holds the step's new tokens:
-a prefill chunk longer than the ring must not overwrite keys its own earlier tokens still
-need, so new tokens are staged there and copied into the ring after the layer ran.
 """
 
 from __future__ import annotations
@@ -32,7 +21,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from deepinfer.core.config import CSA, ModelConfig
 from deepinfer.core.prefix_cache import PrefixCache
 
 
@@ -40,19 +28,42 @@ class CacheFull(RuntimeError):
     """Not enough free pages or slots; the scheduler should preempt or wait."""
 
 
-@dataclass(slots=True)
-class LayerState:
-    kind: str
-    rate: int  # 0 for sliding-only layers
-    kv: torch.Tensor  # [ring_rows + scratch + entry_rows, head_dim]
-    comp_ring: torch.Tensor | None = None  # [slots*ring + scratch, 2*C] raw kv|gate per token
-    index_ring: torch.Tensor | None = None  # CSA: [slots*ring + scratch, 2*2*Di]
-    index_keys: torch.Tensor | None = None  # CSA: [entry_rows, Di]
-    margin: int = 0  # rollback room of the compressor rings (see the module docstring)
+@dataclass(frozen=True, slots=True)
+class PoolSpec:
+    """One pool of per-sequence state (see the module doc). `kind` and `layer` are the model's own
+    labels (e.g. a layer type); the cache does not read them."""
+
+    name: str
+    width: int
+    ring: int = 0  # rows per sequence slot
+    scratch: bool = False  # one row per token of the step, after the slot rows
+    stride: int = 0  # paged: one row per `stride` positions (0: not paged)
+    kind: str = ""
+    layer: int = -1
+
+
+@dataclass(frozen=True, slots=True)
+class CacheSpec:
+    pools: tuple[PoolSpec, ...]
 
     @property
-    def comp_ring_size(self) -> int:
-        return (2 * self.rate if self.kind == CSA else self.rate) + self.margin
+    def paged(self) -> bool:
+        return any(p.stride for p in self.pools)
+
+    def bytes_per_page(self, page_tokens: int, element_size: int) -> int:
+        return sum(page_tokens // p.stride * p.width for p in self.pools if p.stride) * element_size
+
+    def bytes_per_slot(self, element_size: int) -> int:
+        return sum(p.ring * p.width for p in self.pools) * element_size
+
+
+@dataclass(slots=True)
+class Pool:
+    spec: PoolSpec
+    data: torch.Tensor  # [slot rows | scratch rows | page rows, width]
+    scratch_base: int  # first scratch row (= max_seqs * ring)
+    page_base: int  # first page row
+    page_rows: int  # rows per page (page_tokens // stride), 0 if not paged
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -60,74 +71,51 @@ def _cdiv(a: int, b: int) -> int:
 
 
 class StateCache:
-    """Preallocated pools for `max_seqs` sequence slots and `num_pages` pages of compressed state."""
+    """Preallocated pools for `max_seqs` sequence slots and `num_pages` pages."""
 
-    def __init__(self, config: ModelConfig, *, max_seqs: int, num_pages: int, max_step_tokens: int,
-                 max_model_len: int, margin: int = 0, page_tokens: int = 128,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
-        rates = [config.compress_rate(i) for i in range(config.num_hidden_layers)]
-        for rate in set(rates) - {0}:
-            if page_tokens % rate:
-                raise ValueError(f"page_tokens ({page_tokens}) must be a multiple of every compress rate ({rate})")
-        self.config = config
+    def __init__(self, spec: CacheSpec, *, max_seqs: int, num_pages: int, max_step_tokens: int,
+                 max_model_len: int, page_tokens: int = 128, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu"):
+        for stride in {p.stride for p in spec.pools} - {0}:
+            if page_tokens % stride:
+                raise ValueError(f"page_tokens ({page_tokens}) must be a multiple of every pool's stride ({stride})")
+        self.spec = spec
         self.max_seqs = max_seqs
         self.num_pages = num_pages
         self.page_tokens = page_tokens
         self.max_step_tokens = max_step_tokens
         self.max_model_len = max_model_len
-        self.ring = config.sliding_window + margin
-        self.ring_rows = max_seqs * self.ring
         self.max_pages_per_seq = _cdiv(max_model_len, page_tokens)
         self.dtype, self.device = dtype, torch.device(device)
-        d, di = config.head_dim, config.index_head_dim
-
-        def empty(rows: int, width: int) -> torch.Tensor:
-            return torch.zeros(rows, width, dtype=dtype, device=self.device)
-
-        self.layers: list[LayerState] = []
-        for i, rate in enumerate(rates):
-            kind = config.layer_types[i]
-            entry_rows = num_pages * (page_tokens // rate) if rate else 0
-            state = LayerState(kind, rate, empty(self.ring_rows + max_step_tokens + entry_rows, d), margin=margin)
-            if rate:
-                width = 2 * d if kind == CSA else d
-                state.comp_ring = empty(max_seqs * state.comp_ring_size + max_step_tokens, 2 * width)
-            if kind == CSA:
-                state.index_ring = empty(max_seqs * state.comp_ring_size + max_step_tokens, 2 * 2 * di)
-                state.index_keys = empty(entry_rows, di)
-            self.layers.append(state)
+        self.pools: dict[str, Pool] = {}
+        for p in spec.pools:
+            scratch_base = max_seqs * p.ring
+            page_base = scratch_base + (max_step_tokens if p.scratch else 0)
+            page_rows = page_tokens // p.stride if p.stride else 0
+            data = torch.zeros(page_base + num_pages * page_rows, p.width, dtype=dtype, device=self.device)
+            self.pools[p.name] = Pool(p, data, scratch_base, page_base, page_rows)
 
         # host metadata: read when a step's index tensors are planned, never by a kernel
         self.block_table = np.zeros((max_seqs, self.max_pages_per_seq), dtype=np.int64)
         self.free_slots = list(range(max_seqs - 1, -1, -1))
         self.free_pages = list(range(num_pages - 1, -1, -1))
         self.slot_pages: dict[int, list[int]] = {}
-        self.has_compressed_layers = any(layer.rate for layer in self.layers)  # else no pages at all
-        self.prefix = PrefixCache(page_tokens) if self.has_compressed_layers else None
+        self.prefix = PrefixCache(page_tokens) if spec.paged else None
 
     # ------------------------------------------------------------ accounting
     def pages_for(self, num_tokens: int) -> int:
-        """Pages a sequence of `num_tokens` positions holds (0 for sliding-only models)."""
-        return _cdiv(num_tokens, self.page_tokens) if self.has_compressed_layers else 0
+        """Pages a sequence of `num_tokens` positions holds (0 for a model without paged state)."""
+        return _cdiv(num_tokens, self.page_tokens) if self.spec.paged else 0
 
     def bytes_per_page(self) -> int:
-        per = 0
-        for layer in self.layers:
-            if layer.rate:
-                rows = self.page_tokens // layer.rate
-                per += rows * layer.kv.shape[1]
-                if layer.index_keys is not None:
-                    per += rows * layer.index_keys.shape[1]
-        return per * self.layers[0].kv.element_size()
+        return self.spec.bytes_per_page(self.page_tokens, self.element_size)
 
     def bytes_per_slot(self) -> int:
-        per = 0
-        for layer in self.layers:
-            per += self.ring * layer.kv.shape[1]
-            for ring in (layer.comp_ring, layer.index_ring):
-                if ring is not None:
-                    per += layer.comp_ring_size * ring.shape[1]
-        return per * self.layers[0].kv.element_size()
+        return self.spec.bytes_per_slot(self.element_size)
+
+    @property
+    def element_size(self) -> int:
+        return torch.tensor([], dtype=self.dtype).element_size()
 
     @property
     def num_free_pages(self) -> int:
@@ -175,7 +163,7 @@ class StateCache:
 
     def release(self, slot: int, page_keys: list[bytes] = ()) -> None:
         """Return the slot and its pages. The pages `page_keys` name (the slot's full, computed
-        pages) go to the prefix cache; the rest are freed. Ring contents need no clearing: a new
+        pages) go to the prefix cache; the rest are freed. Slot rows need no clearing: a new
         sequence only reads positions it has written."""
         pages = self.slot_pages.pop(slot)
         if self.prefix is not None:
@@ -187,12 +175,9 @@ class StateCache:
         self.free_slots.append(slot)
 
     # ------------------------------------------------------------ row maps
-    def entry_rows(self, layer: LayerState, slots: np.ndarray, entries: np.ndarray) -> np.ndarray:
-        """Rows (relative to the compressed region) of compressed entries `entries` of `slots`
-        (numpy index arrays, broadcast against each other: this is host-side planning)."""
-        per_page = self.page_tokens // layer.rate
-        return self.block_table[slots, entries // per_page] * per_page + entries % per_page
-
-    def entry_base(self) -> int:
-        """First row of the compressed-entry region inside a layer's kv tensor."""
-        return self.ring_rows + self.max_step_tokens
+    def page_rows(self, pool: Pool, slots: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """Rows of `pool`'s paged region (relative to pool.page_base) holding row `rows` of each of
+        `slots`' paged state (numpy index arrays, broadcast against each other: host-side
+        planning). Row r covers positions [r * stride, (r + 1) * stride)."""
+        per_page = pool.page_rows
+        return self.block_table[slots, rows // per_page] * per_page + rows % per_page

@@ -14,9 +14,7 @@ import torch
 
 from deepinfer.backends.base import Accelerator
 from deepinfer.core.cache import StateCache
-from deepinfer.core.config import CSA, ModelConfig
 from deepinfer.core.loader import load_checkpoint
-from deepinfer.core.models.deepseek_v4 import DeepseekV4Model, StepInput, expected_tensors
 from deepinfer.core.replay import BoundedReplay
 from deepinfer.core.request import Request
 from deepinfer.core.sampler import Sampler, top_logprobs
@@ -24,8 +22,10 @@ from deepinfer import envs
 from deepinfer.core.scheduler import ScheduledChunk, Scheduler
 from deepinfer.core.spec.decoder import SpecDecoder
 from deepinfer.core.tokenizer import IncrementalDetokenizer, Tokenizer
+from deepinfer.models.base import ParallelContext, StepInput
+from deepinfer.models.registry import load_config
 
-PAGE_TOKENS = 128  # positions per page: a multiple of every V4 compress rate
+PAGE_TOKENS = 128  # positions per page: a multiple of every pool's stride (DeepSeek-V4's compress rates)
 
 
 @dataclass(slots=True)
@@ -40,6 +40,9 @@ class EngineConfig:
     # DSpark drafting when the checkpoint has a drafter and DEEPINFER_USE_NEXTN_DECODE > 0; parallel
     # ranks turn it off (their verify lengths come from per-rank timings and would diverge)
     speculative: bool = True
+    # bytes the cache is planned from; None: what the accelerator reports free (parallel ranks that
+    # must plan identical caches pass the smallest value any of them sees)
+    available_memory: int | None = None
 
     def validate(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
@@ -52,15 +55,6 @@ class EngineConfig:
                 raise ValueError(f"{name} must be None or an int >= 1, got {value!r}")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16', got {self.dtype!r}")
-
-
-def page_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    per = 0
-    for i, kind in enumerate(cfg.layer_types):
-        rate = cfg.compress_rate(i)
-        if rate:
-            per += PAGE_TOKENS // rate * (cfg.head_dim + (cfg.index_head_dim if kind == CSA else 0))
-    return per * torch.tensor([], dtype=dtype).element_size()
 
 
 class _Done:
@@ -102,14 +96,16 @@ class StepStats:
 
 class LLMEngine:
     def __init__(self, model_dir: str | os.PathLike, accel: Accelerator, config: EngineConfig,
-                 tokenizer: str | os.PathLike | None = None):
+                 tokenizer: str | os.PathLike | None = None, parallel: ParallelContext | None = None):
         config.validate()
         self.accel = accel
         self.engine_config = config
-        self.model_config = cfg = ModelConfig.from_dir(model_dir)
-        weights, self.extra_weights = load_checkpoint(model_dir, expected_tensors(cfg))
+        self.model_config, model_cls = load_config(model_dir)  # the family's config and model class
+        cfg = self.model_config
+        weights, self.extra_weights = load_checkpoint(model_dir, model_cls.checkpoint_tensors(cfg), model_cls,
+                                                      keep_prefixes=model_cls.extra_prefixes)
         accel.tune_for_model(cfg.hidden_size)
-        self.model = DeepseekV4Model(cfg, weights, accel)
+        self.model = model_cls(cfg, weights, accel, parallel)
         del weights
         # DSpark speculative decoding, when the checkpoint has a drafter and DEEPINFER_USE_NEXTN_DECODE > 0
         # (unset: the accelerator's `speculative_decoding` choice)
@@ -124,7 +120,7 @@ class LLMEngine:
         if self.spec is not None:
             self.spec.start(self.cache, config.max_num_batched_tokens)
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens,
-                                   BoundedReplay.from_env(cfg, self.cache))
+                                   BoundedReplay.from_env(self.model.replay_window, self.cache))
         self.sampler = Sampler(accel)
         self.requests: dict[str, Request] = {}
         self.last_step = StepStats()
@@ -135,28 +131,31 @@ class LLMEngine:
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deepinfer-step") \
             if self.zero_overhead else None
         self.in_flight: StepPlan | None = None
+        self.num_forwards = 0  # model calls (parallel ranks keep their collectives in lockstep by it)
         self.timeline: collections.defaultdict[str, float] = collections.defaultdict(float)  # seconds per phase
 
     def _make_cache(self, dtype: torch.dtype) -> StateCache:
-        cfg, ec = self.model_config, self.engine_config
+        ec = self.engine_config
+        spec = self.model.cache_spec(margin=self.spec.margin if self.spec is not None else 0)
+
         def build(pages: int) -> StateCache:
-            return StateCache(cfg, max_seqs=ec.max_num_seqs, num_pages=pages,
+            return StateCache(spec, max_seqs=ec.max_num_seqs, num_pages=pages,
                               max_step_tokens=ec.max_num_batched_tokens, max_model_len=self.max_model_len,
-                              margin=self.spec.margin if self.spec is not None else 0,
                               page_tokens=PAGE_TOKENS, dtype=dtype, device=self.accel.device)
         if ec.num_cache_pages is not None:
             return build(ec.num_cache_pages)
-        per_page = page_bytes(cfg, dtype)
+        element = torch.tensor([], dtype=dtype).element_size()
+        per_page = spec.bytes_per_page(PAGE_TOKENS, element)
         full = ec.max_num_seqs * -(-self.max_model_len // PAGE_TOKENS)  # every slot at max length
         if per_page == 0:
             return build(0)
-        probe = build(0)
-        budget = ec.cache_bytes if ec.cache_bytes is not None else min(
-            2 << 30, int(0.3 * self.accel.memory_available()))
-        pages = (budget - probe.bytes_per_slot() * ec.max_num_seqs) // per_page
+        available = ec.available_memory if ec.available_memory is not None else self.accel.memory_available()
+        budget = ec.cache_bytes if ec.cache_bytes is not None else min(2 << 30, int(0.3 * available))
+        per_slot = spec.bytes_per_slot(element)
+        pages = (budget - per_slot * ec.max_num_seqs) // per_page
         if pages < 1:
             raise ValueError(f"cache_bytes={budget} cannot hold {ec.max_num_seqs} sequence slots "
-                             f"({probe.bytes_per_slot()} bytes each) and one page ({per_page} bytes); "
+                             f"({per_slot} bytes each) and one page ({per_page} bytes); "
                              "raise cache_bytes or lower max_num_seqs")
         return build(int(min(pages, full)))
 
@@ -288,7 +287,7 @@ class LLMEngine:
         if self.model.step_program(self.cache) is None:  # the accelerator has no way to run several
             self.multi_step = 1
             return 1
-        window = self.model_config.sliding_window
+        window = self.model.replay_window
         for c in chunks:
             req = c.request
             if (c.num_tokens != 1 or not c.completes or req.num_computed < req.num_prompt_tokens or req.pending
@@ -316,6 +315,7 @@ class LLMEngine:
             tokens = self.model.decode_steps(ids, [req.slot for req in reqs], starts, steps, self.cache)
         if tokens is None:
             return None
+        self.num_forwards += 1
         finished = []
         with self._timed("postprocess"):
             for req, start, new_tokens in zip(reqs, starts, tokens.t().tolist()):
@@ -433,6 +433,7 @@ class LLMEngine:
         with self._timed("forward"):
             forward = self.model.forward if self.spec is None else self.spec.forward  # spec: + drafter context
             logits = forward(plan.inp, self.cache, torch.tensor(plan.logit_rows, dtype=torch.int64), plan.meta)
+        self.num_forwards += 1
         tokens = None
         if any(d is not None for d in plan.drafts):
             with self._timed("verify"):

@@ -1,100 +1,27 @@
-"""Safetensors checkpoint loading for DeepSeek-V4: any naming, FP8/FP4 dequantized to float32.
+"""Safetensors checkpoint loading: the tensors a model names, FP8/FP4 dequantized to float32.
 
-Three spellings of the same tensors reach us: HF state_dict names (what the model graph uses),
-DeepSeek's original names, and what transformers 5.x `save_pretrained` writes -- the conversion
-mapping run backwards, i.e. original inner names under a `model.` prefix
-(`model.layers.0.attn.wq_a.weight`, per-expert w1/w2/w3) beside `model.embed_tokens.weight` and
-`head.weight`. So each name is resolved on its own (`_resolve`) rather than per checkpoint.
+The model says which tensors it reads (`checkpoint_tensors`: its own names, shapes, dtypes) and
+where a checkpoint tensor named otherwise goes (`checkpoint_name`: upstream names, per-expert
+tensors that fill one expert's slice of a fused stack). Each name is resolved on its own, so one
+checkpoint may mix spellings.
 """
 from __future__ import annotations
 
 import json
 import os
-import re
 from contextlib import ExitStack
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
+from deepinfer.models.base import Slot, TensorSpec
+
 __all__ = ["CheckpointError", "load_checkpoint"]
 
 
 class CheckpointError(ValueError):
     """A checkpoint that does not match the model: names the tensor, expected vs found."""
-
-
-# Upstream (DeepSeek inference/model.py) name -> HF name: the renames of transformers'
-# `conversion_mapping.py` ("deepseek_v4" entry), written out per tensor. Layer entries are
-# relative to `layers.{i}.` / `model.layers.{i}.`. Note the HF module tree nests the indexer
-# inside the compressor (`attn.indexer.*` -> `self_attn.compressor.indexer.*`).
-_TOP_RENAMES = {
-    "embed.weight": "model.embed_tokens.weight",
-    "head.weight": "lm_head.weight",
-    "norm.weight": "model.norm.weight",
-    "hc_head_fn": "model.hc_head.hc_fn",
-    "hc_head_base": "model.hc_head.hc_base",
-    "hc_head_scale": "model.hc_head.hc_scale",
-}
-_LAYER_RENAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "hc_attn_fn": "attn_hc.fn",
-    "hc_attn_base": "attn_hc.base",
-    "hc_attn_scale": "attn_hc.scale",
-    "hc_ffn_fn": "ffn_hc.fn",
-    "hc_ffn_base": "ffn_hc.base",
-    "hc_ffn_scale": "ffn_hc.scale",
-    "attn.wq_a.weight": "self_attn.q_a_proj.weight",
-    "attn.q_norm.weight": "self_attn.q_a_norm.weight",
-    "attn.wq_b.weight": "self_attn.q_b_proj.weight",
-    "attn.wkv.weight": "self_attn.kv_proj.weight",
-    "attn.kv_norm.weight": "self_attn.kv_norm.weight",
-    # transformers' save_pretrained reverses the `.norm.` -> `.kv_norm.` rename into this name
-    "attn.norm.weight": "self_attn.kv_norm.weight",
-    "attn.wo_a.weight": "self_attn.o_a_proj.weight",
-    "attn.wo_b.weight": "self_attn.o_b_proj.weight",
-    "attn.attn_sink": "self_attn.sinks",
-    "attn.compressor.ape": "self_attn.compressor.position_bias",
-    "attn.compressor.wkv.weight": "self_attn.compressor.kv_proj.weight",
-    "attn.compressor.wgate.weight": "self_attn.compressor.gate_proj.weight",
-    "attn.compressor.norm.weight": "self_attn.compressor.kv_norm.weight",
-    "attn.indexer.wq_b.weight": "self_attn.compressor.indexer.q_b_proj.weight",
-    "attn.indexer.weights_proj.weight": "self_attn.compressor.indexer.scorer.weights_proj.weight",
-    "attn.indexer.compressor.ape": "self_attn.compressor.indexer.position_bias",
-    "attn.indexer.compressor.wkv.weight": "self_attn.compressor.indexer.kv_proj.weight",
-    "attn.indexer.compressor.wgate.weight": "self_attn.compressor.indexer.gate_proj.weight",
-    "attn.indexer.compressor.norm.weight": "self_attn.compressor.indexer.kv_norm.weight",
-    "ffn.gate.weight": "mlp.gate.weight",
-    "ffn.gate.bias": "mlp.gate.e_score_correction_bias",
-    "ffn.gate.tid2eid": "mlp.gate.tid2eid",
-    "ffn.shared_experts.w1.weight": "mlp.shared_experts.gate_proj.weight",
-    "ffn.shared_experts.w2.weight": "mlp.shared_experts.down_proj.weight",
-    "ffn.shared_experts.w3.weight": "mlp.shared_experts.up_proj.weight",
-}
-# Routed experts are per expert upstream; HF fuses them: gate_up_proj[j] = cat([w1, w3]), down_proj[j] = w2.
-_EXPERT_PARTS = {"w1": ("gate_up_proj", 0), "w3": ("gate_up_proj", 1), "w2": ("down_proj", None)}
-_LAYER_RE = re.compile(r"layers\.(\d+)\.(.+)")
-_EXPERT_RE = re.compile(r"ffn\.experts\.(\d+)\.(w[123])\.weight")
-
-# A destination: (HF name, None) for a whole tensor, (HF name, (expert, half)) for a slice of a
-# fused expert tensor, where half is 0/1 for the gate/up rows of gate_up_proj and None for down_proj.
-Slot = tuple[str, tuple[int, int | None] | None]
-
-
-def upstream_to_hf(name: str) -> Slot | None:
-    """Where an upstream-named tensor goes in HF naming; None if it has no HF counterpart."""
-    if name in _TOP_RENAMES:
-        return _TOP_RENAMES[name], None
-    if not (m := _LAYER_RE.fullmatch(name)):
-        return None
-    layer, rest = m.groups()
-    if rest in _LAYER_RENAMES:
-        return f"model.layers.{layer}.{_LAYER_RENAMES[rest]}", None
-    if e := _EXPERT_RE.fullmatch(rest):
-        fused, half = _EXPERT_PARTS[e.group(2)]
-        return f"model.layers.{layer}.mlp.experts.{fused}", (int(e.group(1)), half)
-    return None
 
 
 # ---------------------------------------------------------------------------------- dequant
@@ -209,20 +136,20 @@ def _block_size(model_dir: Path) -> tuple[int, int]:
     return int(b0), int(b1)
 
 
-def _resolve(name: str, expected) -> Slot | None:
+def _resolve(name: str, expected, names) -> Slot | None:
     if name in expected:
         return name, None
-    return upstream_to_hf(name.removeprefix("model."))
+    return names.checkpoint_name(name) if names is not None else None
 
 
-def _pair_scales(names, expected) -> dict[str, str]:
+def _pair_scales(names, expected, model_names) -> dict[str, str]:
     """weight name -> its scale's name: HF `<name>_scale_inv`, upstream `X.scale` for `X.weight`.
     A `.scale` that is itself a model tensor (HF `attn_hc.scale`) is not a quantization scale."""
     pairs = {}
     for n in names:
         if n.endswith("_scale_inv"):
             w = n.removesuffix("_scale_inv")
-        elif n.endswith(".scale") and _resolve(n, expected) is None:
+        elif n.endswith(".scale") and _resolve(n, expected, model_names) is None:
             w = n.removesuffix(".scale") + ".weight"
         else:
             continue
@@ -234,23 +161,23 @@ def _pair_scales(names, expected) -> dict[str, str]:
 
 # ---------------------------------------------------------------------------------- entry
 
-def load_checkpoint(model_dir: str | os.PathLike, expected: dict[str, tuple[tuple[int, ...], torch.dtype]], *,
-                    keep_prefixes=("mtp.",)) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Returns (weights, extra). `weights` has exactly the keys of `expected` (HF naming, as
-    `DeepseekV4ForCausalLM.state_dict()` names them, e.g. 'model.layers.0.self_attn.q_a_proj.weight',
-    'model.layers.3.mlp.experts.gate_up_proj' [E, 2I, D], 'model.layers.0.mlp.gate.tid2eid' [V, k] int64,
-    'lm_head.weight'), each float32 (int64 for integer tables) with the expected shape. `extra` holds the
-    tensors whose names start with one of keep_prefixes (upstream `mtp.*` drafter stages, kept dequantized
-    to float32 in upstream naming, for a later speculative-decoding feature)."""
+def load_checkpoint(model_dir: str | os.PathLike, expected: dict[str, TensorSpec], names=None, *,
+                    keep_prefixes=()) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Returns (weights, extra). `weights` has exactly the keys of `expected` (the model's names),
+    each float32 (int64 for integer tables) with the expected shape; fused expert stacks [E, N, K]
+    are assembled from per-expert tensors where the checkpoint has those. `names` (the model class)
+    resolves other spellings: `checkpoint_name(name) -> Slot | None` and, for error messages,
+    `checkpoint_source(name, part) -> str | None`. `extra` holds the tensors whose names start with
+    one of keep_prefixes (e.g. upstream `mtp.*` drafter stages), dequantized to float32, unrenamed."""
     model_dir = Path(model_dir)
     where = _weight_map(model_dir)
     block = _block_size(model_dir)
-    scales = _pair_scales(where.keys(), expected)
+    scales = _pair_scales(where.keys(), expected, names)
     scale_names = set(scales.values())
 
     weights: dict[str, torch.Tensor] = {}
     extra: dict[str, torch.Tensor] = {}
-    source: dict[tuple[str, int | None, int | None], str] = {}  # (hf, expert, half) -> checkpoint name
+    source: dict[tuple[str, int | None, int | None], str] = {}  # (model name, expert, half) -> checkpoint name
     with ExitStack() as stack:
         handles = {p: stack.enter_context(safe_open(p, framework="pt")) for p in dict.fromkeys(where.values())}
 
@@ -265,7 +192,7 @@ def load_checkpoint(model_dir: str | os.PathLike, expected: dict[str, tuple[tupl
                 int_table = not t.is_floating_point() and scale is None
                 extra[name] = _convert(name, t, scale, torch.int64 if int_table else torch.float32, block)
                 continue
-            slot = _resolve(name, expected)
+            slot = _resolve(name, expected, names)
             if slot is None or slot[0] not in expected:
                 raise CheckpointError(f"unexpected tensor {name} in {where[name].name}: not part of the model")
             hf, part = slot
@@ -273,7 +200,7 @@ def load_checkpoint(model_dir: str | os.PathLike, expected: dict[str, tuple[tupl
             if key in source or (hf, None, None) in source or (part is None and hf in weights):
                 raise CheckpointError(f"{name}: {hf} is also loaded from {source.get(key, 'another tensor')}")
             source[key] = name
-            shape, dtype = expected[hf]
+            shape, dtype = expected[hf].shape, expected[hf].dtype
             t = _convert(name, read(name), scale, dtype, block)
             if part is None:
                 _check_shape(name, tuple(t.shape), shape)
@@ -290,7 +217,7 @@ def load_checkpoint(model_dir: str | os.PathLike, expected: dict[str, tuple[tupl
             lo = (half or 0) * rows
             weights[hf][j, lo: lo + rows] = t
 
-    _check_complete(expected, weights, source)
+    _check_complete(expected, weights, source, names)
     return weights, extra
 
 
@@ -299,25 +226,19 @@ def _check_shape(name: str, found: tuple[int, ...], want: tuple[int, ...]) -> No
         raise CheckpointError(f"{name}: expected shape {tuple(want)}, found {found}")
 
 
-def _check_complete(expected, weights, source) -> None:
-    for hf, (shape, _) in expected.items():
+def _check_complete(expected, weights, source, names) -> None:
+    describe = getattr(names, "checkpoint_source", lambda name, part=None: None)
+    for hf, spec in expected.items():
         if hf not in weights:
-            up = hf_to_upstream(hf)
+            up = describe(hf)
             raise CheckpointError(f"missing tensor {hf}" + (f" (upstream name {up})" if up else ""))
         if (hf, None, None) in source:
             continue
-        layer = hf.split(".")[2]  # built from per-expert tensors: every slice must have come
-        for w, (fused, half) in _EXPERT_PARTS.items():
-            for j in range(shape[0]):
-                if hf.endswith(fused) and (hf, j, half) not in source:
-                    raise CheckpointError(f"missing tensor layers.{layer}.ffn.experts.{j}.{w}.weight (for {hf})")
-
-
-def hf_to_upstream(hf: str) -> str | None:
-    """Inverse of `upstream_to_hf` for whole tensors (fused experts have no single upstream name)."""
-    if up := next((u for u, h in _TOP_RENAMES.items() if h == hf), None):
-        return up
-    if m := re.fullmatch(r"model\.layers\.(\d+)\.(.+)", hf):
-        rest = next((u for u, h in _LAYER_RENAMES.items() if h == m.group(2)), None)
-        return rest and f"layers.{m.group(1)}.{rest}"
-    return None
+        # built from per-expert tensors: every slice must have come
+        halves = {half for (name, _, half) in source if name == hf}
+        halves = {0, 1} if halves & {0, 1} else {None}  # a gate/up stack needs both halves of every expert
+        for j in range(spec.shape[0]):
+            for half in sorted(halves, key=str):
+                if (hf, j, half) not in source:
+                    part = describe(hf, (j, half)) or f"expert {j}"
+                    raise CheckpointError(f"missing tensor {part} (for {hf})")

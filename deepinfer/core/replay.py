@@ -1,24 +1,24 @@
 """Bounded replay: where a sequence starts computing when the prefix cache holds its first H
 positions (a hit at H, or a preempted sequence coming back).
 
-The cache restores the compressed entries and indexer keys of [0, H). H is a multiple of
-every compress rate, so no compressor window straddles it: every entry before H is complete
-and restored, and none after H has started. What is not cached is the window state: each
-layer's sliding-window ring and the compressors' raw projections of the last tokens (the CSA
-overlap reads the `rate` tokens before H for the first entry after H). Replay rebuilds it,
-per DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE:
+The cache restores the model's paged state of [0, H) (pages are whole, so H is a multiple of
+the page size and of every pool's stride). A model whose paged state is its whole decode state
+(replay_window 0, e.g. an MLA latent cache) is restored exactly: it starts computing at H. What a
+prefix cache does not hold is per-slot state: for DeepSeek-V4 each layer's sliding-window ring and
+the compressors' raw projections of the last tokens (the CSA overlap reads the `rate` tokens before
+H for the first entry after H). Replay rebuilds it, per DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE:
 
 - compact: recompute only the last KEEP positions before H, then the rest of the prompt as
   usual. Replayed tokens attend to the restored entries but to no window key before H-KEEP
   (they were never computed), so early replayed tokens miss part of their window in every
-  layer: approximate by design. Entries before H are never rewritten: the pages are shared.
+  layer: approximate by design. Paged state before H is never rewritten: the pages are shared.
 - mask: the same approximation, computed as a full recompute from position 0 in which the
   tokens from H-KEEP on are masked from every window key before H-KEEP (and entries before H
   are still the restored ones). Slow; it exists to check that compact computes what it claims.
 - off: exact. A hit is looked up and counted but restores nothing: the sequence recomputes
   from position 0 into pages of its own, so outputs equal a cold run.
 
-KEEP >= sliding window + DEEPINFER_MAX_BACKTRACKING_TOKENS, so replay refills every row of a
+KEEP >= the model's window + DEEPINFER_MAX_BACKTRACKING_TOKENS, so replay refills every row of a
 window ring (which keeps the window plus the rollback margin).
 """
 
@@ -28,10 +28,10 @@ from dataclasses import dataclass, field
 
 from deepinfer import envs
 from deepinfer.core.cache import StateCache
-from deepinfer.core.config import ModelConfig
 from deepinfer.core.request import Request
 
 OFF, COMPACT = "off", "compact"  # and "mask"
+EXACT = "exact"  # a model whose paged state is its whole decode state: a hit restores everything
 
 
 @dataclass(slots=True)
@@ -50,14 +50,18 @@ class BoundedReplay:
         self.mode, self.keep, self.cache = mode, keep, cache
 
     @classmethod
-    def from_env(cls, config: ModelConfig, cache: StateCache) -> "BoundedReplay":
-        """Read and check the replay settings at start-up."""
+    def from_env(cls, window: int, cache: StateCache) -> "BoundedReplay":
+        """Read and check the replay settings at start-up. `window`: positions of per-sequence state
+        the prefix cache does not hold (the model's replay_window); 0: hits are exact, nothing is
+        replayed, and the settings do not apply."""
+        if window == 0:
+            return cls(EXACT, 0, cache)
         mode = envs.get("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE")
         keep = envs.get("DEEPINFER_YOCO_PREFILL_KEEP_TOKENS")
-        need = config.sliding_window + envs.max_backtracking_tokens()
+        need = window + envs.max_backtracking_tokens()
         if mode != OFF and keep < need:
             raise envs.EnvError(
-                f"DEEPINFER_YOCO_PREFILL_KEEP_TOKENS={keep} is below sliding window ({config.sliding_window}) + "
+                f"DEEPINFER_YOCO_PREFILL_KEEP_TOKENS={keep} is below sliding window ({window}) + "
                 f"max backtracking tokens ({envs.max_backtracking_tokens()}) = {need}: replay after a prefix-cache "
                 f"hit would leave part of the window rings unbuilt. Set DEEPINFER_YOCO_PREFILL_KEEP_TOKENS>={need} "
                 "(default 140), lower DEEPINFER_MAX_BACKTRACKING_TOKENS, or set "
@@ -74,6 +78,8 @@ class BoundedReplay:
         hit = len(pages) * prefix.page_tokens
         if not pages or self.mode == OFF:
             return Resume(found=hit)
+        if self.mode == EXACT:
+            return Resume(pages, hit, 0, hit, hit)
         floor = max(hit - self.keep, 0)
         start = floor if self.mode == COMPACT else 0  # mask: a full recompute under the same floor
         return Resume(pages, start, floor, hit, hit)

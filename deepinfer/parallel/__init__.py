@@ -14,13 +14,13 @@ __all__ = ["LayoutError", "ParallelConfig", "ParallelExecutor", "WorkerError", "
 def start_parallel(model: str, tokenizer, engine_config, parallel: ParallelConfig, accel):
     """Check the layout against the model (before any process starts), start the ranks, and load
     the tokenizer the driver needs for text prompts. Returns (executor, tokenizer or None)."""
-    from deepinfer.core.config import ModelConfig
     from deepinfer.core.tokenizer import Tokenizer
+    from deepinfer.models.registry import load_config
     from deepinfer.parallel.worker import WorkerArgs
 
     engine_config.validate()
-    cfg = ModelConfig.from_dir(model)
-    parallel.validate(cfg.n_routed_experts)
+    cfg, _ = load_config(model)
+    parallel.validate(getattr(cfg, "n_routed_experts", None))
     executor = ParallelExecutor(WorkerArgs(model, os.fspath(tokenizer) if tokenizer is not None else None,
                                            engine_config, parallel, accel.name))
     has_tokenizer = tokenizer is not None or os.path.isfile(os.path.join(model, "tokenizer.json"))

@@ -31,33 +31,32 @@ def balanced_owner(lens: list[int], ranks: int) -> list[int]:
     return owner
 
 
+class StepSplit:
+    """One step's rows on one rank: `own` (the token rows this rank computes) and `gather`."""
+
+    def __init__(self, own: torch.Tensor, counts: list[int], restore: torch.Tensor):
+        self.own, self.counts, self.restore = own, counts, restore
+
+    def gather(self, own_rows: torch.Tensor) -> torch.Tensor:
+        """Rows of every token of the step, in step order, from every rank's own rows."""
+        return group.all_gather_rows(own_rows, self.counts)[self.restore]
+
+
 class ContextParallel:
+    """Handed to the model at construction (ParallelContext.context_parallel): the model splits
+    every step it prepares."""
+
     def __init__(self, rank: int, ranks: int):
         self.rank, self.ranks = rank, ranks
         self.rows = {"own": 0, "step": 0}  # token rows computed here vs in the steps (for stats)
 
-    def install(self, model) -> None:
-        """Split every step the model prepares (StepMeta is built once per step, then shared by
-        all layers)."""
-        prepare = model.prepare
-
-        def split_prepare(inp, cache):
-            meta = prepare(inp, cache)
-            self.split(meta)
-            return meta
-
-        model.prepare = split_prepare
-
-    def split(self, meta) -> None:
-        owner = torch.tensor(balanced_owner(meta.inp.lens.tolist(), self.ranks), dtype=torch.int64)
+    def split(self, lens: list[int], device: torch.device) -> StepSplit:
+        owner = torch.tensor(balanced_owner(lens, self.ranks), dtype=torch.int64)
         rows = [(owner == r).nonzero().squeeze(1) for r in range(self.ranks)]
         counts = [len(r) for r in rows]
         # gathered rows arrive rank by rank; `restore` puts them back in step order
         restore = torch.empty(len(owner), dtype=torch.int64)
         restore[torch.cat(rows)] = torch.arange(len(owner))
-        device = meta.cache.device  # where the model's activations live
-        meta.own = rows[self.rank].to(device)
         self.rows["own"] += counts[self.rank]
         self.rows["step"] += len(owner)
-        restore = restore.to(device)
-        meta.all_tokens = lambda own_rows: group.all_gather_rows(own_rows, counts)[restore]
+        return StepSplit(rows[self.rank].to(device), counts, restore.to(device))

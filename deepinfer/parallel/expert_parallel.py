@@ -1,6 +1,8 @@
 """Expert parallelism: routed experts sharded over ranks, tokens dispatched to them and back.
 
-Installed as the model's `routed_experts` hook. Per MoE layer and step, each rank:
+Handed to the model at construction (ParallelContext.expert_parallel): the model registers each MoE
+layer's expert stacks (`add_layer`) and calls what it gets back for that layer's routed experts.
+Per MoE layer and step, each rank:
   dispatch: sorts its (token, k) rows by the physical slot that serves them (slots are
     contiguous per rank, so this also groups them by destination), exchanges row counts,
     then sends the rows, each with its slot, in one all_to_all_single (uneven splits);
@@ -31,28 +33,36 @@ def even_split(total: int, parts: int) -> list[int]:
 
 
 class ExpertParallelMoE:
-    def __init__(self, model, rank: group.Rank, parallel: ParallelConfig):
-        self.model, self.rank, self.world = model, rank.rank, rank.world_size
-        cfg, w = model.config, model.w
-        self.device = model.accel.device
-        self.num_layers, self.num_experts = cfg.num_hidden_layers, cfg.n_routed_experts
-        self.num_slots = self.num_experts + parallel.num_redundant_experts
+    def __init__(self, accel, rank: group.Rank, parallel: ParallelConfig):
+        self.accel, self.rank, self.world = accel, rank.rank, rank.world_size
+        self.device = accel.device
         self.replicated = parallel.attention_ranks == 1
         self.parallel = parallel
-        start = plan_placement([0] * self.num_experts, self.num_slots, self.world) if parallel.num_redundant_experts \
-            else contiguous_placement(self.num_experts)
-        self.placements = [Placement(start, self.num_experts, self.world, self.device)
-                           for _ in range(self.num_layers)]
-        self.local: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for i in range(self.num_layers):
-            p = f"model.layers.{i}.mlp.experts."
-            gate_up, down = w.pop(p + "gate_up_proj"), w.pop(p + "down_proj")  # the full set is not kept
-            mine = torch.tensor(self.placements[i].local_experts(self.rank), device=gate_up.device)
-            self.local.append((gate_up[mine].contiguous(), down[mine].contiguous()))
-        self.recorder = LoadRecorder(self.num_layers, self.num_experts, parallel.eplb_window_size, self.device) \
-            if parallel.eplb_enabled else None
+        self.placements: list[Placement] = []
+        self.local: list[tuple[torch.Tensor, torch.Tensor]] = []  # this rank's slots of each layer's stacks
+        self.layer_args: list[tuple[int, int, float]] = []  # (hidden, top_k, swiglu limit) per layer
+        self.recorder: LoadRecorder | None = None
         self.seconds = {"sync": 0.0, "dispatch": 0.0, "experts": 0.0, "combine": 0.0}
         self.rearrangements = 0
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.local)
+
+    def add_layer(self, gate_up: torch.Tensor, down: torch.Tensor, top_k: int, limit: float):
+        """A MoE layer's full expert stacks [E, 2I, D] / [E, D, I]: this rank keeps its slots' copies
+        (the full stacks are not held). Returns the layer's routed experts, (h, weights, ids) -> out."""
+        i, num_experts = self.num_layers, gate_up.shape[0]
+        self.num_experts, self.num_slots = num_experts, num_experts + self.parallel.num_redundant_experts
+        start = plan_placement([0] * num_experts, self.num_slots, self.world) if self.parallel.num_redundant_experts \
+            else contiguous_placement(num_experts)
+        self.placements.append(Placement(start, num_experts, self.world, self.device))
+        mine = torch.tensor(self.placements[i].local_experts(self.rank), device=gate_up.device)
+        self.local.append((gate_up[mine].contiguous(), down[mine].contiguous()))
+        self.layer_args.append((gate_up.shape[2], top_k, limit))
+        if self.parallel.eplb_enabled:  # sized for every layer so far: layers register in order, before any step
+            self.recorder = LoadRecorder(self.num_layers, num_experts, self.parallel.eplb_window_size, self.device)
+        return lambda h, weights, ids: self(i, h, weights, ids)
 
     # ------------------------------------------------------------ forward
     def __call__(self, i: int, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -66,9 +76,8 @@ class ExpertParallelMoE:
 
     def idle_step(self) -> None:
         """A step in which this rank has no tokens: serve the other ranks' tokens anyway."""
-        d, k = self.model.config.hidden_size, self.model.config.num_experts_per_tok
-        h = torch.zeros(0, d, device=self.device)
-        for i in range(self.num_layers):
+        for i, (d, k, _) in enumerate(self.layer_args):
+            h = torch.zeros(0, d, device=self.device)
             self(i, h, torch.zeros(0, k, device=self.device), torch.zeros(0, k, dtype=torch.int64, device=self.device))
 
     def _dispatch_combine(self, i: int, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -95,8 +104,7 @@ class ExpertParallelMoE:
         gate_up, down = self.local[i]
         if rows.shape[0]:
             ones = torch.ones(rows.shape[0], 1, dtype=torch.float32, device=self.device)
-            out = self.model.accel.moe_experts(rows, ones, local_slot.unsqueeze(1), gate_up, down,
-                                               self.model.config.swiglu_limit)
+            out = self.accel.moe_experts(rows, ones, local_slot.unsqueeze(1), gate_up, down, self.layer_args[i][2])
         else:  # nothing routed here this step; the op is not defined on empty input
             out = torch.zeros(0, h.shape[1], dtype=torch.float32, device=self.device)
         t2 = time.perf_counter()

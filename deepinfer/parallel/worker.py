@@ -19,6 +19,7 @@ import torch.distributed
 
 from deepinfer.backends import get_accelerator
 from deepinfer.core.engine import EngineConfig, LLMEngine
+from deepinfer.models.base import ParallelContext
 from deepinfer.outputs import RequestOutput
 from deepinfer.parallel import group
 from deepinfer.parallel.config import ParallelConfig
@@ -60,31 +61,20 @@ class RankWorker:
     def __init__(self, args: WorkerArgs, rank: group.Rank):
         self.rank, self.parallel = rank, args.parallel
         accel = get_accelerator(args.accelerator)  # this rank's own instance
-        _agree_on_free_memory(accel)
-        # no DSpark on parallel ranks yet: ranks that share requests must pick identical verify
-        # lengths, and the dynamic policy's step-cost table is timed on each rank
-        self.engine = LLMEngine(args.model, accel, dataclasses.replace(args.engine, speculative=False), args.tokenizer)
-        self.engine.close()  # synchronous scheduling (see module doc)
-        self.engine.zero_overhead = False
-        model = self.engine.model
-        self.parallel.validate(model.config.n_routed_experts)
-        self.ep = ExpertParallelMoE(model, rank, self.parallel) if self.parallel.expert_parallel_size > 1 else None
-        if self.ep is not None:
-            model.routed_experts = self.ep
+        self.ep = ExpertParallelMoE(accel, rank, self.parallel) if self.parallel.expert_parallel_size > 1 else None
         self.cp = ContextParallel(rank.rank, self.parallel.context_parallel_size) \
             if self.parallel.context_parallel_size > 1 else None
-        if self.cp is not None:
-            self.cp.install(model)
+        # no DSpark on parallel ranks yet: ranks that share requests must pick identical verify
+        # lengths, and the dynamic policy's step-cost table is timed on each rank. Synchronous
+        # scheduling (see the module doc). Caches planned from the memory every rank has.
+        engine_config = dataclasses.replace(args.engine, speculative=False, available_memory=_agreed_free_memory(accel))
+        self.engine = LLMEngine(args.model, accel, engine_config, args.tokenizer,
+                                ParallelContext(expert_parallel=self.ep, context_parallel=self.cp))
+        self.engine.close()
+        self.engine.zero_overhead = False
+        self.parallel.validate(getattr(self.engine.model_config, "n_routed_experts", None))
         if self.ep is not None or self.cp is not None:  # their collectives run inside every forward
             self.engine.multi_step = 1
-        self.forwards = 0
-        forward = model.forward
-
-        def counted_forward(*a, **kw):
-            self.forwards += 1
-            return forward(*a, **kw)
-
-        model.forward = counted_forward
         self.steps = 0
 
     # ------------------------------------------------------------ requests
@@ -123,10 +113,10 @@ class RankWorker:
             busy = self.engine.has_unfinished()
             if not group.any_rank(busy, device):
                 return
-            before = self.forwards
+            before = self.engine.num_forwards
             if busy:
                 self.engine.step()
-            if self.forwards == before and self.ep is not None:
+            if self.engine.num_forwards == before and self.ep is not None:
                 self.ep.idle_step()
             self.steps += 1
             if self.ep is not None:
@@ -135,7 +125,7 @@ class RankWorker:
     # ------------------------------------------------------------ introspection
     def stats(self) -> dict:
         """Per-rank counters for benchmarks and tests."""
-        out = {"rank": self.rank.rank, "steps": self.steps, "forwards": self.forwards}
+        out = {"rank": self.rank.rank, "steps": self.steps, "forwards": self.engine.num_forwards}
         if self.ep is not None:
             out.update(ep_seconds=dict(self.ep.seconds), rearrangements=self.ep.rearrangements,
                        placements=[p.slot_to_expert for p in self.ep.placements])
@@ -151,14 +141,13 @@ def engine_stats(worker: "RankWorker") -> dict | None:
     return worker.engine.stats() if worker.rank.rank % group_size == 0 else None
 
 
-def _agree_on_free_memory(accel) -> None:
+def _agreed_free_memory(accel) -> int:
     """Ranks that serve the same requests must schedule (and preempt) identically, so their
     caches must hold the same number of pages; each would size its cache from the memory it
     sees free at its own moment. Every rank uses the smallest value instead."""
     free = torch.tensor([accel.memory_available()], dtype=torch.int64, device=accel.device)
     torch.distributed.all_reduce(free, op=torch.distributed.ReduceOp.MIN)
-    agreed = int(free.item())
-    accel.memory_available = lambda: agreed
+    return int(free.item())
 
 
 def bind_device(local_rank: int) -> None:

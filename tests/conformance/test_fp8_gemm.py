@@ -29,9 +29,9 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed: the nvidia backend's kernels cannot run")
 
-from deepinfer.backends.cpu import ops as ref  # noqa: E402
-from deepinfer.backends.nvidia import fp8  # noqa: E402
-from deepinfer.backends.nvidia.fp8 import FP8_DOT_TOL  # noqa: E402
+from deepinfer.backends import reference as ref  # noqa: E402
+from deepinfer.backends.triton import fp8  # noqa: E402
+from deepinfer.backends.triton.fp8 import FP8_DOT_TOL  # noqa: E402
 from op_checks import poisoned, seeded  # noqa: E402
 
 TOL = 1e-5

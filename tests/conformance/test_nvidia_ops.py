@@ -44,7 +44,7 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed: the nvidia backend's kernels cannot run")
 
 from deepinfer.backends import AcceleratorUnavailable, cuda_usable, get_accelerator  # noqa: E402
-from deepinfer.backends.cpu import ops as ref  # noqa: E402
+from deepinfer.backends import reference as ref  # noqa: E402
 from op_checks import (FUSED_OPS, assert_close, check_fused, indices, poisoned, randn, run,  # noqa: E402
                        seeded)
 

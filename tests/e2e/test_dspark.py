@@ -72,10 +72,12 @@ def test_off_costs_nothing(spec_model_dir, monkeypatch):
     monkeypatch.setenv("DEEPINFER_ZERO_OVERHEAD_SCHEDULING", "1")  # the cpu backend's default is off
     llm = _llm(spec_model_dir, monkeypatch, "off")
     assert llm.engine.spec is None
-    assert llm.engine.cache.ring == 32 and all(layer.margin == 0 for layer in llm.engine.cache.layers)
+    view = llm.engine.model.view(llm.engine.cache)
+    assert view.ring == 32 and all(layer.margin == 0 for layer in view.layers)
     assert llm.engine.zero_overhead and not llm.engine._needs_sync()
     on = _llm(spec_model_dir, monkeypatch, "fixed")
-    assert on.engine.spec is not None and on.engine.cache.ring == 32 + 6  # max(0, NEXTN + 1) of margin
+    # max(0, NEXTN + 1) of margin
+    assert on.engine.spec is not None and on.engine.model.view(on.engine.cache).ring == 32 + 6
 
 
 def test_unset_nextn_follows_the_backend(spec_model_dir, monkeypatch):
@@ -86,7 +88,7 @@ def test_unset_nextn_follows_the_backend(spec_model_dir, monkeypatch):
     monkeypatch.delenv("DEEPINFER_USE_NEXTN_DECODE", raising=False)
     monkeypatch.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "0")
     llm = LLM(spec_model_dir, max_num_seqs=4)
-    assert llm.engine.spec is None and llm.engine.cache.ring == 32
+    assert llm.engine.spec is None and llm.engine.model.view(llm.engine.cache).ring == 32
     monkeypatch.setattr(CpuAccelerator, "speculative_decoding", True)
     drafting = LLM(spec_model_dir, max_num_seqs=4)
     assert drafting.engine.spec is not None and drafting.engine.spec.max_draft == 5

@@ -8,10 +8,11 @@ import random
 import pytest
 import torch
 
-from deepinfer.backends.cpu import CpuAccelerator
+from deepinfer.backends.cpu import CpuAccelerator, make
 from deepinfer.backends.cpu import invariant as invariant_ops
 from deepinfer.backends.cpu import kernels
-from deepinfer.backends.cpu import ops as fast
+from deepinfer.backends import reference as fast
+from deepinfer.models.deepseek_v4 import fused
 from model_runner import build_model, new_cache, run_schedule
 from tiny_models import make_hf_model
 
@@ -27,7 +28,7 @@ def kernels_env(request, monkeypatch) -> str:
 @pytest.fixture
 def invariant(monkeypatch, kernels_env) -> CpuAccelerator:
     monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "1")
-    acc = CpuAccelerator()
+    acc = make()
     assert (acc.hc_pre is invariant_ops.hc_pre) == (kernels_env == "torch")
     return acc
 
@@ -35,7 +36,7 @@ def invariant(monkeypatch, kernels_env) -> CpuAccelerator:
 @pytest.fixture
 def default(monkeypatch) -> CpuAccelerator:
     monkeypatch.delenv("DEEPINFER_BATCH_INVARIANT", raising=False)
-    return CpuAccelerator()
+    return make()
 
 
 def test_flags_follow_the_env_at_construction(invariant, default, kernels_env):
@@ -54,7 +55,7 @@ def test_linear_row_is_the_same_in_any_batch_on_the_kernels(monkeypatch):
     alone, in a 40-row batch, at any position."""
     monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "1")
     monkeypatch.setenv("DEEPINFER_CPU_KERNELS", "1")
-    acc = CpuAccelerator()
+    acc = make()
     g = _gen(8)
     for k, n in ((64, 300), (256, 1100)):  # 1100 x 256 floats > 256 KB: read weight-stationary
         x, w = torch.randn(40, k, generator=g), torch.randn(n, k, generator=g)
@@ -109,11 +110,13 @@ def _op_cases(acc, seed: int = 0):
         # index lists are cut to the sub-batch's widest row, as the model pads them
         "sparse_attention": lambda r: acc.sparse_attention(q[r], kv, idx[r][:, :int(valid[r].max())], sinks, 0.2),
         "indexer_topk": lambda r: acc.indexer_topk(iq[r], iw[r], ikeys, idx[r][:, :int(valid[r].max())], 24, 0.25),
-        "compress_entries": lambda r: acc.compress_entries(ring, wrows[r], wbias, True, wnorm, 1e-6, wcos[r], wsin[r]),
-        "hc_pre_norm": lambda r: acc.hc_pre_norm(streams[r], fn, base, scale, 1e-6, 1e-6, 20, w[0, :D]),
-        "hc_post_pre_norm": lambda r: acc.hc_post_pre_norm(h[r], streams[r], *acc.hc_pre(streams[r], fn, base, scale,
-                                                           1e-6, 1e-6, 20)[1:], fn, base, scale, 1e-6, 1e-6, 20, w[0, :D]),
-        "rms_norm_rope": lambda r: acc.rms_norm_rope(q[r], None, 1e-6, wcos[r], wsin[r]),
+        "compress_entries": lambda r: fused.compress_entries(acc, ring, wrows[r], wbias, True, wnorm, 1e-6, wcos[r],
+                                                             wsin[r]),
+        "hc_pre_norm": lambda r: fused.hc_pre_norm(acc, streams[r], fn, base, scale, 1e-6, 1e-6, 20, w[0, :D]),
+        "hc_post_pre_norm": lambda r: fused.hc_post_pre_norm(
+            acc, h[r], streams[r], *acc.hc_pre(streams[r], fn, base, scale, 1e-6, 1e-6, 20)[1:], fn, base, scale, 1e-6,
+            1e-6, 20, w[0, :D]),
+        "rms_norm_rope": lambda r: fused.rms_norm_rope(acc, q[r], None, 1e-6, wcos[r], wsin[r]),
     }
 
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from deepinfer.backends import AcceleratorUnavailable, get_accelerator
-from deepinfer.core.config import CSA, HCA, SLIDING, ConfigError, ModelConfig
+from deepinfer.models.base import ConfigError
+from deepinfer.models.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config
 
 LEGACY = dict(model_type="deepseek_v4", vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
               head_dim=32, qk_rope_head_dim=8, q_lora_rank=32, o_groups=2, o_lora_rank=16, n_routed_experts=8,
@@ -16,17 +17,17 @@ LEGACY = dict(model_type="deepseek_v4", vocab_size=512, hidden_size=64, num_hidd
 
 
 def test_legacy_keys_parse_like_transformers():
-    from transformers import DeepseekV4Config
+    import transformers
 
-    legacy = ModelConfig.from_dict(LEGACY)
+    legacy = DeepseekV4Config.from_dict(LEGACY)
     assert legacy.layer_types == [SLIDING, CSA, HCA, CSA]
     assert legacy.mlp_layer_types == ["hash_moe", "hash_moe", "moe", "moe"]
     assert legacy.rope_dim == 8
     assert legacy.dspark == {"dspark_block_size": 5, "dspark_markov_rank": 256}
     # yarn scales only the compress rope; sliding layers keep plain theta
     assert legacy.rope_compress.yarn is not None and legacy.rope_main.yarn is None
-    hf = DeepseekV4Config(**{k: v for k, v in LEGACY.items() if k != "model_type"})
-    modern = ModelConfig.from_dict(hf.to_dict())
+    hf = transformers.DeepseekV4Config(**{k: v for k, v in LEGACY.items() if k != "model_type"})
+    modern = DeepseekV4Config.from_dict(hf.to_dict())
     assert modern.layer_types == legacy.layer_types and modern.mlp_layer_types == legacy.mlp_layer_types
     for ours in (legacy, modern):
         # the exact float32 frequencies transformers' rotary embedding computes
@@ -42,9 +43,9 @@ def test_rope_cos_sin_come_from_a_table_with_the_computed_values(monkeypatch):
     values are those of position * inv_freq in float32, also past the table's cap."""
     import numpy as np
 
-    from deepinfer.core import config as config_module
+    from deepinfer.models.deepseek_v4 import config as config_module
 
-    rope = ModelConfig.from_dict(LEGACY).rope_compress
+    rope = DeepseekV4Config.from_dict(LEGACY).rope_compress
     monkeypatch.setattr(config_module, "_COS_SIN_TABLES", {})
     for positions in (np.array([0, 5, 4095, 17]), np.array([9000, 3, 8191]), np.array([], dtype=np.int64)):
         freqs = torch.from_numpy(positions)[:, None].float() * rope.inv_freq()
@@ -74,7 +75,7 @@ def test_broken_configs_name_the_key(change, message):
     data = {**LEGACY, **change}
     data = {k: v for k, v in data.items() if v is not None}
     with pytest.raises(ConfigError, match=message):
-        ModelConfig.from_dict(data)
+        DeepseekV4Config.from_dict(data)
 
 
 def test_unknown_accelerator_is_a_clear_error(monkeypatch):
@@ -106,3 +107,20 @@ def test_auto_picks_cpu_here(monkeypatch):
         pytest.skip("a GPU is present")
     monkeypatch.delenv("DEEPINFER_ACCELERATOR", raising=False)
     assert get_accelerator().name == "cpu"
+
+
+def test_registry_picks_the_family_and_lists_the_supported_ones(tmp_path):
+    import json
+
+    from deepinfer.models.registry import FAMILIES, family_of, load_config
+
+    v4 = next(f for f in FAMILIES if f.name == "deepseek_v4")
+    assert family_of({"architectures": ["DeepseekV4ForCausalLM"]}) is v4
+    assert family_of({"model_type": "deepseek_v4"}) is v4  # no architectures: the model type decides
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
+    with pytest.raises(ConfigError) as err:
+        load_config(tmp_path)
+    message = str(err.value)
+    assert "'LlamaForCausalLM'" in message and "'llama'" in message
+    for family in FAMILIES:  # every supported architecture is named, so the user sees what would work
+        assert all(arch in message for arch in family.architectures)

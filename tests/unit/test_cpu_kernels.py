@@ -1,6 +1,7 @@
 """The cpu backend's fused C++ kernels (backends/cpu/fused_ops.cpp) against the reference ops.
 
-They are what the cpu backend runs by default, so every one is checked against `ops.py` on edge
+They are what the cpu backend runs by default, so every one is checked against the reference ops
+(backends/reference.py; DeepSeek-V4's fused sequences against their composites) on edge
 cases (absent indices, fewer valid candidates than k, exact score ties, strided inputs), and a
 token's result must not depend on the rest of its batch.
 """
@@ -10,9 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepinfer.backends.cpu import CpuAccelerator, kernels
-from deepinfer.backends.cpu import ops as ref
+from deepinfer.backends import reference as ref
+from deepinfer.backends.cpu import CpuAccelerator, kernels, make
+from deepinfer.models.deepseek_v4 import fused as composites
 from test_batch_invariance import _differences
+
+REFERENCE = CpuAccelerator()  # the reference ops: DeepSeek-V4's fused sequences run as their composites
 
 REL = 2e-6  # float32, different summation order than torch's
 
@@ -175,7 +179,7 @@ def test_compress_entries_match_the_reference(seed, overlap, rate, dim, rope):
     bias, norm = torch.randn(rate, C, generator=g), torch.randn(dim, generator=g)
     cos, sin = torch.randn(W, rope, generator=g), torch.randn(W, rope, generator=g)
     args = (ring, rows, bias, overlap, norm, 1e-6, cos, sin)
-    _close(kernels.compress_entries(*args), ref.compress_entries(*args))
+    _close(kernels.compress_entries(*args), composites.compress_entries(REFERENCE, *args))
     assert torch.equal(kernels.compress_entries(ring, rows[:0], bias, overlap, norm, 1e-6, cos[:0], sin[:0]),
                        torch.empty(0, dim))
 
@@ -192,17 +196,17 @@ def test_fused_sequences_are_their_kernels_in_sequence(seed):
     collapsed, post, comb = kernels.hc_pre(streams, *hc)
     fused = kernels.hc_pre_norm(streams, *hc, norm)
     assert all(torch.equal(a, b) for a, b in zip(fused, (kernels.rms_norm(collapsed, norm, 1e-6), post, comb)))
-    _close(fused, ref.hc_pre_norm(streams, *hc, norm))
+    _close(fused, composites.hc_pre_norm(REFERENCE, streams, *hc, norm))
     nxt = kernels.hc_post(block, streams, post, comb)
     chained = (nxt, *kernels.hc_pre_norm(nxt, *hc, norm))
     fused = kernels.hc_post_pre_norm(block, streams, post, comb, *hc, norm)
     assert all(torch.equal(a, b) for a, b in zip(fused, chained))
-    _close(fused, ref.hc_post_pre_norm(block, streams, post, comb, *hc, norm))
+    _close(fused, composites.hc_post_pre_norm(REFERENCE, block, streams, post, comb, *hc, norm))
     q, cos, sin = torch.randn(7, 3, 32, generator=g), torch.randn(7, 4, generator=g), torch.randn(7, 4, generator=g)
     for weight in (None, torch.randn(32, generator=g)):
         fused = kernels.rms_norm_rope(q, weight, 1e-6, cos, sin)
         assert torch.equal(fused, kernels.rope(kernels.rms_norm(q, weight, 1e-6), cos, sin))
-        _close(fused, ref.rms_norm_rope(q, weight, 1e-6, cos, sin))
+        _close(fused, composites.rms_norm_rope(REFERENCE, q, weight, 1e-6, cos, sin))
 
 
 def test_bad_indices_raise_instead_of_reading_out_of_bounds():
@@ -227,10 +231,10 @@ def test_inputs_the_kernels_do_not_take_go_to_the_reference():
 def test_the_backend_runs_the_kernels_unless_disabled(monkeypatch):
     monkeypatch.delenv("DEEPINFER_BATCH_INVARIANT", raising=False)
     monkeypatch.delenv("DEEPINFER_CPU_KERNELS", raising=False)
-    on = CpuAccelerator()
+    on = make()
     assert all(getattr(on, op) is getattr(kernels, op) for op in kernels.OPS)
     monkeypatch.setenv("DEEPINFER_CPU_KERNELS", "0")
-    off = CpuAccelerator()
+    off = make()
     assert all(getattr(off, op) is getattr(ref, op) for op in kernels.OPS)
     # profiles cached on disk (DSpark's step costs) are keyed by the kernels that were timed
     assert kernels.build_digest() in on.kernel_signature() and on.kernel_signature() != off.kernel_signature()
@@ -240,7 +244,7 @@ def test_fused_kernels_are_row_invariant(monkeypatch):
     """Each kernel works token by token: a row's result is bit-identical in any batch (of these
     9-token sizes; linear is left out: it hands more than 2 rows to MKL, as the reference does)."""
     monkeypatch.delenv("DEEPINFER_BATCH_INVARIANT", raising=False)
-    bad = _differences(CpuAccelerator())
+    bad = _differences(make())
     fused = (set(kernels.OPS) - {"linear"}) & set(bad)
     assert fused and all(bad[op] == 0 for op in fused), {op: bad[op] for op in fused}
 

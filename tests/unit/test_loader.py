@@ -7,7 +7,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from deepinfer.core.loader import CheckpointError, hf_to_upstream, load_checkpoint
+from deepinfer.core.loader import CheckpointError, load_checkpoint
+from deepinfer.models.base import TensorSpec
+from deepinfer.models.deepseek_v4 import DeepseekV4Model
+from deepinfer.models.deepseek_v4.weights import checkpoint_source as hf_to_upstream
 
 transformers = pytest.importorskip("transformers")
 
@@ -40,7 +43,12 @@ def state(wide=False) -> dict[str, torch.Tensor]:
 
 
 def expected_of(sd):
-    return {k: (tuple(v.shape), v.dtype) for k, v in sd.items()}
+    return {k: TensorSpec(tuple(v.shape), v.dtype) for k, v in sd.items()}
+
+
+def load(path, sd):
+    """Load as the engine does for DeepSeek-V4: its names resolve upstream spellings, `mtp.*` kept aside."""
+    return load_checkpoint(path, expected_of(sd), DeepseekV4Model, keep_prefixes=DeepseekV4Model.extra_prefixes)
 
 
 def to_upstream(sd) -> dict[str, torch.Tensor]:
@@ -135,7 +143,7 @@ def quantizable(name, t):
 
 def test_hf_state_dict_names(tmp_path):
     sd = state()
-    weights, extra = load_checkpoint(write(tmp_path, sd), expected_of(sd))
+    weights, extra = load(write(tmp_path, sd), sd)
     assert_same(weights, sd)
     assert extra == {}
 
@@ -146,14 +154,14 @@ def test_save_pretrained_sharded(tmp_path):
     model().save_pretrained(tmp_path, max_shard_size="40KB")
     assert len(list(tmp_path.glob("*.safetensors"))) > 1
     sd = state()
-    weights, _ = load_checkpoint(tmp_path, expected_of(sd))
+    weights, _ = load(tmp_path, sd)
     assert_same(weights, sd)
 
 
 def test_upstream_names_match_transformers(tmp_path):
     sd = state()
     write(tmp_path, to_upstream(sd))
-    weights, _ = load_checkpoint(tmp_path, expected_of(sd))
+    weights, _ = load(tmp_path, sd)
     assert_same(weights, sd)
     # Independent check of the name table: transformers' own loader reads the same files.
     model().config.save_pretrained(tmp_path)
@@ -171,7 +179,7 @@ def test_upstream_bf16_int32_sharded_with_mtp(tmp_path):
     mtp = {"mtp.0.main_proj.weight": torch.randn(64, 128).bfloat16(), "mtp.0.attn.wq_a.weight": q,
            "mtp.0.attn.wq_a.scale": s, "mtp.0.ffn.experts.0.w1.weight": packed.view(torch.int8),
            "mtp.0.ffn.experts.0.w1.scale": s4, "mtp.0.hc_head_scale": torch.randn(1)}
-    weights, extra = load_checkpoint(write(tmp_path, up | mtp, shards=3), expected_of(sd))
+    weights, extra = load(write(tmp_path, up | mtp, shards=3), sd)
     assert_same(weights, {k: v if v.dtype == torch.int64 else v.bfloat16().float() for k, v in sd.items()})
     assert_same(extra, {"mtp.0.main_proj.weight": mtp["mtp.0.main_proj.weight"].float(),
                         "mtp.0.attn.wq_a.weight": ref_fp8, "mtp.0.ffn.experts.0.w1.weight": ref_fp4,
@@ -200,7 +208,7 @@ def test_fp8_block_scales(tmp_path, naming, fmt, block):
         else:
             out[name] = t
     config = {"quantization_config": {"quant_method": "fp8", "weight_block_size": list(block)}} if block else None
-    weights, _ = load_checkpoint(write(tmp_path, out, config=config), expected_of(sd))
+    weights, _ = load(write(tmp_path, out, config=config), sd)
 
     for name, r in ref.items():
         err = (r - src[name]).abs()
@@ -222,7 +230,7 @@ def test_fp4_experts(tmp_path, naming, fmt, packed_dtype):
         packed, s, ref[name], scale[name] = quant_fp4(src[name], fmt)
         scale_name = name.removesuffix(".weight") + ".scale" if naming == "upstream" else name + "_scale_inv"
         out |= {name: packed.view(packed_dtype), scale_name: s}
-    weights, _ = load_checkpoint(write(tmp_path, out), expected_of(sd))
+    weights, _ = load(write(tmp_path, out), sd)
     assert_same(weights, fold(src | ref, sd) if naming == "upstream" else sd | ref)
     for name, r in ref.items():
         # e2m1 steps are 0.5 up to 2, then 1 up to 4, then 2 up to 6 (in units of the scale): the
@@ -276,7 +284,7 @@ def test_broken_checkpoint_names_the_tensor(tmp_path, case):
     tensors = to_upstream(sd) if upstream else dict(sd)
     mutate(tensors)
     with pytest.raises(CheckpointError, match=re.escape(name)):
-        load_checkpoint(write(tmp_path, tensors), expected_of(sd))
+        load(write(tmp_path, tensors), sd)
 
 
 def test_index_naming_a_missing_file(tmp_path):
@@ -284,7 +292,7 @@ def test_index_naming_a_missing_file(tmp_path):
     write(tmp_path, sd, shards=2)
     (tmp_path / "model-00001-of-00002.safetensors").unlink()
     with pytest.raises(CheckpointError, match="model-00001-of-00002.safetensors"):
-        load_checkpoint(tmp_path, expected_of(sd))
+        load(tmp_path, sd)
 
 
 def test_no_checkpoint(tmp_path):

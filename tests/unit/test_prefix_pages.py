@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 from deepinfer.core.cache import StateCache
-from deepinfer.core.config import ModelConfig
+from deepinfer.models.deepseek_v4 import DeepseekV4Config
+from deepinfer.models.deepseek_v4.step import cache_spec
 from tiny_models import CONFIGS
 
 
 def _cache(num_pages: int) -> StateCache:
-    from transformers import DeepseekV4Config
+    import transformers
 
-    cfg = ModelConfig.from_dict(DeepseekV4Config(**CONFIGS["csa_hc2"]).to_dict())
-    return StateCache(cfg, max_seqs=4, num_pages=num_pages, max_step_tokens=64, max_model_len=1024)
+    cfg = DeepseekV4Config.from_dict(transformers.DeepseekV4Config(**CONFIGS["csa_hc2"]).to_dict())
+    return StateCache(cache_spec(cfg, margin=0), max_seqs=4, num_pages=num_pages, max_step_tokens=64,
+                      max_model_len=1024)
 
 
 def _run(cache: StateCache, tokens: list[int]) -> tuple[int, list[bytes]]:

@@ -14,7 +14,8 @@ from model_runner import build_model, new_cache, run_schedule
 from tiny_models import CONFIGS, make_hf_model
 
 from deepinfer.backends.cpu import kernels
-from deepinfer.core.models.deepseek_v4 import StepMeta
+from deepinfer.core.cache import StateCache
+from deepinfer.models.deepseek_v4.step import StepMeta
 
 
 @pytest.fixture(autouse=True)
@@ -34,8 +35,7 @@ def _kernels(monkeypatch):
 
 
 def _pools(cache) -> list[torch.Tensor]:
-    return [t for layer in cache.layers for t in (layer.kv, layer.comp_ring, layer.index_ring, layer.index_keys)
-            if t is not None]
+    return [pool.data for pool in cache.pools.values()]
 
 
 def _schedule(lengths: list[int], seed: int, max_chunk: int) -> list[list[tuple[int, int]]]:
@@ -88,9 +88,10 @@ def _check_every_step_against_the_graph(model):
     def both(inp, cache, logit_rows, meta=None, **kw):
         program = model.step_program(cache)
         assert program is not None
-        numpy_meta = StepMeta(inp, cache, model.config)  # the definition
+        view = model.view(cache)
+        numpy_meta = StepMeta(inp, view, model.config)  # the definition
         planned = []
-        meta = StepMeta(inp, cache, model.config, planner=lambda m: planned.append(program.plan(m)) or planned[-1])
+        meta = StepMeta(inp, view, model.config, planner=lambda m: planned.append(program.plan(m)) or planned[-1])
         assert planned == [True]
         _same_meta(meta, numpy_meta)
         if kw or not program.runs(meta):
@@ -102,7 +103,7 @@ def _check_every_step_against_the_graph(model):
         after = [t.clone() for t in _pools(cache)]
         for pool, saved in zip(_pools(cache), before):
             pool.copy_(saved)
-        expected = model.forward_graph(meta, cache, logit_rows)
+        expected = model.forward_graph(meta, logit_rows)
         assert torch.equal(logits, expected), (logits - expected).abs().max()
         for pool, got in zip(_pools(cache), after):
             assert torch.equal(pool, got), "the program left a different cache state"
@@ -169,7 +170,7 @@ def test_program_is_off_where_it_does_not_apply(monkeypatch):
     monkeypatch.setenv("DEEPINFER_CPU_STEP_PROGRAM", "1")
     model = build_model(hf, cfg)
     assert model.step_program(new_cache(model)) is not None
-    bf16_cache = type(new_cache(model))(model.config, max_seqs=2, num_pages=8, max_step_tokens=64, max_model_len=256,
+    bf16_cache = StateCache(model.cache_spec(0), max_seqs=2, num_pages=8, max_step_tokens=64, max_model_len=256,
                             dtype=torch.bfloat16)
     assert model.step_program(bf16_cache) is None  # the kernels take float32 pools only
     monkeypatch.setenv("DEEPINFER_CPU_KERNELS", "0")

@@ -14,13 +14,13 @@ Op mapping (a torch_npu operator is used only where its documented semantics equ
 | moe_experts         | torch_npu.npu_grouped_matmul x2 + npu_swiglu; fixed-order combine        |
 | compress_windows    | AscendC `compress_windows` when built, else Triton (re-tiled)       [a]  |
 | hc_pre              | AscendC `mhc_sinkhorn` + torch when built, else Triton              [a]  |
-| hc_post, hc_head    | Triton (nvidia kernels)                                             [a]  |
-| rope                | Triton (nvidia kernel)                                              [b]  |
-| sparse_attention    | Triton (nvidia kernel, re-tiled)                                    [c]  |
+| hc_post, hc_head    | Triton (shared kernels)                                             [a]  |
+| rope                | Triton (shared kernel)                                              [b]  |
+| sparse_attention    | Triton (shared kernel, re-tiled)                                    [c]  |
 | indexer_topk        | Triton scores + torch stable sort                                   [d]  |
 | route_topk          | Triton scores + torch.topk                                          [e]  |
 | route_hash          | Triton scores                                                       [a]  |
-| apply_token_bitmask | Triton (nvidia kernel)                                              [a]  |
+| apply_token_bitmask | Triton (shared kernel)                                              [a]  |
 | linear, grouped_linear, embedding | reference: plain torch (aclnn matmul / gather on the NPU)  |
 | fp8_block_linear    | reference: plain torch (dequantize, then aclnn matmul)              [g]  |
 | sample              | reference: plain torch                                              [f]  |
@@ -42,7 +42,7 @@ Why not a fused torch_npu operator:
 [g] no torch_npu quantized matmul has been checked against DeepSeek's 1 x 128 activation / 128 x 128
     weight block scaling yet; the reference quantizes the activations and dequantizes both.
 
-The Triton kernels are the nvidia backend's, launched with tile sizes that fit Ascend's 192 KB unified
+The Triton kernels are the ones nvidia runs (backends/triton), launched with tile sizes that fit Ascend's 192 KB unified
 buffer (triton_ops.py re-tiles sparse_attention and compress_windows; the rest fit as they are); none
 relies on num_warps/num_stages, and `input_precision` is an NVIDIA-only hint triton-ascend ignores. Not
 verified on triton-ascend itself (no NPU here). In CI all of this runs on CPU tensors: the torch_npu
@@ -55,13 +55,13 @@ import os
 
 import torch
 
+from deepinfer.backends import reference
 from deepinfer.backends.ascend import ascendc, npu_ops
 from deepinfer.backends.base import Accelerator, WeightRole
-from deepinfer.backends.cpu import ops as reference
 
 try:
     from deepinfer.backends.ascend import triton_ops
-    from deepinfer.backends.nvidia import attention, elementwise, sampling
+    from deepinfer.backends.triton import attention, elementwise, sampling
 except ImportError:  # no triton: AscendAccelerator() explains
     attention = elementwise = sampling = triton_ops = None
 
@@ -108,10 +108,8 @@ class AscendAccelerator(Accelerator):
     moe_experts = staticmethod(npu_ops.moe_experts)
     # Triton kernels (triton-ascend on an NPU, the interpreter in CI)
     rope = _kernel("elementwise", "rope")
-    hc_pre = _kernel("elementwise", "hc_pre")  # AscendC Sinkhorn when built: see __init__
     hc_post = _kernel("elementwise", "hc_post")
     hc_head = _kernel("elementwise", "hc_head")
-    compress_windows = _kernel("triton_ops", "compress_windows")  # AscendC when built: see __init__
     sparse_attention = _kernel("triton_ops", "sparse_attention")
     indexer_topk = _kernel("attention", "indexer_topk")
     route_topk = _kernel("sampling", "route_topk")
@@ -145,9 +143,15 @@ class AscendAccelerator(Accelerator):
         npu_ops.bind(torch_npu)
         # the AscendC kernels exist only where setup.py built them (CANN present); never under the shim
         self.ascendc = not self.shim and ascendc.load()
-        if self.ascendc:
-            self.compress_windows = ascendc.compress_windows
-            self.hc_pre = ascendc.make_hc_pre(self.rms_norm, self.linear)
+
+    def compress_windows(self, kv, gate):
+        return ascendc.compress_windows(kv, gate) if self.ascendc else triton_ops.compress_windows(kv, gate)
+
+    def hc_pre(self, streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters):
+        if self.ascendc:  # the Sinkhorn on the AscendC kernel, the mix GEMM and gates on this backend's ops
+            return ascendc.hc_pre(self.rms_norm, self.linear, streams, fn, base, scale, norm_eps, hc_eps,
+                                  sinkhorn_iters)
+        return elementwise.hc_pre(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters)
 
     def prepare_weight(self, tensor: torch.Tensor, role: WeightRole = WeightRole.PLAIN) -> torch.Tensor:
         # float32 storage keeps the ops comparable to the cpu reference (bf16 is a later, measured step)

@@ -45,19 +45,15 @@ def compress_windows(kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     return torch.ops.deepinfer_ascend.compress_windows(kv.float().contiguous(), gate.float().contiguous())
 
 
-def make_hc_pre(rms_norm, linear):
+def hc_pre(rms_norm, linear, streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters):
     """hc_pre with the Sinkhorn on the AscendC kernel; the mix GEMM and the gates run on the given ops."""
-
-    def hc_pre(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters):
-        t, n, d = streams.shape
-        mix = linear(rms_norm(streams.reshape(t, n * d), None, norm_eps), fn)
-        pre_w, post_w, comb_w = mix.split([n, n, n * n], dim=-1)
-        pre_b, post_b, comb_b = base.float().split([n, n, n * n])
-        pre = torch.sigmoid(pre_w * scale[0] + pre_b) + hc_eps
-        post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
-        logits = (comb_w * scale[2] + comb_b).float().contiguous()
-        comb = torch.ops.deepinfer_ascend.mhc_sinkhorn(logits, n, float(hc_eps), int(sinkhorn_iters))
-        collapsed = (pre.unsqueeze(-1) * streams.float()).sum(dim=-2)
-        return collapsed, post, comb.view(t, n, n)
-
-    return hc_pre
+    t, n, d = streams.shape
+    mix = linear(rms_norm(streams.reshape(t, n * d), None, norm_eps), fn)
+    pre_w, post_w, comb_w = mix.split([n, n, n * n], dim=-1)
+    pre_b, post_b, comb_b = base.float().split([n, n, n * n])
+    pre = torch.sigmoid(pre_w * scale[0] + pre_b) + hc_eps
+    post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
+    logits = (comb_w * scale[2] + comb_b).float().contiguous()
+    comb = torch.ops.deepinfer_ascend.mhc_sinkhorn(logits, n, float(hc_eps), int(sinkhorn_iters))
+    collapsed = (pre.unsqueeze(-1) * streams.float()).sum(dim=-2)
+    return collapsed, post, comb.view(t, n, n)

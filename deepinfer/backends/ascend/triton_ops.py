@@ -1,9 +1,9 @@
-"""Launchers that re-tile two of the nvidia Triton kernels for triton-ascend.
+"""Launchers that re-tile two of the shared Triton kernels (backends/triton) for triton-ascend.
 
 A triton-ascend program keeps its live tiles in the AI core's unified buffer (192 KB on Atlas A2/A3,
 loads may be double-buffered), so tile sizes here are chosen from a byte budget rather than from
 GPU occupancy; no launch relies on num_warps / num_stages. Every other Triton op of the backend
-launches the nvidia kernels with their own sizes, which already fit (largest live sets, at V4-Flash
+launches the shared kernels with their own sizes, which already fit (largest live sets, at V4-Flash
 sizes: indexer scores with 64 heads x 128 dims ~60 KB, rms_norm's 4096-float chunks 48 KB).
 """
 
@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 import triton
 
-from deepinfer.backends.nvidia import alloc
-from deepinfer.backends.nvidia import attention as nvidia_attention
-from deepinfer.backends.nvidia.attention import _compress_kernel
+from deepinfer.backends.triton import alloc
+from deepinfer.backends.triton import attention as triton_attention
+from deepinfer.backends.triton.attention import _compress_kernel
 
 # sparse_attention at head_dim 512: q [16, 512] + kv [16, 512] + acc [16, 512] + p.kv [16, 512] floats
 # = 128 KB (the nvidia launch's BLOCK_K = 32 would need 160 KB + a second kv buffer).
@@ -25,7 +25,7 @@ _COMPRESS_TILE = 2048
 
 
 def sparse_attention(q, kv, indices, sinks, scale):
-    return nvidia_attention.sparse_attention(q, kv, indices, sinks, scale, block_h=_ATTN_BLOCK_H,
+    return triton_attention.sparse_attention(q, kv, indices, sinks, scale, block_h=_ATTN_BLOCK_H,
                                              block_k=_ATTN_BLOCK_K)
 
 

@@ -1,4 +1,7 @@
-"""The reference backend: plain float32 torch on the CPU."""
+"""The cpu backend: plain float32 torch (the reference ops), or the fused C++ kernels for the hot
+ops (kernels.py, compiled on first use), each also in a batch-invariant form. `make()` picks the
+class from DEEPINFER_CPU_KERNELS, DEEPINFER_BATCH_INVARIANT and whether the kernels build; the
+ops of each class are its methods."""
 
 from __future__ import annotations
 
@@ -6,17 +9,20 @@ import os
 
 import torch
 
+from deepinfer.backends import reference
 from deepinfer.backends.base import Accelerator, WeightRole
-from deepinfer.backends.cpu import invariant, kernels, ops
+from deepinfer.backends.cpu import invariant, kernels
 
 
 class CpuAccelerator(Accelerator):
+    """The reference ops (backends/reference.py)."""
+
     name = "cpu"
     device = torch.device("cpu")
     dist_backend = "gloo"
     # The fast ops are not batch-invariant (MKL picks GEMM kernels by row count: a 1-row linear
-    # differs from the same row in a batch of 40 by ~1e-6). DEEPINFER_BATCH_INVARIANT=1 at
-    # construction swaps in the ops of `invariant.py` and only then claims both capabilities.
+    # differs from the same row in a batch of 40 by ~1e-6). DEEPINFER_BATCH_INVARIANT=1 selects the
+    # invariant classes below, which alone claim both capabilities.
     batch_invariant = False
     deterministic_sampling = False
     batch_invariant_mode = True
@@ -30,62 +36,31 @@ class CpuAccelerator(Accelerator):
     # drafting at concurrency 1-64 (benchmarks/dspark.py). DEEPINFER_USE_NEXTN_DECODE=5 turns it on.
     speculative_decoding = False
 
-    def __init__(self) -> None:
-        from deepinfer import envs
-
-        self.fused_kernels = use_kernels = bool(envs.get("DEEPINFER_CPU_KERNELS")) and kernels.load()
-        if envs.batch_invariant():
-            for op in invariant.OPS:
-                setattr(self, op, getattr(invariant, op))
-            if use_kernels:  # row-wise with a fixed order: invariant by construction, and faster
-                for op, fn in kernels.batch_invariant_ops().items():
-                    setattr(self, op, fn)
-            self.batch_invariant = True
-            self.deterministic_sampling = True
-        elif use_kernels:
-            for op in kernels.OPS:
-                setattr(self, op, getattr(kernels, op))
+    linear = staticmethod(reference.linear)
+    grouped_linear = staticmethod(reference.grouped_linear)
+    fp8_block_linear = staticmethod(reference.fp8_block_linear)
+    embedding = staticmethod(reference.embedding)
+    rms_norm = staticmethod(reference.rms_norm)
+    rope = staticmethod(reference.rope)
+    swiglu = staticmethod(reference.swiglu)
+    swiglu_mlp = staticmethod(reference.swiglu_mlp)
+    hc_pre = staticmethod(reference.hc_pre)
+    hc_post = staticmethod(reference.hc_post)
+    hc_head = staticmethod(reference.hc_head)
+    compress_windows = staticmethod(reference.compress_windows)
+    indexer_topk = staticmethod(reference.indexer_topk)
+    sparse_attention = staticmethod(reference.sparse_attention)
+    route_topk = staticmethod(reference.route_topk)
+    route_hash = staticmethod(reference.route_hash)
+    moe_experts = staticmethod(reference.moe_experts)
+    sample = staticmethod(reference.sample)
+    apply_token_bitmask = staticmethod(reference.apply_token_bitmask)
 
     def prepare_weight(self, tensor: torch.Tensor, role: WeightRole = WeightRole.PLAIN) -> torch.Tensor:
         # bf16 matmuls run ~100x slower than fp32 on these CPUs: compute in float32.
         if tensor.is_floating_point():
             tensor = tensor.float()
         return tensor.contiguous()
-
-    linear = staticmethod(ops.linear)
-    grouped_linear = staticmethod(ops.grouped_linear)
-    fp8_block_linear = staticmethod(ops.fp8_block_linear)
-    embedding = staticmethod(ops.embedding)
-    rms_norm = staticmethod(ops.rms_norm)
-    rope = staticmethod(ops.rope)
-    swiglu = staticmethod(ops.swiglu)
-    swiglu_mlp = staticmethod(ops.swiglu_mlp)
-    hc_pre = staticmethod(ops.hc_pre)
-    hc_post = staticmethod(ops.hc_post)
-    hc_head = staticmethod(ops.hc_head)
-    compress_windows = staticmethod(ops.compress_windows)
-    compress_entries = staticmethod(ops.compress_entries)
-    hc_pre_norm = staticmethod(ops.hc_pre_norm)
-    hc_post_pre_norm = staticmethod(ops.hc_post_pre_norm)
-    rms_norm_rope = staticmethod(ops.rms_norm_rope)
-    indexer_topk = staticmethod(ops.indexer_topk)
-    sparse_attention = staticmethod(ops.sparse_attention)
-    route_topk = staticmethod(ops.route_topk)
-    route_hash = staticmethod(ops.route_hash)
-    moe_experts = staticmethod(ops.moe_experts)
-    sample = staticmethod(ops.sample)
-    apply_token_bitmask = staticmethod(ops.apply_token_bitmask)
-
-    def step_program(self, model, cache):
-        from deepinfer import envs
-        from deepinfer.backends.cpu.step_program import StepProgram
-
-        if not self.fused_kernels or not envs.get("DEEPINFER_CPU_STEP_PROGRAM"):
-            return None
-        return StepProgram.build(model, cache, self)
-
-    def kernel_signature(self) -> str:
-        return f"{super().kernel_signature()} fused {kernels.build_digest() if self.fused_kernels else 'off'}"
 
     def tune_for_model(self, hidden_size: int) -> None:
         # Small models are bound by per-op overhead: one intra-op thread beats two on the tiny
@@ -105,3 +80,57 @@ class CpuAccelerator(Accelerator):
             return int(pages * os.sysconf("SC_PAGE_SIZE"))
         except (ValueError, OSError):
             return 4 << 30
+
+
+class CpuInvariantAccelerator(CpuAccelerator):
+    """The reference ops, with invariant.py's versions of those whose rows depend on the batch."""
+
+    batch_invariant = True
+    deterministic_sampling = True
+
+
+for _name in invariant.OPS:
+    setattr(CpuInvariantAccelerator, _name, staticmethod(getattr(invariant, _name)))
+
+
+class _Kernels:
+    """What the kernel classes share: the fused sequences and the step program."""
+
+    def kernel(self, name: str):
+        return kernels.FUSED.get(name)
+
+    def step_program(self, model, cache):
+        from deepinfer import envs
+        from deepinfer.backends.cpu.step_program import StepProgram
+
+        return StepProgram.build(model, cache, self) if envs.get("DEEPINFER_CPU_STEP_PROGRAM") else None
+
+    def kernel_signature(self) -> str:
+        return f"{super().kernel_signature()} fused {kernels.build_digest()}"
+
+
+class CpuKernelAccelerator(_Kernels, CpuAccelerator):
+    """The fused C++ kernels for the hot ops (the reference ops for the rest)."""
+
+
+for _name in kernels.OPS:
+    setattr(CpuKernelAccelerator, _name, staticmethod(getattr(kernels, _name)))
+
+
+class CpuInvariantKernelAccelerator(_Kernels, CpuInvariantAccelerator):
+    """The kernels at every batch size (each computes a row in a fixed order), invariant.py's ops for
+    inputs they do not take."""
+
+
+for _name, _op in kernels.batch_invariant_ops().items():
+    setattr(CpuInvariantKernelAccelerator, _name, staticmethod(_op))
+
+
+def make() -> CpuAccelerator:
+    """The cpu accelerator the environment asks for (read at construction)."""
+    from deepinfer import envs
+
+    use_kernels = bool(envs.get("DEEPINFER_CPU_KERNELS")) and kernels.load()
+    if envs.batch_invariant():
+        return CpuInvariantKernelAccelerator() if use_kernels else CpuInvariantAccelerator()
+    return CpuKernelAccelerator() if use_kernels else CpuAccelerator()

@@ -4,7 +4,7 @@
 // (RMSNorm, a [T, n*D] x [n*D, (2+n)*n] product, sigmoids, a softmax and 20 Sinkhorn iterations)
 // is ~80 torch ops per call, 8 calls per 4-layer step. Each kernel here does one op of
 // backends/base.py in one pass, with the same semantics as the reference in
-// backends/cpu/ops.py (tests/unit/test_cpu_kernels.py bounds the difference).
+// backends/reference.py (tests/unit/test_cpu_kernels.py bounds the difference).
 //
 // Every kernel works token by token with a fixed summation order inside a token, so a token's
 // result never depends on which other tokens share the batch (batch-invariant by construction).

@@ -27,8 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer.backends.cpu import ops
-from deepinfer.backends.cpu.ops import _QUERY_BLOCK, rms_norm, topk_by_query_blocks
+from deepinfer.backends.reference import _QUERY_BLOCK, rms_norm, topk_by_query_blocks
 
 ROW_BLOCK = 16
 KEY_BLOCK = 64
@@ -203,12 +202,5 @@ def compress_windows(kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     return (kv.float() * weight).cumsum(dim=1)[:, -1] / weight.cumsum(dim=1)[:, -1]
 
 
-# the composites (base.py) on this module's ops; the rest of what they call is already invariant
-rope, hc_post = ops.rope, ops.hc_post
-compress_entries = ops.composite("compress_entries", __name__)
-hc_pre_norm = ops.composite("hc_pre_norm", __name__)
-hc_post_pre_norm = ops.composite("hc_post_pre_norm", __name__)
-
 OPS = ("linear", "grouped_linear", "swiglu", "swiglu_mlp", "hc_pre", "hc_head", "indexer_topk", "sparse_attention",
-       "route_topk", "route_hash", "moe_experts", "compress_windows", "compress_entries", "hc_pre_norm",
-       "hc_post_pre_norm")
+       "route_topk", "route_hash", "moe_experts", "compress_windows")

@@ -1,6 +1,6 @@
 """The cpu backend's fused C++ kernels (fused_ops.cpp), compiled on first use.
 
-The reference ops in `ops.py` are plain torch: dozens of small ops per call, which is what a
+The reference ops (backends/reference.py) are plain torch: dozens of small ops per call, which is what a
 decode step of a small model spends its time on (the mHC mix alone is ~80 ops, 8 calls a step).
 `fused_ops.cpp` does fourteen of them in one pass each: hc_pre, hc_post, hc_head, rms_norm,
 rope, compress_entries, sparse_attention and indexer_topk always; linear, moe_experts, swiglu_mlp
@@ -26,7 +26,7 @@ import warnings
 
 import torch
 
-from deepinfer.backends.cpu import ops
+from deepinfer.backends import reference as ops
 
 _HERE = os.path.dirname(__file__)
 # one library: the kernels, and the step program that chains them (step_program.py)
@@ -79,8 +79,8 @@ def _try_load(path: str) -> bool:
     return True
 
 
-# ---------------------------------------------------------------- the ops (same signatures as ops.py)
-# Each falls back to `reference` (ops.py, or invariant.py in batch-invariant mode) for inputs the
+# ---------------------------------------------------------------- the ops (same signatures as the reference)
+# Each falls back to `reference` (reference.py, or invariant.py in batch-invariant mode) for inputs the
 # kernels do not take (non-float32 tensors, e.g. a bfloat16 cache): the kernels are an
 # optimisation, never a second set of semantics.
 _F32 = torch.float32
@@ -185,35 +185,39 @@ def moe_experts(x, weights, ids, gate_up, down, limit, *, reference=ops.moe_expe
     return torch.ops.deepinfer_cpu.moe_experts(x, weights, ids, gate_up, down, limit)
 
 
-def compress_entries(ring, rows, bias, overlap, norm_weight, eps, cos, sin, *, reference=ops.compress_entries):
+# The fused sequences of models/deepseek_v4/fused.py, served through Accelerator.kernel: None
+# declines an input (not float32) and the model runs the composite instead.
+def compress_entries(ring, rows, bias, overlap, norm_weight, eps, cos, sin):
     if ring.dtype != _F32 or bias.dtype != _F32 or norm_weight.dtype != _F32 or ring.stride(-1) != 1:
-        return reference(ring, rows, bias, overlap, norm_weight, eps, cos, sin)
+        return None
     return torch.ops.deepinfer_cpu.compress_entries(ring, rows, bias, overlap, norm_weight, eps, cos, sin)
 
 
-def hc_pre_norm(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, norm_weight, *, reference=ops.hc_pre_norm):
+def hc_pre_norm(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, norm_weight):
     if streams.dtype != _F32 or fn.dtype != _F32 or norm_weight.dtype != _F32:
-        return reference(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, norm_weight)
+        return None
     return torch.ops.deepinfer_cpu.hc_pre_norm(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, norm_weight)
 
 
-def hc_post_pre_norm(block_out, streams, post, comb, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, norm_weight,
-                     *, reference=ops.hc_post_pre_norm):
+def hc_post_pre_norm(block_out, streams, post, comb, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, norm_weight):
     args = (block_out, streams, post, comb, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, norm_weight)
     if block_out.dtype != _F32 or streams.dtype != _F32 or fn.dtype != _F32 or norm_weight.dtype != _F32:
-        return reference(*args)
+        return None
     return torch.ops.deepinfer_cpu.hc_post_pre_norm(*args)
 
 
-def rms_norm_rope(x, weight, eps, cos, sin, *, reference=ops.rms_norm_rope):
+def rms_norm_rope(x, weight, eps, cos, sin):
     if x.dtype != _F32 or x.dim() not in (2, 3) or (weight is not None and weight.dtype != _F32):
-        return reference(x, weight, eps, cos, sin)
+        return None
     return torch.ops.deepinfer_cpu.rms_norm_rope(x, weight, eps, cos, sin)
 
 
+FUSED = {"compress_entries": compress_entries, "hc_pre_norm": hc_pre_norm, "hc_post_pre_norm": hc_post_pre_norm,
+         "rms_norm_rope": rms_norm_rope}
+
+
 OPS = ("hc_pre", "hc_post", "hc_head", "rms_norm", "rope", "sparse_attention", "indexer_topk", "moe_experts",
-       "grouped_linear", "route_topk", "route_hash", "swiglu_mlp", "linear", "compress_entries", "hc_pre_norm",
-       "hc_post_pre_norm", "rms_norm_rope")
+       "grouped_linear", "route_topk", "route_hash", "swiglu_mlp", "linear")
 
 
 def batch_invariant_ops() -> dict:

@@ -1,4 +1,4 @@
-// The DeepSeek-V4 forward of core/models/deepseek_v4.py as one C++ call, for the cpu backend
+// The DeepSeek-V4 forward of models/deepseek_v4/model.py as one C++ call, for the cpu backend
 // (loaded with fused_ops.cpp into one library; step_program.py builds and calls it).
 //
 // A decode step of a small model spends as long in Python between the kernels as in them
@@ -243,7 +243,7 @@ struct StepProgram : torch::CustomClassHolder {
 
 
 // ---------------------------------------------------------------- planning
-// StepMeta's index arithmetic (core/models/deepseek_v4.py, the definition) for a step without a
+// StepMeta's index arithmetic (models/deepseek_v4/step.py, the definition) for a step without a
 // prefix-cache replay: the same arrays, computed in one pass instead of ~60 numpy calls (which
 // cost a decode step ~0.2 ms). tests/unit/test_step_program.py compares the two on every step.
 //

@@ -4,7 +4,7 @@ A decode step of a small model spends about as long in Python around the kernels
 ~70 op calls, each through a wrapper and the dispatcher, and the slicing, copies and index
 arithmetic between them (`python benchmarks/step_profile.py`). `step_program.cpp` runs the same
 fused kernels in the same order from C++, as a CUDA graph replays a captured step on a GPU. The
-Python graph in core/models/deepseek_v4.py stays the definition: the program is only used for a
+Python graph in models/deepseek_v4/model.py stays the definition: the program is only used for a
 step whose every op would take its fused kernel there, and tests/unit/test_step_program.py checks
 that the two give bit-identical logits and cache state.
 
@@ -23,12 +23,15 @@ import numpy as np
 import torch
 
 from deepinfer.backends.cpu import kernels
-from deepinfer.core.config import CSA, SLIDING
 
-# ops the program runs as kernels; `embedding` is the one plain torch op with a backend entry
-_KERNEL_OPS = ("hc_pre_norm", "hc_post_pre_norm", "hc_post", "hc_head", "rms_norm", "rms_norm_rope", "rope",
-               "linear", "grouped_linear", "sparse_attention", "indexer_topk", "compress_entries", "route_topk",
-               "route_hash", "moe_experts", "swiglu_mlp")
+# ops the program runs as kernels (and the fused sequences it chains, kernels.FUSED); `embedding`
+# is the one plain torch op with a backend entry
+_KERNEL_OPS = ("hc_post", "hc_head", "rms_norm", "rope", "linear", "grouped_linear", "sparse_attention",
+               "indexer_topk", "route_topk", "route_hash", "moe_experts", "swiglu_mlp")
+# DeepSeek-V4's layer kinds (its cache pools' kinds) as the C++ program numbers them. This program is
+# V4's forward written again in C++: the step-graph work replaces it with a replay of the recorded
+# Python graph, for any model.
+SLIDING, CSA = "sliding_attention", "compressed_sparse_attention"
 _KIND = {SLIDING: 0, CSA: 1}  # any other compressed kind: HCA (2)
 _NO_LIMIT = 1 << 62  # "every size" as a C++ int64 (batch-invariant mode lifts the kernels' limits)
 
@@ -85,7 +88,7 @@ class StepProgram:
         """The program for `model` on `cache`, or None where it does not apply (see the module doc)."""
         ops = {name: getattr(accel, name) for name in _KERNEL_OPS + ("embedding",)}
         kernel_ops = all(getattr(fn, "func", fn) is getattr(kernels, name) for name, fn in ops.items()
-                         if name != "embedding")
+                         if name != "embedding") and all(accel.kernel(name) is fn for name, fn in kernels.FUSED.items())
         floats = [t for t in model.w.values() if t.is_floating_point()]
         if not kernel_ops or cache.dtype != torch.float32 or any(t.dtype != torch.float32 for t in floats):
             return None

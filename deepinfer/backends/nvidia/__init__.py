@@ -23,7 +23,8 @@ try:
 except ImportError as exc:  # the registry turns this into the user-facing error
     raise ImportError("the nvidia backend needs Triton: pip install triton") from exc
 
-from deepinfer.backends.nvidia import attention, cuda_ext, elementwise, fp8, gemm, sampling  # noqa: E402
+from deepinfer.backends.nvidia import cuda_ext  # noqa: E402
+from deepinfer.backends.triton import attention, elementwise, fp8, gemm, sampling  # noqa: E402
 
 def _device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() and torch.cuda.device_count() > 0 \
@@ -43,8 +44,12 @@ class NvidiaAccelerator(Accelerator):
         self.device = _device()
         # The csrc/cuda attention (built by setup.py / csrc/cuda/build.sh) replaces the Triton one
         # for every step size, so a token's result never depends on which kernel its batch picked.
-        if self.device.type == "cuda" and cuda_ext.load() is not None:
-            self.sparse_attention = cuda_ext.sparse_decode_attention
+        self.cuda_attention = self.device.type == "cuda" and cuda_ext.load() is not None
+
+    def sparse_attention(self, q, kv, indices, sinks, scale):
+        if self.cuda_attention:
+            return cuda_ext.sparse_decode_attention(q, kv, indices, sinks, scale)
+        return attention.sparse_attention(q, kv, indices, sinks, scale)
 
     def prepare_weight(self, tensor: torch.Tensor, role: WeightRole = WeightRole.PLAIN) -> torch.Tensor:
         # float32 storage keeps the kernels comparable to the cpu reference; bf16 storage is a
@@ -66,7 +71,6 @@ class NvidiaAccelerator(Accelerator):
     hc_head = staticmethod(elementwise.hc_head)
     compress_windows = staticmethod(attention.compress_windows)
     indexer_topk = staticmethod(attention.indexer_topk)
-    sparse_attention = staticmethod(attention.sparse_attention)
     route_topk = staticmethod(sampling.route_topk)
     route_hash = staticmethod(sampling.route_hash)
     sample = staticmethod(sampling.sample)

@@ -9,7 +9,7 @@ import importlib
 
 import torch
 
-from deepinfer.backends.nvidia import alloc
+from deepinfer.backends.triton import alloc
 
 # Compiled for sm_90a and sm_100a only (arch-specific cubins, no PTX): other GPUs cannot run it.
 _CAPABILITIES = ((9, 0), (10, 0))

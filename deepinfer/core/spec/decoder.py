@@ -17,7 +17,6 @@ import torch
 from deepinfer import envs
 from deepinfer.backends.base import Accelerator
 from deepinfer.core.spec.accept import GREEDY_BELOW, DRAFT_SALT, Block, accept, draw, salted, target_logprobs
-from deepinfer.core.spec.dspark import DSparkConfig, DSparkDrafter
 from deepinfer.core.spec.planner import VerifyLengthPlanner, cached_step_cost, profile_grid, time_call
 
 
@@ -40,7 +39,7 @@ class Draft:
 
 
 class SpecDecoder:
-    def __init__(self, model, drafter: DSparkDrafter, accel: Accelerator, max_draft: int, margin: int):
+    def __init__(self, model, drafter, accel: Accelerator, max_draft: int, margin: int):
         self.model, self.drafter, self.accel = model, drafter, accel
         self.max_draft, self.margin = max_draft, margin
         self.planner = VerifyLengthPlanner(max_draft, None)
@@ -53,12 +52,13 @@ class SpecDecoder:
         `speculative_decoding` is False) or the checkpoint has no drafter: then nothing here runs and
         the cache keeps no rollback margin."""
         max_draft = envs.nextn_decode(default=5 if accel.speculative_decoding else 0)
-        dcfg = DSparkConfig.from_model(model.config, extra) if max_draft else None
-        if dcfg is None:
+        if not max_draft:
             return None
         margin = envs.max_backtracking_tokens()
-        drafter = DSparkDrafter(model.config, dcfg, extra, model.w, accel, max_seqs=max_seqs, margin=margin)
-        return cls(model, drafter, accel, min(max_draft, dcfg.block_size), margin)
+        drafter = model.make_drafter(extra, max_seqs, margin)
+        if drafter is None:
+            return None
+        return cls(model, drafter, accel, min(max_draft, drafter.dcfg.block_size), margin)
 
     # ------------------------------------------------------------ start-up
     def start(self, cache, max_step_tokens: int, cache_dir: str | None = None) -> None:
@@ -85,7 +85,7 @@ class SpecDecoder:
         where the window is full, and of drafting for those sequences (the block, the logits and
         the Markov/confidence loop: what a drafting step adds). Returns (tokens, seconds, seqs,
         drafter seconds)."""
-        from deepinfer.core.models.deepseek_v4 import StepInput
+        from deepinfer.models.base import StepInput
         from deepinfer.sampling_params import SamplingParams
 
         greedy = SamplingParams(temperature=0.0)
@@ -96,7 +96,7 @@ class SpecDecoder:
             lens = [tokens // seqs + (1 if i < tokens % seqs else 0) for i in range(seqs)]
             slots = [cache.allocate_slot() for _ in range(seqs)]
             try:
-                start = self.model.config.sliding_window  # a full window, where the cache holds it
+                start = self.model.replay_window  # a full window (if any), where the cache holds it
                 if sum(cache.pages_for(start + n) for n in lens) > cache.num_free_pages:
                     start = 0
                 for s, n in zip(slots, lens):

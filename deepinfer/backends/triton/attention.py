@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer.backends.nvidia import alloc
+from deepinfer.backends.triton import alloc
 
 # Fixed block sizes: a token's reduction order never depends on the batch it is in.
 _ATTN_BLOCK_K = 32

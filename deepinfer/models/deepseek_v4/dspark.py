@@ -27,7 +27,8 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.backends.base import Accelerator, WeightRole
-from deepinfer.core.config import ModelConfig
+from deepinfer.models.deepseek_v4 import fused
+from deepinfer.models.deepseek_v4.config import DeepseekV4Config
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +40,7 @@ class DSparkConfig:
     num_stages: int
 
     @classmethod
-    def from_model(cls, cfg: ModelConfig, extra: dict[str, torch.Tensor]) -> "DSparkConfig | None":
+    def from_model(cls, cfg: DeepseekV4Config, extra: dict[str, torch.Tensor]) -> "DSparkConfig | None":
         """None when the checkpoint has no DSpark drafter (no dspark_* keys or no mtp.* tensors)."""
         stages = {int(m.group(1)) for name in extra if (m := re.match(r"mtp\.(\d+)\.", name))}
         if not cfg.dspark or not stages:
@@ -54,7 +55,7 @@ class DSparkConfig:
                    int(d.get("dspark_markov_rank", 256)), len(stages))
 
 
-def stage_names(cfg: ModelConfig, dcfg: DSparkConfig) -> dict[str, tuple[int, ...]]:
+def stage_names(cfg: DeepseekV4Config, dcfg: DSparkConfig) -> dict[str, tuple[int, ...]]:
     """Every drafter tensor in upstream naming with its shape (for training and loading checks)."""
     d, hd, h, n, e = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.hc_mult, cfg.n_routed_experts
     inter, mix, r, v = cfg.moe_intermediate_size, (2 + n) * n, dcfg.markov_rank, cfg.vocab_size
@@ -107,7 +108,7 @@ class DSparkDrafter:
     """Drafter weights, per-slot context rings, and the two device functions: `absorb`
     (context features -> ring KV) and `draft_block` (one block -> per-slot hidden + logits)."""
 
-    def __init__(self, cfg: ModelConfig, dcfg: DSparkConfig, extra: dict[str, torch.Tensor],
+    def __init__(self, cfg: DeepseekV4Config, dcfg: DSparkConfig, extra: dict[str, torch.Tensor],
                  target_weights: dict[str, torch.Tensor], accel: Accelerator, *, max_seqs: int = 0,
                  margin: int = 0):
         self.cfg, self.dcfg, self.accel = cfg, dcfg, accel
@@ -147,8 +148,8 @@ class DSparkDrafter:
     def context_kv(self, k: int, ctx: torch.Tensor, cos_sin) -> torch.Tensor:
         """Stage k's KV for context rows [T, D] -> [T, head_dim]."""
         ops, w, p = self.accel, self.w, f"mtp.{k}.attn."
-        return ops.rms_norm_rope(ops.linear(ctx, w[p + "wkv.weight"]), w[p + "kv_norm.weight"], self.cfg.rms_norm_eps,
-                                 *cos_sin)
+        return fused.rms_norm_rope(ops, ops.linear(ctx, w[p + "wkv.weight"]), w[p + "kv_norm.weight"],
+                                   self.cfg.rms_norm_eps, *cos_sin)
 
     def stages(self, ids: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
         """Block tokens `ids` [T] at `positions` through every stage; `attend(k, q, kv)` does
@@ -170,8 +171,8 @@ class DSparkDrafter:
 
     def _residual(self, streams, hc: str, norm: str, block) -> torch.Tensor:
         cfg, ops, w = self.cfg, self.accel, self.w
-        h, post, comb = ops.hc_pre_norm(streams, w[hc + "fn"], w[hc + "base"], w[hc + "scale"], cfg.rms_norm_eps,
-                                        cfg.hc_eps, cfg.hc_sinkhorn_iters, w[norm])
+        h, post, comb = fused.hc_pre_norm(ops, streams, w[hc + "fn"], w[hc + "base"], w[hc + "scale"],
+                                          cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters, w[norm])
         return ops.hc_post(block(h), streams, post, comb)
 
     def _attention(self, k: int, h: torch.Tensor, cos_sin, attend) -> torch.Tensor:
@@ -179,8 +180,9 @@ class DSparkDrafter:
         t = h.shape[0]
         q = ops.rms_norm(ops.linear(h, w[p + "wq_a.weight"]), w[p + "q_norm.weight"], cfg.rms_norm_eps)
         q = ops.linear(q, w[p + "wq_b.weight"]).view(t, cfg.num_attention_heads, cfg.head_dim)
-        q = ops.rms_norm_rope(q, None, cfg.rms_norm_eps, *cos_sin)
-        kv = ops.rms_norm_rope(ops.linear(h, w[p + "wkv.weight"]), w[p + "kv_norm.weight"], cfg.rms_norm_eps, *cos_sin)
+        q = fused.rms_norm_rope(ops, q, None, cfg.rms_norm_eps, *cos_sin)
+        kv = fused.rms_norm_rope(ops, ops.linear(h, w[p + "wkv.weight"]), w[p + "kv_norm.weight"], cfg.rms_norm_eps,
+                                 *cos_sin)
         out = ops.rope(attend(k, q, kv), *cos_sin, inverse=True)
         out = ops.grouped_linear(out.reshape(t, cfg.o_groups, -1), w[p + "wo_a.weight"])
         return ops.linear(out.flatten(1), w[p + "wo_b.weight"])

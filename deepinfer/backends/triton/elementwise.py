@@ -6,9 +6,9 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer.backends.nvidia import alloc
+from deepinfer.backends.triton import alloc
 
-from deepinfer.backends.nvidia.gemm import linear
+from deepinfer.backends.triton.gemm import linear
 
 _MAX_BLOCK = 4096
 

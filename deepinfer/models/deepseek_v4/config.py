@@ -1,4 +1,4 @@
-"""ModelConfig: a DeepSeek-V4 `config.json`, parsed, normalised and validated.
+"""DeepseekV4Config: a DeepSeek-V4 `config.json`, parsed, normalised and validated.
 
 Accepts what transformers' `DeepseekV4Config` writes (layer_types, compress_rates,
 mlp_layer_types, nested rope_parameters) and the legacy keys of upstream
@@ -8,11 +8,11 @@ checkpoints (compress_ratios, num_hash_layers, qk_rope_head_dim, rope_scaling).
 from __future__ import annotations
 
 import functools
-import json
 import math
-import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+from deepinfer.models.base import ConfigError
 
 if TYPE_CHECKING:
     import numpy as np
@@ -22,10 +22,6 @@ SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily
 LAYER_TYPES = (SLIDING, CSA, HCA)
 MLP_TYPES = ("hash_moe", "moe")
 _RATIO_TO_TYPE = {0: SLIDING, 4: CSA, 128: HCA}
-
-
-class ConfigError(ValueError):
-    """config.json cannot describe a model deepinfer can run."""
 
 
 @dataclass(slots=True)
@@ -105,7 +101,7 @@ def _inv_freq(theta: float, dim: int, yarn_items: tuple | None) -> "torch.Tensor
 
 
 @dataclass(slots=True)
-class ModelConfig:
+class DeepseekV4Config:
     vocab_size: int
     hidden_size: int
     num_hidden_layers: int
@@ -152,21 +148,7 @@ class ModelConfig:
         return 0 if kind == SLIDING else self.compress_rates[kind]
 
     @classmethod
-    def from_dir(cls, model_dir: str | os.PathLike) -> "ModelConfig":
-        path = os.path.join(model_dir, "config.json")
-        if not os.path.isdir(model_dir):
-            raise ConfigError(f"model directory {str(model_dir)!r} does not exist")
-        if not os.path.isfile(path):
-            raise ConfigError(f"{path} not found: a model directory needs an HF config.json")
-        try:
-            with open(path) as f:
-                data = json.load(f)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{path} is not valid JSON: {exc}") from None
-        return cls.from_dict(data, source=path)
-
-    @classmethod
-    def from_dict(cls, data: dict, source: str = "config") -> "ModelConfig":
+    def from_dict(cls, data: dict, source: str = "config") -> "DeepseekV4Config":
         if not isinstance(data, dict):
             raise ConfigError(f"{source}: expected a JSON object")
         if "text_config" in data and isinstance(data["text_config"], dict):

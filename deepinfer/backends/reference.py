@@ -7,7 +7,6 @@ tokens, and MoE loops only over the experts that were hit.
 
 from __future__ import annotations
 
-import sys
 
 import torch
 import torch.nn.functional as F
@@ -277,21 +276,3 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     bits = torch.arange(32, dtype=torch.int32, device=logits.device)
     allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).flatten(-2)[..., :vocab].bool()
     logits.masked_fill_(~allowed, float("-inf"))
-
-
-def composite(name: str, module: str = __name__):
-    """The Accelerator's composite op `name` (base.py defines it) run on the ops of `module`:
-    the reference of an op a backend may fuse into one kernel."""
-    def op(*args):
-        from deepinfer.backends.base import Accelerator
-
-        return getattr(Accelerator, name)(sys.modules[module], *args)
-
-    op.__name__ = op.__qualname__ = name
-    return op
-
-
-compress_entries = composite("compress_entries")
-hc_pre_norm = composite("hc_pre_norm")
-hc_post_pre_norm = composite("hc_post_pre_norm")
-rms_norm_rope = composite("rms_norm_rope")

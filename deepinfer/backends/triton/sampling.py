@@ -6,10 +6,10 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer.backends.nvidia import alloc
+from deepinfer.backends.triton import alloc
 
-from deepinfer.backends.cpu.ops import filter_logits
-from deepinfer.backends.nvidia.gemm import linear
+from deepinfer.backends.reference import filter_logits
+from deepinfer.backends.triton.gemm import linear
 
 _GOLDEN = 0x9E3779B97F4A7C15
 _MIX1 = 0xBF58476D1CE4E5B9

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer.backends.nvidia import alloc
+from deepinfer.backends.triton import alloc
 
 
 def tiles(n: int, k: int) -> tuple[int, int, int]:

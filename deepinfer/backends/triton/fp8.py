@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer.backends.nvidia import alloc
+from deepinfer.backends.triton import alloc
 
 FP8_MAX = 448.0
 AMAX_FLOOR = 1e-4  # DeepSeek's act_quant guard: an all-zero group gets a finite scale

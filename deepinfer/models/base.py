@@ -1,0 +1,132 @@
+"""The model interface: what the engine knows of a model, and nothing more.
+
+A family (models/<family>/) provides a config class and a model class. The engine reads the
+config's common fields (`vocab_size`, `hidden_size`, `max_position_embeddings`, `bos_token_id`,
+`eos_token_ids`), loads the tensors the model class names, builds the model, allocates the pools
+its cache spec lists, and runs steps through `prepare` / `forward`. Layer types, checkpoint names,
+attention variants and index planning stay inside the family.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+if TYPE_CHECKING:
+    from deepinfer.backends.base import Accelerator
+    from deepinfer.core.cache import CacheSpec, StateCache
+
+
+class ConfigError(ValueError):
+    """config.json cannot describe a model deepinfer can run."""
+
+
+@dataclass(slots=True)
+class StepInput:
+    """What the scheduler hands the model for one step."""
+
+    ids: torch.Tensor  # [T] token ids, sequences back to back
+    slots: torch.Tensor  # [B] cache slot of each sequence
+    starts: torch.Tensor  # [B] position of each sequence's first new token
+    lens: torch.Tensor  # [B] new tokens per sequence (>= 1)
+    # after a prefix-cache hit (core/replay.py); None = zeros
+    window_floor: torch.Tensor | None = None  # [B] tokens from here on read no window key below it
+    num_restored: torch.Tensor | None = None  # [B] paged state of positions below it is cached: not rewritten
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """A checkpoint tensor as the model holds it: shape, dtype, and which op reads it."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype = torch.float32
+    experts: bool = False  # an [E, N, K] stack of routed experts (WeightRole.EXPERTS)
+
+
+# A checkpoint name's destination: (model name, None) for a whole tensor, (model name, (expert,
+# half)) for a slice of a fused expert stack, half 0/1 for the gate/up rows of a gate_up stack and
+# None for a down stack.
+Slot = tuple[str, "tuple[int, int | None] | None"]
+
+
+@dataclass(slots=True)
+class ParallelContext:
+    """Parallel ranks a model runs with, handed to it at construction (deepinfer/parallel builds
+    them). None fields: one process.
+
+    expert_parallel: registers each MoE layer's expert stacks (`add_layer(gate_up, down, top_k)`)
+      and returns the callable that runs that layer's routed experts across the ranks.
+    context_parallel: `split(lens)` of each step: which token rows this rank computes and how to
+      gather rows of every token from every rank."""
+
+    expert_parallel: object | None = None
+    context_parallel: object | None = None
+
+
+class CausalLM(ABC):
+    """A model as the engine drives it. Built as `Model(config, weights, accel, parallel)` from
+    `Model.checkpoint_tensors(config)`'s tensors, each prepared on the accelerator by its role."""
+
+    config: object
+    accel: "Accelerator"
+    # Positions of per-sequence state that a prefix-cache hit does not restore (sliding-window
+    # rings): replayed from the cached prefix's tail (core/replay.py). 0: paged state is the whole
+    # decode state, so a hit is exact and nothing is replayed.
+    replay_window: int = 0
+
+    @classmethod
+    @abstractmethod
+    def checkpoint_tensors(cls, config) -> dict[str, TensorSpec]:
+        """Every tensor the model reads, by the model's own names."""
+
+    @staticmethod
+    def checkpoint_name(name: str) -> Slot | None:
+        """Where a checkpoint tensor named otherwise (upstream names, per-expert tensors) goes; None:
+        no counterpart. Names `checkpoint_tensors` lists map to themselves without asking."""
+        return None
+
+    # Checkpoint tensors kept aside, unconverted names (e.g. `mtp.` drafter stages), for `make_drafter`.
+    extra_prefixes: tuple[str, ...] = ()
+
+    @abstractmethod
+    def cache_spec(self, margin: int) -> "CacheSpec":
+        """The per-sequence state this model keeps between steps. `margin`: extra ring rows so a
+        rejected speculative token never overwrites state that is still read."""
+
+    @abstractmethod
+    def prepare(self, inp: StepInput, cache: "StateCache"):
+        """The step's metadata (index tensors), planned on the host; it has `ids`, the step's token
+        ids on the device, which the engine may patch with the previous step's samples."""
+
+    @abstractmethod
+    def forward(self, inp: StepInput, cache: "StateCache", logit_rows: torch.Tensor, meta=None,
+                feature_layers: tuple[int, ...] = (), feature_rows: torch.Tensor | None = None):
+        """Run one step, update `cache`, return logits [len(logit_rows), V] of the given flat token
+        rows; with `feature_layers`, (logits, features [len(feature_rows), len(feature_layers), D])."""
+
+    def step_program(self, cache: "StateCache"):
+        """The accelerator's faster way to run this model's steps on `cache`, or None."""
+        return None
+
+    def decode_steps(self, ids: list[int], slots: list[int], starts: list[int], steps: int,
+                     cache: "StateCache") -> torch.Tensor | None:
+        """`steps` greedy decode steps in one call (multi-step scheduling), or None where the model
+        cannot: the engine then runs them one by one."""
+        return None
+
+    def make_drafter(self, extra: dict[str, torch.Tensor], max_seqs: int, margin: int):
+        """The speculative drafter the checkpoint carries (`extra`), or None."""
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    """One model family behind the registry."""
+
+    name: str
+    architectures: tuple[str, ...]
+    model_types: tuple[str, ...]
+    load: Callable[[], tuple[type, type]] = field(repr=False)  # () -> (config class, model class), imported lazily
