@@ -98,6 +98,9 @@ def randomize_v3_(model, seed: int) -> None:
             if key.endswith("e_score_correction_bias"):
                 # comparable to the spread of sigmoid scores: both the bias and the score decide
                 tensor.copy_(torch.randn(tensor.shape, generator=gen) * 0.1)
+            elif key.endswith("mlp.gate.weight"):
+                # a wider spread of router logits across tokens, so most experts get some tokens
+                tensor.copy_(torch.randn(tensor.shape, generator=gen) * (1.5 / math.sqrt(tensor.shape[-1])))
             elif tensor.dim() == 1:  # RMSNorm weights
                 tensor.copy_(1 + 0.1 * torch.randn(tensor.shape, generator=gen))
             elif tensor.is_floating_point():

@@ -16,11 +16,25 @@ held to rel_err <= TOL against them.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import torch
 
 TOL = 1e-4  # deepinfer's V3 graph vs these logits: max |diff| / max |ref|
+
+
+@contextlib.contextmanager
+def single_thread():
+    """transformers' eager MoE is hundreds of tiny ops per forward: on a loaded machine, OpenMP
+    threads spin-waiting between them cost 10-100x the work; one thread runs the V3 oracle
+    modules in seconds."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def prompts(vocab: int, lengths: list[int], seed: int) -> list[torch.Tensor]:

@@ -12,19 +12,15 @@ import torch
 
 from tiny_models_v3 import CONFIGS, make_hf_model
 from v3_oracle import (chunked_logits, full_logits, greedy_decode, hf_generate, prompts, rel_err,
-                       schedule_logits)
+                       schedule_logits, single_thread)
 
 SELF_TOL = 1e-5
 
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
-    """transformers' eager MoE is hundreds of tiny ops per forward: on a loaded machine OpenMP
-    threads spin-waiting between them cost 10-100x; one thread runs this module in seconds."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with single_thread():
+        yield
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
