@@ -189,11 +189,12 @@ def load_hub_state_dict(model, sd: dict[str, torch.Tensor]) -> None:
                 t.copy_(sd[name])
 
 
-def hub_config(config, fp8: bool, mtp_layers: int = 0) -> dict:
+def hub_config(config, fp8: bool, mtp_layers: int = 0, dtype: torch.dtype = torch.bfloat16) -> dict:
     """config.json as deepseek-ai/DeepSeek-V3 writes it (not as transformers 5 re-saves it): the
     legacy rope_scaling + rope_theta keys, scoring_func / topk_method (which transformers drops
     but llama.cpp's converter reads: without scoring_func it assumes softmax), and, for FP8, the
-    quantization_config block."""
+    quantization_config block. torch_dtype names `dtype` (V3: bfloat16), the dtype of the
+    unquantized tensors, which transformers' from_pretrained loads the model in."""
     rope = dict(config.rope_parameters)
     cfg = {
         "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
@@ -214,7 +215,7 @@ def hub_config(config, fp8: bool, mtp_layers: int = 0) -> dict:
         "rms_norm_eps": config.rms_norm_eps, "use_cache": True, "bos_token_id": config.bos_token_id,
         "eos_token_id": config.eos_token_id, "tie_word_embeddings": config.tie_word_embeddings,
         "rope_theta": rope.pop("rope_theta"), "attention_bias": False, "attention_dropout": 0.0,
-        "torch_dtype": "bfloat16",
+        "torch_dtype": str(dtype).removeprefix("torch."),
     }
     if rope.get("rope_type", rope.get("type")) != "default":
         rope.pop("rope_type", None)
@@ -251,13 +252,12 @@ def _mtp_tensors(model, sd: dict, seed: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def _quantize(sd: dict, fp8: bool, plain_dtype: torch.dtype, mtp_layer: int | None):
-    """-> (tensors to store, the float32 values a correct loader reads back, by name)."""
+def _quantize(sd: dict, fp8: bool, plain_dtype: torch.dtype):
+    """-> (tensors to store, the float32 values a correct loader reads back, by name). The MTP
+    layer's own eh_proj and shared_head are not FP8_SUFFIXES: bf16 in V3 too."""
     stored, loaded = {}, {}
     for name, t in sd.items():
-        mtp_own = mtp_layer is not None and name.startswith(f"model.layers.{mtp_layer}.") and (
-            "eh_proj" in name or "shared_head" in name or "embed_tokens" in name)
-        if fp8 and name.endswith(FP8_SUFFIXES) and not mtp_own:  # V3 keeps eh_proj / shared_head bf16
+        if fp8 and name.endswith(FP8_SUFFIXES):
             q, s = fp8_block_quant(t)
             stored[name], stored[name + "_scale_inv"] = q, s
             loaded[name] = fp8_block_dequant(q, s)
@@ -306,9 +306,9 @@ def save_hf_layout(model, path, *, fp8: bool = False, plain_dtype: torch.dtype =
     mtp_layer = model.config.num_hidden_layers if mtp else None
     if mtp:
         sd |= _mtp_tensors(model, sd, seed)
-    stored, loaded = _quantize(sd, fp8, plain_dtype, mtp_layer)
+    stored, loaded = _quantize(sd, fp8, plain_dtype)
     _save_shards(stored, path, shards)
-    (path / "config.json").write_text(json.dumps(hub_config(model.config, fp8, int(mtp)), indent=2))
+    (path / "config.json").write_text(json.dumps(hub_config(model.config, fp8, int(mtp), plain_dtype), indent=2))
     reference = copy.deepcopy(model)
     load_hub_state_dict(reference, {k: v for k, v in loaded.items()
                                     if mtp_layer is None or not k.startswith(f"model.layers.{mtp_layer}.")})
@@ -377,7 +377,7 @@ def save_upstream_layout(model, path, *, fp8: bool = True, plain_dtype: torch.dt
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    stored, loaded = _quantize(hub_state_dict(model), fp8, plain_dtype, None)
+    stored, loaded = _quantize(hub_state_dict(model), fp8, plain_dtype)
     save_file({upstream_name(k): v for k, v in stored.items()}, str(path / "model0-mp1.safetensors"))
     (path / "config.json").write_text(json.dumps(upstream_config(model.config, fp8), indent=2))
     reference = copy.deepcopy(model)
