@@ -22,7 +22,7 @@ BASE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermedi
             num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16,
             qk_rope_head_dim=8, v_head_dim=24, rms_norm_eps=1e-6, rope_theta=10000.0,
             max_position_embeddings=4096, bos_token_id=0, eos_token_id=1, num_nextn_predict_layers=0,
-            tie_word_embeddings=False)
+            tie_word_embeddings=False, scoring_func="sigmoid", topk_method="noaux_tc")
 
 # DeepSeek-V3's rope_scaling (config.json) with original_max_position_embeddings scaled down so
 # max_position_embeddings / original = factor, as in V3 (163840 / 4096 = 40).
@@ -55,16 +55,18 @@ CONFIGS = {
 
 # The peers benchmark model (issue 20, item 6): hidden 512, 6 layers, 16 routed experts top-2 + 1
 # shared, q_lora 384, kv_lora 128, rope dim 32; the rest in V3's proportions (128 heads of
-# 128 + 64 -> 8 heads of 64 + 32), V3's routing (4 groups, 2 kept), V3's YaRN, and the real
-# 129,280-token vocabulary that llama.cpp's converter needs a tokenizer for
-# (write_deepseek_tokenizer). The values llama.cpp's converter and loader require hold
-# (V3_NOTES.md, "llama.cpp"): 1 < n_group < n_routed_experts, topk_group < n_group,
-# rope_interleave True, mscale == mscale_all_dim.
-BENCH = dict(vocab_size=129280, hidden_size=512, intermediate_size=1408, moe_intermediate_size=256,
+# 128 + 64 -> 8 heads of 64 + 32), V3's routing (4 groups, 2 kept) and V3's YaRN; the same
+# values as the `v3` model of benchmarks/peers.py on the peers branch (8,192-token vocabulary:
+# the shipped model's tokenizer; make_hf_model("bench", vocab_size=DEEPSEEK_VOCAB) for DeepSeek's).
+# It holds what llama.cpp's converter and loader require (V3_NOTES.md, "llama.cpp"):
+# 1 < n_group < n_routed_experts, topk_group < n_group, rope_interleave True,
+# mscale == mscale_all_dim, scoring_func in config.json, num_key_value_heads == heads.
+BENCH = dict(vocab_size=8192, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
              num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=8, q_lora_rank=384,
              kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
              first_k_dense_replace=1, n_routed_experts=16, num_experts_per_tok=2, n_shared_experts=1,
              n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5,
+             scoring_func="sigmoid", topk_method="noaux_tc",
              rope_theta=10000.0, rope_scaling={**V3_YARN, "original_max_position_embeddings": 4096},
              max_position_embeddings=163840, rope_interleave=True, rms_norm_eps=1e-6,
              bos_token_id=0, eos_token_id=1, num_nextn_predict_layers=0, tie_word_embeddings=False)

@@ -159,4 +159,7 @@ def test_bench_config_is_issue_20s_and_llama_cpp_loads_it():
     assert cfg.num_hidden_layers not in (26, 27)  # llama.cpp takes those for V2-Lite and skips q_lora_rank
     written = hub_config(cfg, fp8=False)
     assert written["scoring_func"] == "sigmoid" and written["num_key_value_heads"] == cfg.num_attention_heads
-    assert "scoring_func" not in cfg.to_dict()  # why save_pretrained's config.json is not enough for llama.cpp
+    # transformers keeps scoring_func (not one of its fields) only when it is passed in: without it
+    # save_pretrained's config.json makes llama.cpp gate with softmax
+    assert cfg.to_dict()["scoring_func"] == "sigmoid"
+    assert "scoring_func" not in transformers.DeepseekV3Config(hidden_size=64).to_dict()
