@@ -32,12 +32,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import hashlib
 import importlib
 import importlib.util
 import json
-import math
 import os
 import re
 import sys
@@ -48,7 +46,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from safetensors.torch import save_file
 
 REPO = Path(__file__).resolve().parents[1]
@@ -374,10 +371,12 @@ def make_checkpoint(ref: Ref, args, tokenizer, seed: int) -> dict[str, torch.Ten
 def layer_roles(args) -> list[dict]:
     """Per backbone layer: its block type and the layers whose state it reads (latest source at or
     before it, DEEPSEEK_V41.md). Derived from the config lists, as model.py wires them."""
+    def latest(sources, i):
+        return max((s for s in sources if s <= i), default=None)
+
     roles = []
     for i in range(args.n_layers):
         ratio = args.compress_ratios[i]
-        latest = lambda sources: max((s for s in sources if s <= i), default=None)  # noqa: E731
         if ratio == 0:
             kind = "swa_only"
         elif i == args.candidate_source_layer:
@@ -389,8 +388,8 @@ def layer_roles(args) -> list[dict]:
         else:
             kind = "consumer_ratio2" if ratio == 2 else "consumer_ratio1"
         roles.append({"layer": i, "type": kind, "compress_ratio": ratio,
-                      "kv_source": latest(args.kv_source_layers) if ratio else None,
-                      "index_source": latest(args.index_source_layers) if ratio else None,
+                      "kv_source": latest(args.kv_source_layers, i) if ratio else None,
+                      "index_source": latest(args.index_source_layers, i) if ratio else None,
                       "candidate_source": args.candidate_source_layer if kind == "candidate_index_source" else None,
                       "engram": i in args.engram_layer_ids})
     return roles
@@ -482,10 +481,8 @@ class Recorder:
         self.handles.append(module.register_forward_hook(leave))
 
     def _hook_block(self, block, name):
-        ref_block = block
-
         def pre(args):
-            x, start_pos, pre_mix = args[:3]
+            x, pre_mix = args[0], args[2]  # (x, start_pos, pre_mix, image_mask or main_x)
             self.put("in.x", x)
             self.put("in.pre_mix", pre_mix)
             self.counts = {"hc_mixes": 0, "hc_pre": 0, "hc_post": 0}
@@ -493,13 +490,13 @@ class Recorder:
                 self.put(f"state_in.{field}", getattr(self.ref.model.shared_attn, field))
             if name.startswith("mtp"):
                 self.put("in.main_x", args[3])
-                self.put("ring_in", ref_block.attn.window_kv_cache[: x.size(0)])
+                self.put("ring_in", block.attn.window_kv_cache[: x.size(0)])
 
         def post(args, out):
             self.put("out.x", out[0])
             self.put("out.pre_mix", out[1])
             if name.startswith("mtp"):
-                self.put("ring_out", ref_block.attn.window_kv_cache[: out[0].size(0)])
+                self.put("ring_out", block.attn.window_kv_cache[: out[0].size(0)])
 
         self._hook_module(block, name, pre, post)
         # the hyper-connection entry / exit, by wrapping the block's own methods (instance attributes)
@@ -536,11 +533,11 @@ class Recorder:
 
     def _hook_indexer(self, indexer):
         def pre(args):
-            x, qr, latent, start_pos, offset = args
+            qr, latent = args[1], args[2]  # (x, qr, latent, start_pos, offset)
             self.put("in.qr", qr)
             self.names[".".join(self.scope) + "fp4_act_quant"] = (
                 ["k", "q"] if indexer.owns_k and latent is not None else ["q"])
-            self.stack_topk = self.stack.enter_context(contextlib.ExitStack())
+            self.stack_topk = contextlib.ExitStack()
             self.stack_topk.enter_context(patched(torch.Tensor, "topk", self._topk(torch.Tensor.topk)))
 
         def post(args, out):
@@ -999,7 +996,9 @@ def golden_blocks(ref: Ref, out: Path, s: Setup, prompt: list[int]) -> dict:
     for probe in NOISE_PROBES:
         other = Runner(ref, args, s.tokenizer, s.ckpt, probe)
         worst = {}
-        cast = lambda t: t.to(other.dtype)  # noqa: E731 (bf16 inputs into the fp32 probe)
+
+        def cast(t, dtype=other.dtype):  # bf16 inputs into the fp32 probe
+            return t.to(dtype)
         with other.running():
             for i, block in enumerate(other.model.layers):
                 p = f"L{i}."
@@ -1071,7 +1070,7 @@ def prompts(tokenizer, lengths) -> list[list[int]]:
 def generate(runner: Runner, ids: torch.Tensor, new_tokens: int, drafts: bool) -> dict[str, torch.Tensor]:
     """Prefill, then greedy decode one token per step; with `drafts`, DSpark's forward_spec after the
     prefill (window seeding) and after each decode step (a draft block anchored at the new token)."""
-    bsz, n = ids.shape
+    n = ids.size(1)
     logits, main_hidden = runner.forward(ids, 0)
     r = {"prefill.logits": logits}
     if drafts:
@@ -1262,7 +1261,7 @@ def fp4_cases(gen, block: int) -> torch.Tensor:
 
 def golden_ops(ref: Ref, out: Path, setups: dict[str, Setup]) -> dict:
     """ops.safetensors: each op's inputs and the reference's outputs. Returns measured op noise."""
-    k, v41 = ref.kernel, ref.model
+    k = ref.kernel
     gen = torch.Generator().manual_seed(4101)
     g = Golden("ops", params={
         "act_quant": {"block": 32, "scale": "E8M0 = 2^ceil(log2(max(amax, 1e-4) * fp32(1/448)))", "inplace": "qdq"},
