@@ -173,9 +173,6 @@ class AsyncLLM:
             self.llm.close()
             self.llm = None
 
-    def stats(self) -> dict:
-        return self.engine.stats()
-
     def _dead_reason(self) -> str:
         if self.error is not None:
             return f"the engine failed: {self.error!r}"

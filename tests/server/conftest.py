@@ -59,7 +59,9 @@ class Server:
         for line in raw.decode().splitlines():
             if line and not line.startswith("#"):
                 name, value = line.rsplit(" ", 1)
-                out[re.sub(r'model_name="[^"]*",?', "", name).replace("{}", "")] = float(value)
+                name = re.sub(r'model_name="[^"]*"', "", name)
+                name = re.sub(r"\{,|,\}|\{\}", lambda m: {"{,": "{", ",}": "}", "{}": ""}[m.group()], name)
+                out[name.replace(",,", ",")] = float(value)
         return out
 
     def log(self) -> str:
