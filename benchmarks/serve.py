@@ -187,8 +187,10 @@ def main() -> None:
             proc.send_signal(signal.SIGTERM)
             proc.wait(60)
     offline = _offline(model, prompts, args.max_tokens, args.max_num_seqs)
+    load = os.getloadavg()[0]  # this benchmark's numbers move with whatever else the machine runs
     print(f"model: {model}  {args.num_prompts} requests per rate, prompt {args.prompt_len} random tokens, "
-          f"{args.max_tokens} new tokens, greedy, ignore_eos; client and server on this machine")
+          f"{args.max_tokens} new tokens, greedy, ignore_eos; client and server on this machine "
+          f"({os.cpu_count()} cpus, 1-min load average {load:.1f} at the end)")
     print("| rate (req/s) | engine | output tok/s | TTFT p50 (ms) | TTFT p99 (ms) | TPOT p50 (ms) | TPOT p99 (ms) | "
           "e2e p50 (s) |")
     print("|---|---|---|---|---|---|---|---|")
@@ -200,7 +202,8 @@ def main() -> None:
         print(f"server at rate inf / LLM.generate: {burst['tok_s'] / offline['tok_s']:.2f}x output throughput")
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
-        json.dump(dict(model=model, num_prompts=args.num_prompts, prompt_len=args.prompt_len,
+        json.dump(dict(model=model, cpus=os.cpu_count(), load_average=load, num_prompts=args.num_prompts,
+                       prompt_len=args.prompt_len,
                        max_tokens=args.max_tokens, max_num_seqs=args.max_num_seqs, server=rows, offline=offline),
                   f, indent=2)
     if args.plot:

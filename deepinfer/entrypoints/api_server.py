@@ -185,9 +185,10 @@ def serve(model: str | None = None, *, host: str = "127.0.0.1", port: int = 8000
         raise
     state = ServerState(engine, fmt, [name], model)
     logger.info("serving %s as %r (chat format %s) on http://%s:%d", model, name, fmt.name, host, port)
+    # uvicorn's own graceful timeout is only a backstop: the engine's drain ends the streams first
     config = uvicorn.Config(build_app(state, metrics, api_key, max_body_bytes), host=host, port=port,
                             log_level=log_level, access_log=access_log,
-                            timeout_graceful_shutdown=int(shutdown_timeout) + 5)  # a backstop: the drain ends streams first
+                            timeout_graceful_shutdown=int(shutdown_timeout) + 5)
     try:
         _Server(config, engine, shutdown_timeout).run()
     finally:

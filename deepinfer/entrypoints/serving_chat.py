@@ -142,8 +142,9 @@ async def _stream(body: ChatCompletionRequest, state: ServerState, group, rid: s
             yield chunk([], UsageInfo(prompt_tokens=num_prompt, completion_tokens=sum(counts),
                                       total_tokens=num_prompt + sum(counts)))
         yield sse("[DONE]")
-    except EngineDead as exc:
+    except EngineDead as exc:  # the engine stopped under this stream: say why, then end it as usual
         yield sse_error(APIError(503, str(exc), None, "unavailable", "server_error"))
+        yield sse("[DONE]")
     finally:
         if not group.finished:
             state.engine.abort(group.request_ids)

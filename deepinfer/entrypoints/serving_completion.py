@@ -71,8 +71,10 @@ async def create_completion(body: CompletionRequest, request: Request, state: Se
     tokenizer = state.engine.tokenizer
     prompts = _prompts(body.prompt, tokenizer)
     k = body.logprobs
-    params = make_params(body, body.n, max_tokens=body.max_tokens if body.max_tokens is not None else DEFAULT_MAX_TOKENS,
-                         max_tokens_field="max_tokens", top_logprobs=0 if k is None else max(k, 1),
+    max_tokens = body.max_tokens if body.max_tokens is not None else DEFAULT_MAX_TOKENS
+    # logprobs=0 still wants the sampled token's logprob: the engine records it with top_logprobs >= 1
+    params = make_params(body, body.n, max_tokens=max_tokens, max_tokens_field="max_tokens",
+                         top_logprobs=0 if k is None else max(k, 1),
                          prompt_logprobs=k if k is not None and body.echo else None, so_args=body.so_args)
     items = [(ids, p, text) for ids, text in prompts for p in params]
     group = await submit(state, items, "prompt", arrival, "max_tokens", "so_args")
@@ -129,8 +131,9 @@ async def _stream(body: CompletionRequest, state: ServerState, group, rid: str, 
             yield chunk(None, UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=sum(counts),
                                         total_tokens=prompt_tokens + sum(counts)))
         yield sse("[DONE]")
-    except EngineDead as exc:
+    except EngineDead as exc:  # the engine stopped under this stream: say why, then end it as usual
         yield sse_error(APIError(503, str(exc), None, "unavailable", "server_error"))
+        yield sse("[DONE]")
     finally:
         if not group.finished:
             state.engine.abort(group.request_ids)

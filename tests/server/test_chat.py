@@ -61,8 +61,8 @@ def test_json_schema_output_validates(client):
                                          response_format={"type": "json_object"}, extra_body={"top_k": 20})
     if obj.choices[0].finish_reason == "stop":  # a free-form object may not close within the budget
         assert isinstance(json.loads(obj.choices[0].message.content), dict)
-    regex = client.chat.completions.create(messages=MESSAGES, **GREEDY,
-                                           extra_body={"so_args": {"schema_type": "regex", "schema": "[a-z]{3}-[0-9]{2}"}})
+    so_args = {"schema_type": "regex", "schema": "[a-z]{3}-[0-9]{2}"}
+    regex = client.chat.completions.create(messages=MESSAGES, **GREEDY, extra_body={"so_args": so_args})
     content = regex.choices[0].message.content
     assert len(content) == 6 and content[3] == "-" and content[:3].isalpha() and content[4:].isdigit()
 

@@ -13,8 +13,9 @@ import pytest
 from conftest import running_server
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
-                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
 TOOL_OUTPUT = ('I need the weather.</think>\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\n'
                '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n'
                '<｜DSML｜parameter name="days" string="false">2</｜DSML｜parameter>\n'

@@ -135,6 +135,7 @@ def test_a_full_queue_is_503(small, authed):
 def test_dspark_acceptance_is_reported(small, authed):
     authed.completions.create(model=SHIPPED, prompt="def fibonacci(n):", max_tokens=64, temperature=0.0)
     m = small.metrics()
-    drafted, accepted = m["deepinfer:spec_decode_num_draft_tokens_total"], m["deepinfer:spec_decode_num_accepted_tokens_total"]
+    drafted = m["deepinfer:spec_decode_num_draft_tokens_total"]
+    accepted = m["deepinfer:spec_decode_num_accepted_tokens_total"]
     assert drafted > 0 and 0 < accepted <= drafted
     assert m["deepinfer:spec_decode_acceptance_rate"] == pytest.approx(accepted / drafted)

@@ -97,7 +97,8 @@ class DeepseekV4ChatFormat(ChatFormat):
         self.check_options(options)
         for key in ("thinking", "enable_thinking", "drop_thinking"):
             if key in options and not isinstance(options[key], bool):
-                raise ChatFormatError(f"chat_template_kwargs.{key} must be true or false", f"chat_template_kwargs.{key}")
+                raise ChatFormatError(f"chat_template_kwargs.{key} must be true or false",
+                                      f"chat_template_kwargs.{key}")
         thinking = options.get("thinking", options.get("enable_thinking", True))
         effort = options.get("reasoning_effort")
         if effort not in EFFORTS:
