@@ -134,7 +134,7 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     response_format: ResponseFormat | None = None
     tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto"] | dict | str | None = None
+    tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: str | None = None

@@ -33,15 +33,26 @@ def _so_args(body: ChatCompletionRequest) -> tuple[dict | None, str]:
     return {"schema_type": "json", "schema": fmt.json_schema.schema_}, "response_format"
 
 
-def _tools(body: ChatCompletionRequest) -> list[dict] | None:
-    """The tools the prompt offers and the parser looks for (none under tool_choice "none")."""
+def _tools(body: ChatCompletionRequest) -> tuple[list[dict] | None, bool, str | None]:
+    """(the tools the prompt offers and the parser looks for, whether a call is forced, the
+    function it must be): none under tool_choice "none"; "required" or a named function force one."""
     choice = body.tool_choice
-    if choice is not None and choice not in ("none", "auto"):
-        raise APIError(400, "tool_choice 'required' and named functions are not supported yet; use 'auto' or 'none'",
-                       "tool_choice", "unsupported_parameter")
-    if not body.tools or choice == "none":
-        return None
-    return [t.model_dump(exclude_none=True) for t in body.tools]
+    if choice == "none" or not body.tools:
+        if choice not in (None, "none", "auto"):
+            raise APIError(400, "tool_choice needs tools", "tool_choice")
+        return None, False, None
+    tools = [t.model_dump(exclude_none=True) for t in body.tools]
+    if choice in (None, "auto"):
+        return tools, False, None
+    if choice == "required":
+        return tools, True, None
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    if not isinstance(choice, dict) or choice.get("type") != "function" or not name:
+        raise APIError(400, "tool_choice must be 'none', 'auto', 'required' or "
+                       '{"type": "function", "function": {"name": ...}}', "tool_choice")
+    if name not in {t["function"]["name"] for t in tools}:
+        raise APIError(400, f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
+    return tools, True, name
 
 
 def _logprobs(tokenizer: Tokenizer, token_ids: list[int], entries: list, k: int) -> list[TokenLogprob]:
@@ -67,7 +78,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     fmt, tokenizer = state.chat_format, state.engine.tokenizer
-    tools = _tools(body)
+    tools, forced, forced_name = _tools(body)
     options = dict(body.chat_template_kwargs or {})
     if body.reasoning_effort is not None:
         options["reasoning_effort"] = body.reasoning_effort
@@ -77,6 +88,13 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         raise APIError(400, str(exc), exc.param) from None
     ids = fmt.tokenize(tokenizer, prompt)
     so_args, so_field = _so_args(body)
+    if forced:  # the reply must be a tool call: the format's grammar of its calls
+        if so_args is not None:
+            raise APIError(400, f"tool_choice {body.tool_choice!r} cannot be combined with {so_field}", so_field)
+        try:
+            so_args, so_field = fmt.force_tool_calls(tools, forced_name, prompt, tokenizer), "tool_choice"
+        except ChatFormatError as exc:
+            raise APIError(400, str(exc), exc.param) from None
     max_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens is None:  # as much as the context leaves (the engine refuses a prompt that fills it)

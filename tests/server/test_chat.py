@@ -88,6 +88,7 @@ def test_chat_logprobs(client):
      "messages[0].content"),
     (dict(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), "response_format.json_schema"),
     (dict(max_completion_tokens=0), "max_completion_tokens"),
+    (dict(tool_choice="required"), "tool_choice"),  # without tools
 ])
 def test_what_the_plain_format_cannot_do_is_a_400_naming_the_field(client, kwargs, param):
     body = dict(messages=MESSAGES, **GREEDY)

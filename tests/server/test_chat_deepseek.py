@@ -113,3 +113,39 @@ def test_streamed_text_never_splits_a_utf8_character(ds_client):
     pieces = [c.choices[0].text for c in ds_client.completions.create(stream=True, **body)]
     assert "".join(pieces) == whole.text
     assert all("\ufffd" not in p for p in pieces)
+
+
+FORECAST = {"type": "function", "function": {"name": "forecast", "parameters": {
+    "type": "object", "required": ["city"],
+    "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}, "metric": {"type": "boolean"}}}}}
+NOW = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}
+
+
+@pytest.mark.parametrize("choice", [{"type": "function", "function": {"name": "forecast"}}, "required"])
+def test_tool_choice_forces_a_call_that_follows_the_schema(ds_client, choice):
+    """Random weights never call a tool on their own: the format's grammar makes them (a named
+    function: that one; "required": any), with arguments from the schema."""
+    resp = ds_client.chat.completions.create(
+        model="dsv4-tiny", messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[FORECAST, NOW],
+        tool_choice=choice, temperature=0.0, max_tokens=300, extra_body={"chat_template_kwargs": {"thinking": False}})
+    choice_out = resp.choices[0]
+    assert choice_out.finish_reason == "tool_calls", choice_out.message
+    calls = choice_out.message.tool_calls
+    assert calls and all(c.function.name in ("forecast", "now") for c in calls)
+    for call in calls:
+        args = json.loads(call.function.arguments)
+        if call.function.name == "forecast":
+            assert args["city"] in ("Paris", "Rome") and set(args) <= {"city", "metric"}
+        else:
+            assert args == {}
+    if isinstance(choice, dict):
+        assert [c.function.name for c in calls] == ["forecast"]
+
+
+def test_tool_choice_must_name_a_given_tool(ds_client):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as err:
+        ds_client.chat.completions.create(model="dsv4-tiny", messages=[{"role": "user", "content": "x"}],
+                                          tools=[NOW], tool_choice={"type": "function", "function": {"name": "nope"}})
+    assert err.value.body["param"] == "tool_choice"

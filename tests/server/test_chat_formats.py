@@ -197,6 +197,15 @@ def test_a_call_is_streamed_as_soon_as_it_closes():
     assert [c.name for c in parser.feed(first_call).tool_calls] == ["get_weather"]
 
 
+def test_forced_calls_are_a_grammar_that_starts_after_the_reasoning(ds_tokenizer):
+    so_args = V4.force_tool_calls([WEATHER], "get_weather", "...<｜Assistant｜><think>", ds_tokenizer)
+    assert so_args["schema_type"] == "ebnf" and so_args["trigger_token_ids"] == [128822]  # </think>
+    assert 'name=\\"get_weather\\"' in so_args["schema"] and 'name=\\"city\\" string=\\"true\\"' in so_args["schema"]
+    assert "trigger_token_ids" not in V4.force_tool_calls([WEATHER], None, "...</think>", ds_tokenizer)
+    with pytest.raises(ValueError, match="no tool named"):
+        V4.force_tool_calls([WEATHER], "other", "...</think>", ds_tokenizer)
+
+
 def test_dsml_round_trip():
     calls = [("f", {"s": "a \"quoted\" <b>", "n": -1.5, "flag": True, "none": None, "obj": {"k": [1]}}), ("g", {})]
     block = encode_calls(calls)

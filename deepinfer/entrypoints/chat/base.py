@@ -80,6 +80,12 @@ class ChatFormat:
         reasoning block), `tools` whether tool calls are parsed."""
         return OutputParser()
 
+    def force_tool_calls(self, tools: list[dict], name: str | None, prompt: str, tokenizer: Tokenizer) -> dict:
+        """so_args that make the reply a tool call (tool_choice "required": one or more of any
+        tool; a named function: one call of it)."""
+        raise ChatFormatError(f"chat format {self.name!r} cannot force tool calls (tool_choice 'required' or a "
+                              "named function); use 'auto'", "tool_choice")
+
     def check_options(self, options: dict) -> None:
         unknown = sorted(set(options) - set(self.options))
         if unknown:

@@ -93,6 +93,14 @@ class DeepseekV4ChatFormat(ChatFormat):
     def parser(self, prompt: str, tools: bool) -> OutputParser:
         return DeepseekV4Parser(reasoning=prompt.endswith(THINK), tools=tools)
 
+    def force_tool_calls(self, tools: list[dict], name: str | None, prompt: str, tokenizer: Tokenizer) -> dict:
+        """A DSML block that follows the tools' schemas, right after `</think>` when the reply
+        starts by reasoning (its token is the grammar's trigger: the reasoning stays free)."""
+        so_args = {"schema_type": "ebnf", "schema": dsml.calls_grammar([t["function"] for t in tools], name)}
+        if prompt.endswith(THINK):
+            so_args["trigger_token_ids"] = tokenizer.encode(END_THINK, add_special_tokens=False)
+        return so_args
+
     def _mode(self, options: dict) -> tuple[bool, str | None, bool]:
         self.check_options(options)
         for key in ("thinking", "enable_thinking", "drop_thinking"):

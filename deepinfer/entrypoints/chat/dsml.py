@@ -101,3 +101,65 @@ def parse_invoke(text: str) -> ToolCall | None:
     if _PARAM.sub("", body).strip():
         return None
     return ToolCall(name=name, arguments=_json(args))
+
+
+# ---------------------------------------------------------------- forcing calls (tool_choice)
+_JSON_RULES = r'''
+json ::= jobject | jarray | jstring | jnumber | "true" | "false" | "null"
+jobject ::= "{" (jstring ":" json ("," jstring ":" json)*)? "}"
+jarray ::= "[" (json ("," json)*)? "]"
+jstring ::= "\"" ([^"\\<] | "\\" ["\\/bfnrt])* "\""
+jnumber ::= "-"? [0-9]+ ("." [0-9]+)? ([eE] [-+]? [0-9]+)?
+text ::= [^<]*
+'''
+
+
+def _lit(text: str) -> str:
+    """An EBNF string literal."""
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+
+
+def _value_rule(schema: dict) -> tuple[bool, str]:
+    """(written as a DSML string, the EBNF of its value) for one parameter's JSON schema. Values
+    never hold '<', which would start DSML markup."""
+    if "enum" in schema:
+        values = schema["enum"]
+        if all(isinstance(v, str) for v in values):
+            return True, " | ".join(_lit(v) for v in values)
+        return False, " | ".join(_lit(_json(v)) for v in values)
+    kind = schema.get("type")
+    if kind == "string":
+        return True, "text"
+    if kind == "boolean":
+        return False, '"true" | "false"'
+    if kind == "integer":
+        return False, '"-"? [0-9]+'
+    if kind == "number":
+        return False, '"-"? [0-9]+ ("." [0-9]+)?'
+    return False, "json"
+
+
+def calls_grammar(functions: list[dict], name: str | None = None) -> str:
+    """EBNF of a block of calls that follow the functions' parameter schemas (parameters in
+    schema order, the required ones present): one call of `name`, or one or more of any."""
+    rules, choices = [], []
+    for i, fn in enumerate(functions):
+        if name is not None and fn["name"] != name:
+            continue
+        params = fn.get("parameters") or {}
+        required = set(params.get("required") or ())
+        parts = []
+        for j, (key, schema) in enumerate((params.get("properties") or {}).items()):
+            is_string, value = _value_rule(schema if isinstance(schema, dict) else {})
+            opening = '<%sparameter name="%s" string="%s">' % (DSML, key, "true" if is_string else "false")
+            closing = "</%sparameter>\n" % DSML
+            rules.append(f"p{i}_{j} ::= {_lit(opening)} ({value}) {_lit(closing)}")
+            parts.append(f"p{i}_{j}" + ("" if key in required else "?"))
+        head = '%s name="%s">\n' % (INVOKE_HEAD, fn["name"])
+        rules.append(f"call{i} ::= {_lit(head)} {' '.join(parts)} {_lit(INVOKE_CLOSE)}")
+        choices.append(f"call{i}")
+    if not choices:
+        raise ValueError(f"no tool named {name!r}")
+    calls = "call" if name is not None else 'call ("\\n" call)*'
+    root = f"root ::= {_lit(chr(10) * 2 + CALLS_OPEN + chr(10))} {calls} {_lit(chr(10) + CALLS_CLOSE)}"
+    return "\n".join([root, f"call ::= {' | '.join(choices)}", *rules]) + _JSON_RULES

@@ -82,3 +82,6 @@ class TemplateChatFormat(ChatFormat):
 
     def parser(self, prompt: str, tools: bool) -> OutputParser:
         return self.parse_like.parser(prompt, tools)
+
+    def force_tool_calls(self, tools, name, prompt, tokenizer) -> dict:
+        return self.parse_like.force_tool_calls(tools, name, prompt, tokenizer)
