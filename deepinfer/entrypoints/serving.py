@@ -150,8 +150,9 @@ async def unless_disconnected(request: Request, work):
     return task.result()
 
 
-async def collect(state: ServerState, group: RequestGroup):
-    """Every request's deltas merged into one final delta each (non-streaming responses)."""
+async def collect(state: ServerState, group: RequestGroup, so_field: str = "so_args"):
+    """Every request's deltas merged into one final delta each (non-streaming responses). The
+    engine ends a request with an error only when its grammar failed to compile in time."""
     results = [Delta() for _ in group.request_ids]
     try:
         async for index, delta in group.deltas():
@@ -161,4 +162,7 @@ async def collect(state: ServerState, group: RequestGroup):
     finally:
         if not group.finished:
             state.engine.abort(group.request_ids)
+    failed = next((r.error for r in results if r.error), None)
+    if failed:
+        raise APIError(400, failed, so_field)
     return results

@@ -107,8 +107,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     parsers = [fmt.parser(prompt, tools is not None) for _ in params]
     rid = random_id("chatcmpl")
     if body.stream:
-        return EventStream(_stream(body, state, group, rid, parsers, len(ids), k))
-    results = await unless_disconnected(request, collect(state, group))
+        return EventStream(_stream(body, state, group, rid, parsers, len(ids), k, so_field))
+    results = await unless_disconnected(request, collect(state, group, so_field))
     if results is None:
         return JSONResponse({}, status_code=499)  # the client is gone; nobody reads this
     choices = []
@@ -128,7 +128,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         prompt_tokens=len(ids), completion_tokens=completion, total_tokens=len(ids) + completion))
 
 
-async def _stream(body: ChatCompletionRequest, state: ServerState, group, rid: str, parsers, num_prompt: int, k: int):
+async def _stream(body: ChatCompletionRequest, state: ServerState, group, rid: str, parsers, num_prompt: int, k: int,
+                  so_field: str):
     created = int(time.time())
     tokenizer = state.engine.tokenizer
     counts = [0] * len(parsers)
@@ -141,6 +142,8 @@ async def _stream(body: ChatCompletionRequest, state: ServerState, group, rid: s
         yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
                      for i in range(len(parsers))])
         async for index, delta in group.deltas():
+            if delta.error:  # its grammar did not compile in time
+                yield sse_error(APIError(400, delta.error, so_field))
             parsed: ChatDelta = parsers[index].feed(delta.text)
             if delta.finished:
                 parsed.extend(parsers[index].finish())

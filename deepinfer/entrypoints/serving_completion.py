@@ -114,6 +114,8 @@ async def _stream(body: CompletionRequest, state: ServerState, group, rid: str, 
 
     try:
         async for index, delta in group.deltas():
+            if delta.error:  # its grammar did not compile in time
+                yield sse_error(APIError(400, delta.error, "so_args"))
             ids, _, prompt_text = items[index]
             text, logprobs, writer = delta.text, None, writers[index]
             if not echoed[index]:  # the prompt comes first, with the first delta (which has its logprobs)

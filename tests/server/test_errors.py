@@ -1,6 +1,6 @@
 """Errors in OpenAI's shape, on a server with an API key, one sequence slot, a waiting queue of
-one and a small body limit (and DSpark drafting on, for its metric): 400 naming the field,
-401, 404, 413, 503; bad requests leave a running one untouched."""
+one, a small body limit and a short grammar-compile timeout (and DSpark drafting on, for its
+metric): 400 naming the field, 401, 404, 413, 503; bad requests leave a running one untouched."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import pytest
 from conftest import SHIPPED, running_server, wait_until
 
 KEY = "sk-test-key"
+LIMIT = 1 << 20  # bytes of request body
 LONG = dict(model=SHIPPED, prompt="def main():", temperature=0.0, max_tokens=1500, stream=True,
             extra_body={"ignore_eos": True})
 
@@ -21,7 +22,8 @@ LONG = dict(model=SHIPPED, prompt="def main():", temperature=0.0, max_tokens=150
 @pytest.fixture(scope="module")
 def small():
     with running_server("--max-num-seqs", "1", "--max-waiting-requests", "1", "--api-key", KEY,
-                        "--max-body-bytes", "65536", env={"DEEPINFER_USE_NEXTN_DECODE": "3"}) as s:
+                        "--max-body-bytes", str(LIMIT),
+                        env={"DEEPINFER_USE_NEXTN_DECODE": "3", "DEEPINFER_XGRAMMAR_TIMEOUT": "0.3"}) as s:
         yield s
 
 
@@ -56,7 +58,7 @@ def test_unknown_model_and_route_are_404(small, authed):
 
 def test_oversized_body_is_413_with_or_without_a_length(small, authed):
     with pytest.raises(openai.APIStatusError) as err:
-        authed.completions.create(model=SHIPPED, prompt="x" * 70000, max_tokens=1)
+        authed.completions.create(model=SHIPPED, prompt="x" * (LIMIT + 1000), max_tokens=1)
     assert err.value.status_code == 413 and _error(err.value)["code"] == "request_too_large"
     conn = http.client.HTTPConnection(small.url.removeprefix("http://"), timeout=30)
     try:  # chunked: no Content-Length to refuse up front, so the limit applies while reading
@@ -65,7 +67,7 @@ def test_oversized_body_is_413_with_or_without_a_length(small, authed):
                             "transfer-encoding": "chunked"}.items():
             conn.putheader(name, value)
         conn.endheaders()
-        body = json.dumps({"model": SHIPPED, "prompt": "y" * 70000}).encode()
+        body = json.dumps({"model": SHIPPED, "prompt": "y" * (LIMIT + 1000)}).encode()
         for i in range(0, len(body), 8192):
             piece = body[i:i + 8192]
             conn.send(b"%x\r\n%s\r\n" % (len(piece), piece))
@@ -139,3 +141,17 @@ def test_dspark_acceptance_is_reported(small, authed):
     accepted = m["deepinfer:spec_decode_num_accepted_tokens_total"]
     assert drafted > 0 and 0 < accepted <= drafted
     assert m["deepinfer:spec_decode_acceptance_rate"] == pytest.approx(accepted / drafted)
+
+
+def test_a_grammar_that_compiles_too_slowly_is_a_400(authed):
+    """Quick to check, seconds to compile (every token against every word): past the timeout
+    the engine drops the request alone, and the client learns why."""
+    words = ["".join(chr(97 + (i * 7 + j * 13) % 26) for j in range(12)) + str(i) for i in range(20000)]
+    so_args = {"schema_type": "json", "schema": {"enum": words}}
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError if not stream else openai.APIError) as err:
+            resp = authed.completions.create(model=SHIPPED, prompt="x", max_tokens=8, stream=stream,
+                                             extra_body={"so_args": so_args})
+            for _ in resp:  # a stream reports the error as an event
+                pass
+        assert "DEEPINFER_XGRAMMAR_TIMEOUT" in str(err.value)
