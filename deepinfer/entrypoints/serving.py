@@ -12,7 +12,8 @@ import anyio
 from fastapi import Request
 from starlette.responses import StreamingResponse
 
-from deepinfer.entrypoints.async_llm import AsyncLLM, Delta, EngineDead, InvalidRequest, QueueFull, RequestGroup
+from deepinfer.entrypoints.async_llm import AsyncLLM, EngineDead, InvalidRequest, QueueFull
+from deepinfer.entrypoints.streams import Delta, RequestGroup
 from deepinfer.entrypoints.chat import ChatFormat
 from deepinfer.entrypoints.protocol import random_id
 from deepinfer.sampling_params import SamplingParams
