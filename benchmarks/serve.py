@@ -11,7 +11,9 @@ Every request: a random-token prompt, greedy, `ignore_eos`, exactly --max-tokens
 TTFT is measured at the client (request sent -> first streamed text), TPOT over the rest of the
 stream; the client runs in this process, on the same machine as the server. The offline row runs
 after the server is stopped, so the two never share the CPU; its latencies are the engine's own
-(all prompts submitted at once).
+(all prompts submitted at once). Wall-clock figures move with whatever else the machine runs, so
+CPU seconds per generated token are reported too: the server process's (engine thread + HTTP),
+the client's, and LLM.generate's (Linux /proc; only for a server this script started).
 """
 
 from __future__ import annotations
@@ -44,6 +46,15 @@ def _summary(ttft, tpot, e2e, tokens: int, seconds: float, n: int) -> dict:
     return dict(requests=n, output_tokens=tokens, seconds=seconds, tok_s=tokens / seconds, req_s=n / seconds,
                 ttft_p50=_percentile(ttft, 0.5), ttft_p99=_percentile(ttft, 0.99),
                 tpot_p50=_percentile(tpot, 0.5), tpot_p99=_percentile(tpot, 0.99), e2e_p50=_percentile(e2e, 0.5))
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """User + system CPU of a process, all threads (Linux)."""
+    try:
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _start_server(model: str, port: int, max_num_seqs: int) -> subprocess.Popen:
@@ -109,14 +120,16 @@ def _offline(model: str, prompts, max_tokens: int, max_num_seqs: int) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate(prompt_token_ids=prompts[:1], sampling_params=SamplingParams(temperature=0.0, max_tokens=4),
                  use_tqdm=False)  # warm-up
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     llm.close()
     ttft = [o.time_to_first_token for o in outs]
     tpot = [o.time_per_output_token for o in outs if o.time_per_output_token is not None]
     e2e = [o.metrics.finished_time - o.metrics.arrival_time for o in outs]
-    return _summary(ttft, tpot, e2e, sum(len(o.outputs[0].token_ids) for o in outs), seconds, len(outs))
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return dict(_summary(ttft, tpot, e2e, tokens, seconds, len(outs)), cpu_ms_per_token=cpu * 1e3 / tokens,
+                client_cpu_ms_per_token=None)
 
 
 def _plot(rows: list[dict], offline: dict, path: str) -> None:
@@ -180,7 +193,11 @@ def main() -> None:
     rows = []
     try:
         for rate in [float(r) for r in args.rates.split(",")]:
+            server_cpu, client_cpu = _cpu_seconds(proc.pid) if proc else None, time.process_time()
             row = asyncio.run(_at_rate(base_url, name, prompts, args.max_tokens, rate, args.seed))
+            row["client_cpu_ms_per_token"] = (time.process_time() - client_cpu) * 1e3 / row["output_tokens"]
+            row["cpu_ms_per_token"] = None if server_cpu is None else \
+                (_cpu_seconds(proc.pid) - server_cpu) * 1e3 / row["output_tokens"]  # includes the warm-up request
             rows.append(dict(rate="inf" if rate == float("inf") else rate, **row))
     finally:
         if proc is not None:
@@ -192,14 +209,21 @@ def main() -> None:
           f"{args.max_tokens} new tokens, greedy, ignore_eos; client and server on this machine "
           f"({os.cpu_count()} cpus, 1-min load average {load:.1f} at the end)")
     print("| rate (req/s) | engine | output tok/s | TTFT p50 (ms) | TTFT p99 (ms) | TPOT p50 (ms) | TPOT p99 (ms) | "
-          "e2e p50 (s) |")
-    print("|---|---|---|---|---|---|---|---|")
+          "e2e p50 (s) | CPU ms/token | client CPU ms/token |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+
+    def ms(value) -> str:
+        return "" if value is None else f"{value:.2f}"
+
     for rate, engine, r in [(r["rate"], "server", r) for r in rows] + [("all at once", "LLM.generate", offline)]:
         print(f"| {rate} | {engine} | {r['tok_s']:.1f} | {r['ttft_p50'] * 1e3:.1f} | {r['ttft_p99'] * 1e3:.1f} | "
-              f"{r['tpot_p50'] * 1e3:.2f} | {r['tpot_p99'] * 1e3:.2f} | {r['e2e_p50']:.2f} |")
+              f"{r['tpot_p50'] * 1e3:.2f} | {r['tpot_p99'] * 1e3:.2f} | {r['e2e_p50']:.2f} | "
+              f"{ms(r['cpu_ms_per_token'])} | {ms(r['client_cpu_ms_per_token'])} |")
     burst = next((r for r in rows if r["rate"] == "inf"), None)
     if burst is not None:
-        print(f"server at rate inf / LLM.generate: {burst['tok_s'] / offline['tok_s']:.2f}x output throughput")
+        print(f"server at rate inf / LLM.generate: {burst['tok_s'] / offline['tok_s']:.2f}x output throughput"
+              + ("" if burst["cpu_ms_per_token"] is None else
+                 f", {burst['cpu_ms_per_token'] / offline['cpu_ms_per_token']:.2f}x CPU per token"))
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(dict(model=model, cpus=os.cpu_count(), load_average=load, num_prompts=args.num_prompts,
