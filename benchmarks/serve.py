@@ -177,6 +177,7 @@ def main() -> None:
     from deepinfer.llm import default_model
 
     model = args.model or default_model()
+    shown = model if os.path.relpath(model).startswith("..") else os.path.relpath(model)  # for the table and JSON
     name = args.served_model_name or os.path.basename(os.path.normpath(model))
     vocab = json.load(open(os.path.join(model, "config.json")))["vocab_size"]
     prompts = _prompts(vocab, args.num_prompts, args.prompt_len)
@@ -205,7 +206,7 @@ def main() -> None:
             proc.wait(60)
     offline = _offline(model, prompts, args.max_tokens, args.max_num_seqs)
     load = os.getloadavg()[0]  # this benchmark's numbers move with whatever else the machine runs
-    print(f"model: {model}  {args.num_prompts} requests per rate, prompt {args.prompt_len} random tokens, "
+    print(f"model: {shown}  {args.num_prompts} requests per rate, prompt {args.prompt_len} random tokens, "
           f"{args.max_tokens} new tokens, greedy, ignore_eos; client and server on this machine "
           f"({os.cpu_count()} cpus, 1-min load average {load:.1f} at the end)")
     print("| rate (req/s) | engine | output tok/s | TTFT p50 (ms) | TTFT p99 (ms) | TPOT p50 (ms) | TPOT p99 (ms) | "
@@ -226,7 +227,7 @@ def main() -> None:
                  f", {burst['cpu_ms_per_token'] / offline['cpu_ms_per_token']:.2f}x CPU per token"))
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
-        json.dump(dict(model=model, cpus=os.cpu_count(), load_average=load, num_prompts=args.num_prompts,
+        json.dump(dict(model=shown, cpus=os.cpu_count(), load_average=load, num_prompts=args.num_prompts,
                        prompt_len=args.prompt_len,
                        max_tokens=args.max_tokens, max_num_seqs=args.max_num_seqs, server=rows, offline=offline),
                   f, indent=2)
