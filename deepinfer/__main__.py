@@ -1,8 +1,11 @@
-"""Command line: `python -m deepinfer generate --prompt "def fib"` streams a completion."""
+"""Command line: `python -m deepinfer generate --prompt "def fib"` streams a completion;
+`deepinfer serve` runs the OpenAI-compatible server (deepinfer/entrypoints)."""
 
 from __future__ import annotations
 
 import argparse
+import inspect
+import logging
 import sys
 
 
@@ -30,6 +33,34 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _engine_flags(parser: argparse.ArgumentParser) -> list[str]:
+    """One flag per keyword argument of LLM() (--max-num-seqs, --num-cache-pages, ...), read
+    from its signature so the server takes exactly what the offline API takes."""
+    from deepinfer.llm import LLM
+
+    group = parser.add_argument_group("engine (the keyword arguments of deepinfer.LLM)")
+    names = []
+    for name, p in inspect.signature(LLM.__init__).parameters.items():
+        if p.kind is not inspect.Parameter.KEYWORD_ONLY:
+            continue
+        kind = float if "float" in str(p.annotation) else int if "int" in str(p.annotation) else str
+        group.add_argument(f"--{name.replace('_', '-')}", type=kind, default=p.default,
+                           help=f"default: {p.default}")
+        names.append(name)
+    return names
+
+
+def _serve(args: argparse.Namespace, engine_names: list[str]) -> int:
+    from deepinfer.entrypoints.api_server import serve
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    serve(args.model, host=args.host, port=args.port, api_key=args.api_key, served_model_name=args.served_model_name,
+          chat_format=args.chat_format, max_waiting_requests=args.max_waiting_requests,
+          max_body_bytes=args.max_body_bytes, shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
+          access_log=args.access_log, **{name: getattr(args, name) for name in engine_names})
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m deepinfer", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -42,8 +73,28 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--top-k", type=int, default=-1)
     gen.add_argument("--seq-seed", type=int, default=None)
     gen.add_argument("--echo", action="store_true", help="print the prompt before the completion")
+    srv = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    srv.add_argument("--model", default=None, help="model directory (default: the shipped tiny DeepSeek-V4)")
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    srv.add_argument("--served-model-name", default=None, help="the `model` clients send (default: the directory name)")
+    from deepinfer.entrypoints.chat import CHOICES
+
+    srv.add_argument("--chat-format", default="auto", choices=CHOICES,
+                     help="auto: the model's Jinja template, else its family's format, else plain")
+    srv.add_argument("--max-waiting-requests", type=int, default=1024,
+                     help="accepted requests not yet running, beyond which new ones get 503")
+    srv.add_argument("--max-body-bytes", type=int, default=32 << 20, help="larger request bodies get 413")
+    srv.add_argument("--shutdown-timeout", type=float, default=10.0,
+                     help="on SIGTERM, seconds running requests may finish before they are aborted")
+    srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    srv.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    engine_names = _engine_flags(srv)
     args = parser.parse_args(argv)
     try:
+        if args.command == "serve":
+            return _serve(args, engine_names)
         return _generate(args)
     except (ValueError, TypeError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)

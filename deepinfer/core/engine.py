@@ -229,10 +229,13 @@ class LLMEngine:
         return done
 
     def stats(self) -> dict[str, float]:
-        """Counters since start-up: prefix cache lookups, hits, replay and evictions; preemptions."""
+        """Counters since start-up: prefix cache lookups, hits, replay and evictions; preemptions;
+        with DSpark drafting, its steps and verified / accepted draft tokens."""
         out = {"num_preemptions": self.scheduler.num_preemptions}
         if self.cache.prefix is not None:
             out.update({f"prefix_cache_{k}": v for k, v in self.cache.prefix.stats.as_dict().items()})
+        if self.spec is not None:
+            out.update({f"spec_{k}": v for k, v in self.spec.stats.items()})
         return out
 
     # ------------------------------------------------------------ step

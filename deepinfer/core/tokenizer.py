@@ -29,8 +29,12 @@ class Tokenizer:
         self.add_bos = bool(config.get("add_bos_token", bos_token_id is not None))
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=True).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; add_special_tokens=False for text that already holds its special
+        tokens (a chat prompt that starts with the BOS string): no BOS is added then."""
+        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if not add_special_tokens:
+            return ids
         if self.add_bos and self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id):
             ids = [self.bos_token_id] + ids
         return ids

@@ -308,13 +308,10 @@ def test_fill_bitmask_rows_matches_sequential_fill_and_rolls_back(llm):
 @pytest.fixture(scope="module")
 def deepseek_vocab_model(tmp_path_factory):
     """A tiny random V4 model with DeepSeek-V4's 129,280-token vocabulary and tokenizer."""
-    from tiny_models import DEEPSEEK_VOCAB, make_hf_model, write_deepseek_tokenizer
+    from tiny_models import save_deepseek_vocab_model
 
-    model, _ = make_hf_model("csa_hc2", seed=5, vocab_size=DEEPSEEK_VOCAB, num_hash_layers=0, num_hidden_layers=2,
-                             compress_ratios=[4, 0])
     path = tmp_path_factory.mktemp("tiny_v4_ds_vocab")
-    model.save_pretrained(path, safe_serialization=True)
-    write_deepseek_tokenizer(path)
+    save_deepseek_vocab_model(path)
     return path
 
 

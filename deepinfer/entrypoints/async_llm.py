@@ -1,0 +1,263 @@
+"""AsyncLLM: the engine behind the server. One thread owns the LLMEngine and keeps stepping it
+while requests arrive and leave (continuous batching across clients); asyncio code talks to it
+through a command queue and gets each request's output as a stream of deltas.
+
+Only the engine thread touches the engine, so adds, aborts and steps never race: an HTTP
+handler sends a command and awaits its answer. After each step the thread publishes, per live
+request, what it produced since the last delta, then hands the whole batch to the event loop
+with one wake-up. Text is the engine's incrementally detokenized text (which never ends in half
+a UTF-8 character); with stop strings, the last len(longest stop) - 1 characters wait until
+they cannot turn into a stop (the engine cuts a stop string out of the text).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+from deepinfer.core.request import Request, Status
+from deepinfer.entrypoints.streams import Delta, RequestGroup
+from deepinfer.sampling_params import SamplingParams
+
+logger = logging.getLogger("deepinfer.server")
+
+
+class QueueFull(RuntimeError):
+    """Too many requests wait for the engine (HTTP 503)."""
+
+
+class EngineDead(RuntimeError):
+    """The engine thread failed or is shutting down; nothing more will be served."""
+
+
+class InvalidRequest(ValueError):
+    """A prompt the engine refuses; `index` says which prompt of the group."""
+
+    def __init__(self, message: str, index: int):
+        super().__init__(message)
+        self.index = index
+
+
+@dataclass(slots=True)
+class _Live:
+    req: Request
+    group: RequestGroup
+    index: int
+    arrival: float
+    holdback: int  # characters withheld while a stop string could still match
+    sent_tokens: int = 0
+    sent_text: int = 0
+    first_token_time: float | None = None
+
+
+class AsyncLLM:
+    def __init__(self, llm, max_waiting_requests: int = 1024, metrics=None):
+        if llm.engine is None:
+            raise ValueError("the server runs one engine in this process; parallel layouts "
+                             "(expert/data/context_parallel_size > 1) are not served yet")
+        self.llm = llm
+        self.engine = llm.engine
+        self.tokenizer = llm.tokenizer
+        self.max_waiting_requests = max_waiting_requests
+        self.metrics = metrics
+        self.error: BaseException | None = None
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._live: dict[str, _Live] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_deadline: float | None = None
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="deepinfer-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ event-loop side
+    @property
+    def alive(self) -> bool:
+        return self.error is None and self._thread.is_alive() and self._drain_deadline is None
+
+    async def add(self, prompts: list[tuple[list[int], SamplingParams, str | None]], arrival: float,
+                  request_ids: list[str]) -> RequestGroup:
+        """Queue every prompt of an HTTP request, or none: raises InvalidRequest (naming the
+        prompt), QueueFull or EngineDead. If the caller is cancelled meanwhile, the requests
+        are aborted again."""
+        if not self.alive:
+            raise EngineDead(self._dead_reason())
+        self._loop = asyncio.get_running_loop()
+        group = RequestGroup(request_ids)
+        answer = self._loop.create_future()
+        self._commands.put(("add", prompts, group, arrival, answer))
+        try:
+            await answer
+        except asyncio.CancelledError:
+            self.abort(request_ids)
+            raise
+        return group
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Stop requests (a client went away): their pages and grammar state are freed before
+        the engine's next step."""
+        self._commands.put(("abort", request_ids))
+
+    def start_draining(self, grace_seconds: float) -> None:
+        """Shutdown, step one: accept nothing new; what runs may finish within `grace_seconds`,
+        then is aborted (its stream ends with finish_reason "abort")."""
+        self._commands.put(("drain", time.monotonic() + grace_seconds))
+        self._drain_deadline = self._drain_deadline or time.monotonic() + grace_seconds
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Abort what is left, stop the engine thread and the engine's worker (idempotent)."""
+        self._commands.put(("stop",))
+        self._thread.join(timeout)
+        if not self._thread.is_alive() and self.llm is not None:
+            self.llm.close()
+            self.llm = None
+
+    def _dead_reason(self) -> str:
+        if self.error is not None:
+            return f"the engine failed: {self.error!r}"
+        return "the server is shutting down"
+
+    # ------------------------------------------------------------ engine thread
+    def _run(self) -> None:
+        try:
+            while not self._stopped:
+                self._apply_commands(block=not self.engine.has_unfinished())
+                if self._drain_deadline is not None and time.monotonic() >= self._drain_deadline:
+                    self._abort(list(self._live))
+                if not self._stopped and self.engine.has_unfinished():
+                    self.engine.step()
+                self._publish()
+            self._abort(list(self._live))  # stopped: what still runs ends with finish_reason "abort"
+            self._publish()
+        except BaseException as exc:  # noqa: BLE001 - reported to every waiting client, then logged
+            logger.exception("engine loop failed")
+            self.error = exc
+        finally:
+            self._stopped = True
+            self._fail_all(EngineDead(self._dead_reason()))
+
+    def _apply_commands(self, block: bool) -> None:
+        timeout = None  # idle: sleep until a command comes, or until a drain's deadline
+        if self._drain_deadline is not None and self._live:
+            timeout = max(0.0, self._drain_deadline - time.monotonic())
+        try:
+            command = self._commands.get(timeout=timeout) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            kind = command[0]
+            if kind == "add":
+                self._add(*command[1:])
+            elif kind == "abort":
+                self._abort(command[1])
+            elif kind == "drain":
+                self._drain_deadline = command[1]
+            elif kind == "stop":
+                self._stopped = True
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _add(self, prompts, group: RequestGroup, arrival: float, answer: asyncio.Future) -> None:
+        try:
+            if self._drain_deadline is not None or self._stopped:
+                raise EngineDead("the server is shutting down")
+            waiting = self.num_waiting()
+            if waiting + len(prompts) > self.max_waiting_requests:
+                raise QueueFull(f"{waiting} requests are waiting for the engine (limit "
+                                f"--max-waiting-requests={self.max_waiting_requests}); retry later")
+            for i, (ids, params, _) in enumerate(prompts):  # all or nothing
+                try:
+                    self.engine.validate_request(ids, params)
+                except ValueError as exc:
+                    raise InvalidRequest(str(exc), i) from None
+            for i, ((ids, params, text), rid) in enumerate(zip(prompts, group.request_ids)):
+                req = self.engine.add_request(ids, params, text, request_id=rid)
+                req.metrics.arrival_time = arrival  # latency counts from the HTTP request, not the queue
+                stops = params.stop_strings
+                self._live[rid] = _Live(req, group, i, arrival, max(map(len, stops)) - 1 if stops else 0)
+                if self.metrics is not None:
+                    self.metrics.on_added(len(ids))
+        except BaseException as exc:  # noqa: BLE001 - the handler raises it
+            self._call_soon(answer.set_exception, exc)
+            return
+        self._call_soon(answer.set_result, None)
+
+    def num_waiting(self) -> int:
+        """Accepted requests that do not run: queued, compiling a grammar, or preempted."""
+        return sum(live.req.status is Status.WAITING for live in self._live.values())
+
+    def _abort(self, request_ids) -> None:
+        for rid in request_ids:
+            if rid in self._live:
+                self.engine.abort_request(rid)
+
+    def _publish(self) -> None:
+        """Deltas of every live request that changed, handed to the event loop in one batch."""
+        self.engine.pop_finished()
+        now = time.perf_counter()
+        batch = []
+        for rid, live in list(self._live.items()):
+            req = live.req
+            resolved = len(req.output_token_ids) - req.pending
+            done = req.is_finished
+            if resolved == live.sent_tokens and not done:
+                continue
+            end = len(req.text) if done else max(live.sent_text, len(req.text) - live.holdback)
+            delta = Delta(text=req.text[live.sent_text:end], token_ids=req.output_token_ids[live.sent_tokens:resolved])
+            if req.output_logprobs is not None:
+                delta.logprobs = req.output_logprobs[live.sent_tokens:resolved]
+            if live.first_token_time is None:
+                delta.prompt_logprobs = req.prompt_logprobs
+                if resolved:
+                    live.first_token_time = now
+            live.sent_tokens, live.sent_text = resolved, end
+            if done:
+                delta.finished, delta.finish_reason, delta.stop_reason = True, req.finish_reason, req.stop_reason
+                delta.error = req.error
+                del self._live[rid]
+            batch.append((live.group, live.index, delta))
+            if self.metrics is not None:
+                self.metrics.on_progress(live, delta, now)
+        if self.metrics is not None:
+            self.metrics.update_engine(self.engine, self.num_waiting())
+        if batch:
+            self._call_soon(_deliver, batch)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        groups = {id(live.group): live.group for live in self._live.values()}
+        self._live.clear()
+        for group in groups.values():
+            self._call_soon(group.queue.put_nowait, exc)
+        while True:  # adds nobody will serve
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "add":
+                self._call_soon(command[4].set_exception, exc)
+
+    def _call_soon(self, fn, *args) -> None:
+        loop = self._loop
+        if loop is None:
+            return
+        try:
+            loop.call_soon_threadsafe(_safely, fn, *args)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+
+def _safely(fn, *args) -> None:
+    try:
+        fn(*args)
+    except asyncio.InvalidStateError:  # the awaiting handler was cancelled already
+        pass
+
+
+def _deliver(batch) -> None:
+    for group, index, delta in batch:
+        group.queue.put_nowait((index, delta))

@@ -1,0 +1,119 @@
+"""Prometheus metrics of a server (`GET /metrics`), named like vLLM's with a `deepinfer:` prefix.
+
+Request-level series (finish reasons, token counts, latency histograms) are updated by the
+engine thread as it publishes outputs; engine state (running/waiting, cache pages, prefix
+cache, DSpark acceptance) is a snapshot the same thread takes after every step, so a scrape
+never reads the engine while it changes. Each server has its own registry.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+# seconds; TPOT buckets are finer (a decode step is milliseconds)
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_TPOT = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        labels = {"model_name": model_name}
+        self._labels = labels
+        kw = dict(registry=self.registry, labelnames=list(labels))
+        self.finished = Counter("deepinfer:request_success", "Finished requests by finish reason",
+                                labelnames=["model_name", "finished_reason"], registry=self.registry)
+        self.prompt_tokens = Counter("deepinfer:prompt_tokens", "Prompt tokens of accepted requests", **kw)
+        self.generation_tokens = Counter("deepinfer:generation_tokens", "Generated tokens", **kw)
+        self.ttft = Histogram("deepinfer:time_to_first_token_seconds", "Time to first token", buckets=_LATENCY, **kw)
+        self.tpot = Histogram("deepinfer:time_per_output_token_seconds", "Time per output token after the first",
+                              buckets=_TPOT, **kw)
+        self.e2e = Histogram("deepinfer:e2e_request_latency_seconds", "End-to-end request latency",
+                             buckets=_LATENCY, **kw)
+        self.snapshot: dict = {}
+        self.registry.register(_EngineCollector(self))
+
+    # engine thread
+    def on_added(self, num_prompt_tokens: int) -> None:
+        self.prompt_tokens.labels(**self._labels).inc(num_prompt_tokens)
+
+    def on_progress(self, live, delta, now: float) -> None:
+        """A delta of one request was published at `now` (perf_counter seconds)."""
+        if delta.token_ids:
+            self.generation_tokens.labels(**self._labels).inc(len(delta.token_ids))
+            if live.sent_tokens == len(delta.token_ids):  # its first tokens
+                self.ttft.labels(**self._labels).observe(now - live.arrival)
+        if delta.finished:
+            self.finished.labels(finished_reason=delta.finish_reason or "abort", **self._labels).inc()
+            self.e2e.labels(**self._labels).observe(now - live.arrival)
+            if live.first_token_time is not None and live.sent_tokens > 1:
+                self.tpot.labels(**self._labels).observe((now - live.first_token_time) / (live.sent_tokens - 1))
+
+    def update_engine(self, engine, num_waiting: int) -> None:
+        cache = engine.cache
+        free = len(cache.free_pages)
+        cached = len(cache.prefix.idle) if cache.prefix is not None else 0
+        stats = engine.stats()
+        self.snapshot = {
+            "running": len(engine.scheduler.running), "waiting": num_waiting,
+            "pages_total": cache.num_pages, "pages_free": free, "pages_cached": cached,
+            "pages_used": cache.num_pages - free - cached,
+            "slots_total": cache.max_seqs, "slots_free": cache.num_free_slots,
+            "preemptions": stats.get("num_preemptions", 0),
+            "prefix_query_tokens": stats.get("prefix_cache_query_tokens", 0),
+            "prefix_hit_tokens": stats.get("prefix_cache_hit_tokens", 0),
+            "prefix_hit_rate": stats.get("prefix_cache_hit_rate", 0.0),
+            "spec_verified": stats.get("spec_verified", 0), "spec_accepted": stats.get("spec_accepted", 0),
+        }
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineCollector:
+    """Engine state from the last snapshot, read at scrape time."""
+
+    def __init__(self, metrics: ServerMetrics):
+        self.metrics = metrics
+
+    def collect(self):
+        s = self.metrics.snapshot
+        if not s:
+            return
+        names = list(self.metrics._labels)
+        values = list(self.metrics._labels.values())
+
+        def gauge(name, doc, value):
+            g = GaugeMetricFamily(name, doc, labels=names)
+            g.add_metric(values, value)
+            return g
+
+        def counter(name, doc, value):
+            c = CounterMetricFamily(name, doc, labels=names)
+            c.add_metric(values, value)
+            return c
+
+        yield gauge("deepinfer:num_requests_running", "Requests in the running batch", s["running"])
+        yield gauge("deepinfer:num_requests_waiting", "Accepted requests not running (queued, compiling a "
+                    "grammar, preempted)", s["waiting"])
+        pages = GaugeMetricFamily("deepinfer:cache_pages", "Decode-state cache pages by state: used (held by a "
+                                  "sequence), cached (idle, in the prefix cache), free", labels=names + ["state"])
+        for state in ("used", "cached", "free"):
+            pages.add_metric(values + [state], s[f"pages_{state}"])
+        yield pages
+        yield gauge("deepinfer:cache_pages_total", "Decode-state cache pages", s["pages_total"])
+        yield gauge("deepinfer:cache_usage_perc", "Fraction of cache pages held by sequences",
+                    s["pages_used"] / s["pages_total"] if s["pages_total"] else 0.0)
+        yield gauge("deepinfer:sequence_slots_free", "Free sequence slots", s["slots_free"])
+        yield gauge("deepinfer:sequence_slots_total", "Sequence slots", s["slots_total"])
+        yield counter("deepinfer:num_preemptions", "Preemptions", s["preemptions"])
+        yield counter("deepinfer:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                      s["prefix_query_tokens"])
+        yield counter("deepinfer:prefix_cache_hits", "Prompt tokens found in the prefix cache", s["prefix_hit_tokens"])
+        yield gauge("deepinfer:prefix_cache_hit_rate", "Prefix cache hit tokens / queried tokens since start",
+                    s["prefix_hit_rate"])
+        yield counter("deepinfer:spec_decode_num_draft_tokens", "DSpark draft tokens verified", s["spec_verified"])
+        yield counter("deepinfer:spec_decode_num_accepted_tokens", "DSpark draft tokens accepted", s["spec_accepted"])
+        yield gauge("deepinfer:spec_decode_acceptance_rate", "DSpark accepted / verified draft tokens since start",
+                    s["spec_accepted"] / s["spec_verified"] if s["spec_verified"] else 0.0)

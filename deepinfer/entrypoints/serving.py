@@ -1,0 +1,169 @@
+"""What the completion and chat handlers share: the server's state, OpenAI-shaped errors,
+request fields -> SamplingParams, queueing into the engine, server-sent events, and racing a
+handler against the client's disconnect (an abandoned request is aborted at once)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+
+import anyio
+from fastapi import Request
+from starlette.responses import StreamingResponse
+
+from deepinfer.entrypoints.async_llm import AsyncLLM, EngineDead, InvalidRequest, QueueFull
+from deepinfer.entrypoints.streams import Delta, RequestGroup
+from deepinfer.entrypoints.chat import ChatFormat
+from deepinfer.entrypoints.protocol import random_id
+from deepinfer.sampling_params import SamplingParams
+
+_UINT64 = 1 << 64
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class ServerState:
+    engine: AsyncLLM
+    chat_format: ChatFormat
+    served_model_names: list[str]
+    model_dir: str
+
+    def check_model(self, name: str) -> None:
+        if name not in self.served_model_names:
+            raise APIError(404, f"The model `{name}` does not exist; this server serves {self.served_model_names}",
+                           "model", "model_not_found")
+
+
+def refuse_unsupported(body) -> None:
+    """Fields deepinfer does not implement, when set to anything but their neutral value."""
+    if body.frequency_penalty or body.presence_penalty:
+        param = "frequency_penalty" if body.frequency_penalty else "presence_penalty"
+        raise APIError(400, f"{param} is not supported (only 0)", param, "unsupported_parameter")
+    if body.logit_bias:
+        raise APIError(400, "logit_bias is not supported", "logit_bias", "unsupported_parameter")
+
+
+def make_params(body, n: int, *, max_tokens: int, max_tokens_field: str, top_logprobs: int = 0,
+                prompt_logprobs: int | None = None, so_args: dict | None = None,
+                so_field: str = "so_args", logprobs_field: str = "logprobs") -> list[SamplingParams]:
+    """One SamplingParams per choice; SamplingParams validates, and its error is reported under
+    the request field it came from. With a seed, choice i gets seed + i: reproducible and
+    different from its siblings."""
+    fields = {"seq_seed": "seed", "max_tokens": max_tokens_field, "so_args": so_field,
+              "top_logprobs": logprobs_field, "prompt_logprobs": logprobs_field}
+    out = []
+    for i in range(n):
+        seed = None if body.seed is None else body.seed + i
+        if seed is not None and body.seed >= 0:
+            seed %= _UINT64
+        try:
+            out.append(SamplingParams(
+                temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, max_tokens=max_tokens,
+                ignore_eos=body.ignore_eos, stop=body.stop, stop_token_ids=body.stop_token_ids,
+                top_logprobs=top_logprobs, prompt_logprobs=prompt_logprobs, seq_seed=seed, so_args=so_args))
+        except (ValueError, TypeError) as exc:
+            name = str(exc).split(" ", 1)[0].split("[", 1)[0]
+            param = fields.get(name, name)
+            raise APIError(400, str(exc) if param == name else f"{param}: {exc}", param) from None
+    return out
+
+
+async def submit(state: ServerState, items: list[tuple], prompt_field: str, arrival: float,
+                 max_tokens_field: str, so_field: str) -> RequestGroup:
+    """Queue every prompt x choice, mapping the engine's refusals to HTTP errors."""
+    base = random_id("req")
+    ids = [f"{base}-{i}" for i in range(len(items))]
+    try:
+        return await state.engine.add(items, arrival, ids)
+    except InvalidRequest as exc:
+        text = str(exc)
+        param = max_tokens_field if "max_tokens" in text else so_field if "so_args" in text else prompt_field
+        raise APIError(400, text, param) from None
+    except QueueFull as exc:
+        raise APIError(503, str(exc), None, "queue_full", "server_error") from None
+    except EngineDead as exc:
+        raise APIError(503, str(exc), None, "unavailable", "server_error") from None
+
+
+def sse(payload) -> str:
+    data = payload if isinstance(payload, str) else payload.model_dump_json()
+    return f"data: {data}\n\n"
+
+
+def sse_error(exc: BaseException) -> str:
+    error = exc if isinstance(exc, APIError) else APIError(500, str(exc), type="server_error")
+    return sse(json.dumps(error.body()))
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events that stop the moment the client disconnects: starlette otherwise
+    notices only at the next write, which for a queued or slow request can be much later. The
+    body iterator is closed either way, so its `finally` aborts the engine requests."""
+
+    def __init__(self, content):
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+                async def stream():
+                    try:
+                        await self.stream_response(send)
+                    except OSError:  # the client went away mid-write
+                        pass
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(stream)
+                await self.listen_for_disconnect(receive)
+                tg.cancel_scope.cancel()
+        finally:
+            await self.body_iterator.aclose()
+
+
+async def unless_disconnected(request: Request, work):
+    """Await `work` (a coroutine) unless the client disconnects first, which cancels it (its
+    cleanup aborts the engine requests); returns None then."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelled():
+        return None
+    return task.result()
+
+
+async def collect(state: ServerState, group: RequestGroup, so_field: str = "so_args"):
+    """Every request's deltas merged into one final delta each (non-streaming responses). The
+    engine ends a request with an error only when its grammar failed to compile in time."""
+    results = [Delta() for _ in group.request_ids]
+    try:
+        async for index, delta in group.deltas():
+            results[index].merge(delta)
+    except EngineDead as exc:
+        raise APIError(503, str(exc), None, "unavailable", "server_error") from None
+    finally:
+        if not group.finished:
+            state.engine.abort(group.request_ids)
+    failed = next((r.error for r in results if r.error), None)
+    if failed:
+        raise APIError(400, failed, so_field)
+    return results
