@@ -10,6 +10,8 @@ A pool is one tensor of rows of `width` features, in up to three regions:
 - page rows: state that grows with the sequence, one row per `stride` positions, in pages of
   `page_tokens` positions. One block table per sequence serves every paged pool: page p of a
   sequence holds rows of positions [p * page_tokens, (p + 1) * page_tokens) in every paged pool.
+  One more page, `trash_page`, is never handed out: a step padded to a fixed shape (a recorded
+  step's bucket, core/graphs.py) writes what its padding computes there.
 Pages of finished (or preempted) sequences stay in a prefix cache (core/prefix_cache.py) until
 their page is needed: a free page is one on the free list or an idle cached one.
 """
@@ -92,13 +94,14 @@ class StateCache:
             scratch_base = max_seqs * p.ring
             page_base = scratch_base + (max_step_tokens if p.scratch else 0)
             page_rows = page_tokens // p.stride if p.stride else 0
-            data = torch.zeros(page_base + num_pages * page_rows, p.width, dtype=dtype, device=self.device)
+            data = torch.zeros(page_base + (num_pages + 1) * page_rows, p.width, dtype=dtype, device=self.device)
             self.pools[p.name] = Pool(p, data, scratch_base, page_base, page_rows)
 
         # host metadata: read when a step's index tensors are planned, never by a kernel
         self.block_table = np.zeros((max_seqs, self.max_pages_per_seq), dtype=np.int64)
         self.free_slots = list(range(max_seqs - 1, -1, -1))
         self.free_pages = list(range(num_pages - 1, -1, -1))
+        self.trash_page = num_pages  # written by padding, never read (see the module doc)
         self.slot_pages: dict[int, list[int]] = {}
         self.prefix = PrefixCache(page_tokens) if spec.paged else None
 

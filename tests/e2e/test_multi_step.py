@@ -22,16 +22,16 @@ def _llm(path, monkeypatch, steps: int, **kw) -> LLM:
 
 
 def _count_calls(llm: LLM) -> list[int]:
-    """Counts the model's multi-step calls that ran (returned tokens)."""
-    model, calls = llm.engine.model, []
-    decode_steps = model.decode_steps
+    """Counts the engine's multi-step calls (steps per call)."""
+    engine, calls = llm.engine, []
+    decode_steps = engine._decode_steps
 
     def counted(*a, **kw):
         out = decode_steps(*a, **kw)
-        calls.append(0 if out is None else out.shape[0])
+        calls.append(out.shape[0])
         return out
 
-    model.decode_steps = counted
+    engine._decode_steps = counted
     return calls
 
 
@@ -110,10 +110,10 @@ def test_a_waiting_request_is_not_held_back_by_a_call(tiny_model_dir, monkeypatc
     """With a request waiting for a slot, steps stay single so it is admitted as soon as one frees."""
     path, _ = tiny_model_dir
     multi = _llm(path, monkeypatch, 8, max_num_seqs=2)
-    engine, model = multi.engine, multi.engine.model
+    engine = multi.engine
     waiting_at_calls = []
-    decode_steps = model.decode_steps
-    model.decode_steps = lambda *a, **kw: waiting_at_calls.append(len(engine.scheduler.waiting)) or decode_steps(*a, **kw)
+    decode_steps = engine._decode_steps
+    engine._decode_steps = lambda *a, **kw: waiting_at_calls.append(len(engine.scheduler.waiting)) or decode_steps(*a, **kw)
     prompts = _prompts([30, 30, 30], seed=5)
     reqs = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True))
             for p, m in zip(prompts, (3, 40, 10))]

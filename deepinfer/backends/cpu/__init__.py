@@ -35,6 +35,8 @@ class CpuAccelerator(Accelerator):
     # for 2.98 tokens, and dynamic mode, which then nearly stops drafting, still ran 3-12% under no
     # drafting at concurrency 1-64 (benchmarks/dspark.py). DEEPINFER_USE_NEXTN_DECODE=5 turns it on.
     speculative_decoding = False
+    # decode steps are recorded once per shape and replayed from C++ (replay.py)
+    step_graphs = True
 
     linear = staticmethod(reference.linear)
     grouped_linear = staticmethod(reference.grouped_linear)
@@ -53,6 +55,8 @@ class CpuAccelerator(Accelerator):
     route_topk = staticmethod(reference.route_topk)
     route_hash = staticmethod(reference.route_hash)
     moe_experts = staticmethod(reference.moe_experts)
+    argmax = staticmethod(reference.argmax)
+    copy_rows = staticmethod(reference.copy_rows)
     sample = staticmethod(reference.sample)
     apply_token_bitmask = staticmethod(reference.apply_token_bitmask)
 
@@ -74,6 +78,11 @@ class CpuAccelerator(Accelerator):
             threads = 1 if hidden_size <= 1024 else (os.cpu_count() or 1)
         torch.set_num_threads(threads)
 
+    def compile_step(self, recording, step_fn):
+        from deepinfer.backends.cpu import replay
+
+        return replay.compile_recording(recording)
+
     def memory_available(self) -> int:
         try:
             pages = os.sysconf("SC_AVPHYS_PAGES")
@@ -94,16 +103,10 @@ for _name in invariant.OPS:
 
 
 class _Kernels:
-    """What the kernel classes share: the fused sequences and the step program."""
+    """What the kernel classes share: the fused sequences."""
 
     def kernel(self, name: str):
         return kernels.FUSED.get(name)
-
-    def step_program(self, model, cache):
-        from deepinfer import envs
-        from deepinfer.backends.cpu.step_program import StepProgram
-
-        return StepProgram.build(model, cache, self) if envs.get("DEEPINFER_CPU_STEP_PROGRAM") else None
 
     def kernel_signature(self) -> str:
         return f"{super().kernel_signature()} fused {kernels.build_digest()}"
