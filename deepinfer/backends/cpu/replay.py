@@ -28,9 +28,9 @@ _SOURCE = os.path.join(_HERE, "replay.cpp")
 _lock = threading.Lock()
 _module = None  # the built module, False if it cannot be built
 _MIN_GAIN = 0.15  # a call keeps more threads only when they save this share of its time ...
-_MIN_SAVED = 5e-6  # ... and at least this many seconds (waking a thread, this machine's noise)
+_MIN_SAVED = 20e-6  # ... and at least this many seconds (waking a thread, this machine's noise)
 _PROFILE_REPEATS = 3
-_MIN_TRIED = 20e-6  # calls shorter than this on one thread are not tried on more
+_MIN_TRIED = 100e-6  # calls shorter than this on one thread are not tried on more
 
 
 def load():
