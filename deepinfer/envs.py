@@ -98,7 +98,7 @@ _VARS = [
            "1: run every step op by op (no recorded and replayed decode steps: the cpu tape, CUDA graphs)"),
     EnvVar("DEEPINFER_CUDAGRAPH_BATCH_SIZE_INTERVAL", 8, _int,
            "nvidia: decode batches are padded up to the next captured size, 1, 2, 4 and then multiples of "
-           "this (one CUDA graph per size); 0 = capture every batch size as it comes, unpadded"),
+           "this up to max_num_seqs (one CUDA graph per size); 0 = capture every batch size as it comes"),
     EnvVar("DEEPINFER_MULTI_STEP_DECODE", 8, _int,
            "greedy decode steps per call when every running request decodes greedily and none waits "
            "(multi-step scheduling: planning, the replayed step and its argmax per step, scheduling and "

@@ -83,6 +83,10 @@ class Accelerator(ABC):
     speculative_decoding: bool = True
     # compile_step can replay recorded steps (core/graphs.py records them only where this is True)
     step_graphs: bool = False
+    # decode batches are padded up to a few captured sizes (DEEPINFER_CUDAGRAPH_BATCH_SIZE_INTERVAL):
+    # pays where each captured bucket is costly (a CUDA graph and its memory pool), not where a
+    # recording is a list of calls (cpu)
+    pad_graph_batches: bool = False
 
     # -------------------------------------------------------------- weights
     def prepare_weight(self, tensor: torch.Tensor, role: WeightRole = WeightRole.PLAIN) -> torch.Tensor:

@@ -158,7 +158,7 @@ class LLMEngine:
         available = ec.available_memory if ec.available_memory is not None else self.accel.memory_available()
         budget = ec.cache_bytes if ec.cache_bytes is not None else min(2 << 30, int(0.3 * available))
         per_slot = spec.bytes_per_slot(element)
-        pages = (budget - per_slot * ec.max_num_seqs) // per_page
+        pages = (budget - per_slot * (ec.max_num_seqs + 1)) // per_page - 1  # + the trash slot and page
         if pages < 1:
             raise ValueError(f"cache_bytes={budget} cannot hold {ec.max_num_seqs} sequence slots "
                              f"({per_slot} bytes each) and one page ({per_page} bytes); "
@@ -455,6 +455,15 @@ class LLMEngine:
         for row, req in enumerate(plan.sampling):
             req.output_token_ids.append(-(row + 1))
             req.pending += 1
+        # a decode step padded to a captured batch size (core/graphs.py): extra sequences at the
+        # cache's trash slot, position 0, whose logits nobody reads
+        pad = self.graphs.padded_batch(len(ids)) - len(ids) if self.graphs is not None and len(ids) == len(slots) \
+            and self.spec is None else 0
+        if pad:
+            ids, slots, starts, lens = ids + [0] * pad, slots + [self.cache.trash_slot] * pad, starts + [0] * pad, \
+                lens + [1] * pad
+            floors, restored = floors + [0] * pad, restored + [0] * pad
+            plan.logit_rows.extend(range(len(ids) - pad, len(ids)))
         # host metadata (StepMeta moves it); via numpy, which takes a list in a third of torch.tensor's time
         t = lambda xs: torch.from_numpy(np.array(xs, dtype=np.int64))  # noqa: E731
         plan.inp = StepInput(t(ids), t(slots), t(starts), t(lens))

@@ -324,6 +324,16 @@ class StepGraphs:
         self.buckets: OrderedDict[tuple, _Bucket] = OrderedDict()
         self.stats = {"recorded": 0, "replayed": 0, "eager": 0, "compiled": 0}
 
+    def padded_batch(self, batch: int) -> int:
+        """The batch size a decode step of `batch` sequences runs at: itself, or where the accelerator
+        pads batches (pad_graph_batches), the next of 1, 2, 4 and the multiples of
+        DEEPINFER_CUDAGRAPH_BATCH_SIZE_INTERVAL (0: no padding), never past max_tokens."""
+        interval = envs.get("DEEPINFER_CUDAGRAPH_BATCH_SIZE_INTERVAL")
+        if not self.accel.pad_graph_batches or interval <= 0 or batch >= self.max_tokens:
+            return batch
+        size = 1 << (batch - 1).bit_length() if batch <= 4 else -(-batch // interval) * interval
+        return min(max(size, batch), self.max_tokens)
+
     @staticmethod
     def enabled(accel) -> bool:
         """Whether steps are captured at all: the accelerator can replay them and

@@ -252,3 +252,50 @@ def kernels_accel():
     from deepinfer.backends.cpu import make
 
     return make()
+
+
+def _engine(tmp_path, accel):
+    from deepinfer.core.engine import EngineConfig, LLMEngine
+
+    path = tmp_path / "model"
+    if not path.exists():
+        make_hf_model("mixed_hc4_yarn", seed=3)[0].save_pretrained(path)
+    return LLMEngine(str(path), accel, EngineConfig(max_num_seqs=8, max_num_batched_tokens=256, num_cache_pages=32))
+
+
+def _greedy_tokens(engine, lengths: list[int]) -> list[list[int]]:
+    from deepinfer import SamplingParams
+
+    engine.multi_step = 1  # plain steps: what a GPU with overlapped scheduling runs
+    g = torch.Generator().manual_seed(5)
+    reqs = [engine.add_request(torch.randint(2, 512, (n,), generator=g).tolist(),
+                               SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True))
+            for n, m in zip(lengths, (16, 5, 12, 8, 14))]
+    while engine.has_unfinished():
+        engine.step()
+    return [r.output_token_ids for r in reqs]
+
+
+def test_padded_decode_batches_and_static_buffers_give_the_unpadded_tokens(tmp_path, monkeypatch):
+    """What the nvidia backend does, on cpu: decode batches padded to the captured sizes (the extra
+    sequences at the trash slot) and each bucket run on static input buffers through the step's
+    own graph (backends/nvidia/graphs.py with an eager stand-in for the CUDA graph). Batch-invariant
+    ops, so a padded row must give exactly the unpadded row's tokens."""
+    from deepinfer.backends.cpu import CpuInvariantKernelAccelerator
+    from deepinfer.backends.nvidia.graphs import CapturedStep
+
+    class StaticBuffers(CpuInvariantKernelAccelerator):
+        pad_graph_batches = True
+
+        def compile_step(self, recording, step_fn):
+            return CapturedStep(recording, step_fn, self.device, capture=lambda fn: fn)
+
+    monkeypatch.setenv("DEEPINFER_CUDAGRAPH_BATCH_SIZE_INTERVAL", "4")
+    lengths = [40, 70, 33, 90, 12]  # batches of 5, 4, 3, 2, 1 as the requests finish
+    want = _greedy_tokens(_engine(tmp_path, CpuInvariantKernelAccelerator()), lengths)
+    engine = _engine(tmp_path, StaticBuffers())
+    assert [engine.graphs.padded_batch(b) for b in range(1, 9)] == [1, 2, 4, 4, 8, 8, 8, 8]
+    assert _greedy_tokens(engine, lengths) == want
+    graphs = engine.graphs
+    batches = {key[2][0][0] for key, b in graphs.buckets.items() if b.step is not None}  # the ids' length
+    assert batches <= {1, 2, 4, 8} and graphs.stats["replayed"] > 5, (batches, graphs.stats)

@@ -232,7 +232,7 @@ class DeepseekV4Model(CausalLM):
         (softmax-gated sum, RMSNorm, RoPE at the window's first position) and write it to its page."""
         cfg, ops, w = self.config, self.accel, self.w
         num_tokens = kv_gate.shape[0]
-        scratch = cache.max_seqs * layer.comp_ring_size
+        scratch = cache.ring_slots * layer.comp_ring_size
         ring[scratch:scratch + num_tokens].copy_(kv_gate)
         rows = info["tok_rows"]
         if rows.shape[0]:

@@ -66,7 +66,8 @@ class CacheView:
 
     def __init__(self, cache: StateCache, config: DeepseekV4Config):
         self.cache = cache
-        self.max_seqs, self.max_step_tokens = cache.max_seqs, cache.max_step_tokens
+        # ring slots: the sequence slots and the trash slot (StateCache), each `ring` rows
+        self.ring_slots, self.max_step_tokens = cache.ring_slots, cache.max_step_tokens
         self.page_tokens, self.block_table = cache.page_tokens, cache.block_table
         self.dtype, self.device = cache.dtype, cache.device
         pools = cache.pools
@@ -225,9 +226,9 @@ class StepMeta:
     def rows(self, pos: np.ndarray, start: np.ndarray, first: np.ndarray, slot: np.ndarray, ring: int) -> np.ndarray:
         """Row of position `pos` of the sequence whose tokens in this step start at position `start`,
         at flat token `first`, in `slot` (all broadcast against pos), in a [ring rows | scratch]
-        tensor whose scratch starts at slots*ring: the step's own tokens are read from the scratch,
+        tensor whose scratch starts at ring_slots*ring: the step's own tokens are read from the scratch,
         older ones from the ring; negative positions give -1."""
-        scratch = self.cache.max_seqs * ring + first + (pos - start)
+        scratch = self.cache.ring_slots * ring + first + (pos - start)
         ringed = slot * ring + pos % ring  # numpy's % is floor-mod, as torch.remainder
         rows = np.where(pos >= start, scratch, ringed)
         return np.where(pos >= 0, rows, -1)
@@ -239,7 +240,7 @@ class StepMeta:
         if not self.decode:  # a decode step keeps its one token per sequence
             tokens = np.flatnonzero(pos >= end - ring)
             pos, start, first, slot = pos[tokens], start[tokens], first[tokens], slot[tokens]
-        return self.cache.max_seqs * ring + first + (pos - start), slot * ring + pos % ring
+        return self.cache.ring_slots * ring + first + (pos - start), slot * ring + pos % ring
 
     def compressed(self, layer: LayerState) -> dict:
         """Windows finished in this step and the entries each token may see, for a layer kind."""
