@@ -271,8 +271,9 @@ class Accelerator(ABC):
     def synchronize(self) -> None:
         """Wait for all queued work on the device."""
 
-    def tune_for_model(self, hidden_size: int) -> None:
-        """Adjust process-wide execution settings to the model once it is known (no-op by default)."""
+    def tune_for_model(self, hidden_size: int, processes: int = 1) -> None:
+        """Adjust process-wide execution settings to the model once it is known (no-op by default).
+        `processes`: engine processes sharing this machine (parallel ranks), each with its share."""
 
     def kernel_signature(self) -> str:
         """What a timing measured on this backend depends on besides the shapes: which kernels run

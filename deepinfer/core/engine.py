@@ -44,6 +44,8 @@ class EngineConfig:
     # bytes the cache is planned from; None: what the accelerator reports free (parallel ranks that
     # must plan identical caches pass the smallest value any of them sees)
     available_memory: int | None = None
+    # engine processes sharing this machine's cores (parallel ranks): each uses its share
+    processes_per_host: int = 1
 
     def validate(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
@@ -105,7 +107,7 @@ class LLMEngine:
         cfg = self.model_config
         weights, self.extra_weights = load_checkpoint(model_dir, model_cls.checkpoint_tensors(cfg), model_cls,
                                                       keep_prefixes=model_cls.extra_prefixes)
-        accel.tune_for_model(cfg.hidden_size)
+        accel.tune_for_model(cfg.hidden_size, config.processes_per_host)
         self.model = model_cls(cfg, weights, accel, parallel)
         del weights
         # DSpark speculative decoding, when the checkpoint has a drafter and DEEPINFER_USE_NEXTN_DECODE > 0

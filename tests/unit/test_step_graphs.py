@@ -176,7 +176,7 @@ def test_a_changed_argument_in_a_recording_is_caught(monkeypatch):
 
     original = replay.compile_recording
     monkeypatch.setattr(replay, "compile_recording",
-                        lambda rec: _Kept(original(rec), rec))  # keep each tape's recording for the mutation
+                        lambda rec, *a: _Kept(original(rec, *a), rec))  # keep each tape's recording for the mutation
     cache = new_cache(model)
     checked, _ = _run(model, cache, prompts, steps, on_replay=check)
     assert checked >= 5
@@ -241,7 +241,7 @@ def test_enforce_eager_turns_capture_off(monkeypatch):
 
 
 def test_a_call_keeps_more_threads_only_where_they_saved_time():
-    step = replay.TapeStep(tape=None, options=[1, 2])
+    step = replay.TapeStep(tape=None, options=[1, 2])  # one thread, or both cores
     assert step._choose([100e-6, 40e-6]) == 2  # saved 60%, 60 us
     assert step._choose([100e-6, 95e-6]) == 0  # 5%: noise
     assert step._choose([10e-6, 2e-6]) == 0  # a tiny call: 8 us is not worth a thread's wake-up

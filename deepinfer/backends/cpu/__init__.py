@@ -66,22 +66,31 @@ class CpuAccelerator(Accelerator):
             tensor = tensor.float()
         return tensor.contiguous()
 
-    def tune_for_model(self, hidden_size: int) -> None:
+    def tune_for_model(self, hidden_size: int, processes: int = 1) -> None:
         # Small models are bound by per-op overhead: one intra-op thread beats two on the tiny
         # shipped model (3.0 s vs 4.2 s for a 32 x 40-token batch) and does not collapse when
         # another process shares the cores (2.0 s vs 47 s measured, OpenMP oversubscription).
-        # DEEPINFER_CPU_THREADS overrides the choice.
+        # A replayed step still gives its large calls (an LM head over a real vocabulary) every core
+        # of this process's share, where they measured faster (replay.py). DEEPINFER_CPU_THREADS
+        # fixes the count everywhere instead.
         from deepinfer import envs
 
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        cores = max(1, cores // max(1, processes))
         threads = envs.get("DEEPINFER_CPU_THREADS")
-        if threads <= 0:
-            threads = 1 if hidden_size <= 1024 else (os.cpu_count() or 1)
+        fixed = threads > 0
+        if not fixed:
+            threads = 1 if hidden_size <= 1024 else cores
         torch.set_num_threads(threads)
+        self.step_threads = [] if fixed or cores <= threads else [threads, cores]
+
+    # thread counts a replayed step's calls choose from (tune_for_model): none to choose before it
+    step_threads: list[int] = []
 
     def compile_step(self, recording, step_fn):
         from deepinfer.backends.cpu import replay
 
-        return replay.compile_recording(recording)
+        return replay.compile_recording(recording, self.step_threads)
 
     def memory_available(self) -> int:
         try:

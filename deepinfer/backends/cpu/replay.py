@@ -5,10 +5,12 @@ C++ extension loader on first use (as kernels.py builds the fused kernels), as a
 
 Threads per instruction: the engine runs small models on one intra-op thread (a tiny op loses more
 to waking a second thread than it gains), but some calls of such a step are large, e.g. the LM
-head of a 129,280-token vocabulary. The first replay of a tape times every call that writes no
-argument (calling it again changes nothing) on one thread and on all the cores this process may use,
-and keeps the larger count where it saved at least `_MIN_GAIN` of the call's time and `_MIN_SAVED`
-seconds. DEEPINFER_CPU_THREADS set to a count fixes every call at that count instead.
+head of a 129,280-token vocabulary (10.4 ms on one core here, 4.9 ms on two; the fused kernels of a
+batch-32 step of the test model measured no faster on two). The first replay of a tape times every
+call that writes no argument (calling it again changes nothing) and takes over `_MIN_TRIED` on one
+thread, on each thread count the accelerator offers (CpuAccelerator.tune_for_model: this process's
+share of the cores), and keeps a larger count where it saved at least `_MIN_GAIN` of the call's time
+and `_MIN_SAVED` seconds. DEEPINFER_CPU_THREADS set to a count fixes every call at that count.
 """
 
 from __future__ import annotations
@@ -57,18 +59,6 @@ def _build():
         return None
 
 
-def thread_options() -> list[int]:
-    """Thread counts a tape chooses from per call: [] when DEEPINFER_CPU_THREADS fixes them (or
-    one core is all there is)."""
-    from deepinfer import envs
-
-    if envs.get("DEEPINFER_CPU_THREADS") > 0:
-        return []
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    base = torch.get_num_threads()
-    return [base, cores] if cores > base else []
-
-
 class TapeStep:
     """A compiled step: `step(inputs) -> outputs` (the recording's output tensors, new each call)."""
 
@@ -112,8 +102,9 @@ class TapeStep:
         return [(names[i], t) for i, t in enumerate(self.threads or []) if t]
 
 
-def compile_recording(recording) -> TapeStep | None:
-    """The recording as a C++ tape, or None where the replay module cannot be built."""
+def compile_recording(recording, thread_options: list[int] = ()) -> TapeStep | None:
+    """The recording as a C++ tape, or None where the replay module cannot be built.
+    `thread_options`: the thread counts its calls choose from at the first replay ([]: none)."""
     module = load()
     if module is None:
         return None
@@ -150,7 +141,7 @@ def compile_recording(recording) -> TapeStep | None:
         schema = ins.op._schema
         tape.add(schema.name, schema.overload_name, value(ins.args), {n: value(v) for n, v in ins.kwargs.items()},
                  [from_slot[s] for s in used], used, ins.outs, frees[k])
-    return TapeStep(tape, thread_options())
+    return TapeStep(tape, list(thread_options))
 
 
 def _slots_in(value):
