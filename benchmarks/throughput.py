@@ -5,9 +5,14 @@ greedy settings, in one run. Prints a table and writes JSON.
     python benchmarks/throughput.py --vocab deepseek     # the same with DeepSeek's 129,280-token vocabulary
     python benchmarks/throughput.py --model deepinfer/assets/tiny-dsv4
     python benchmarks/throughput.py --batches 32 --cores 2    # both engines on 2 cores
+    python benchmarks/throughput.py --baseline main           # + the engine as built on main
 
-Each engine gets the same CPU cores (--cores, default 1): deepinfer as data-parallel ranks of one
-thread each, transformers as intra-op threads (its way of using several cores).
+Each engine gets the same CPU cores (--cores, default 1): transformers as intra-op threads (its
+way of using several cores); deepinfer, with --layout dp (the default), as data-parallel ranks of
+one thread each, with --layout threads as one process that gives each call of a replayed step
+one thread or all of its cores, whichever measured faster (both pinned to the first --cores cores).
+--baseline REF adds deepinfer as built at a git ref (benchmarks/baseline.py: a worktree of REF,
+run in a subprocess with this script's measuring code), in the same run, on the same prompts.
 
 On a CUDA machine both engines run on the GPU (deepinfer's nvidia backend, transformers with the
 model moved to cuda), both in float32.
@@ -61,10 +66,22 @@ def _prompts(vocab: int, batch: int, length: int) -> list[list[int]]:
     return torch.randint(2, vocab, (batch, length), generator=gen).tolist()
 
 
-def run_deepinfer(model_dir: str, prompts, new_tokens: int, cores: int = 1) -> dict:
+def run_deepinfer(model_dir: str, prompts, new_tokens: int, cores: int = 1, layout: str = "dp") -> dict:
     from deepinfer import LLM, SamplingParams
 
-    parallel = dict(data_parallel_size=cores) if cores > 1 else {}  # one single-threaded rank per core
+    # one single-threaded rank per core, or one process (a replayed step's calls take 1 or `cores` threads)
+    parallel = dict(data_parallel_size=cores) if cores > 1 and layout == "dp" else {}
+    affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    if affinity is not None:
+        os.sched_setaffinity(0, sorted(affinity)[:cores])
+    try:
+        return _generate(LLM, SamplingParams, model_dir, prompts, new_tokens, parallel)
+    finally:
+        if affinity is not None:
+            os.sched_setaffinity(0, affinity)
+
+
+def _generate(LLM, SamplingParams, model_dir, prompts, new_tokens, parallel) -> dict:
     llm = LLM(model_dir, max_num_seqs=max(len(prompts), 1), max_num_batched_tokens=4096, **parallel)
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     llm.generate(prompt_token_ids=prompts[:1], sampling_params=SamplingParams(temperature=0.0, max_tokens=2),
@@ -121,39 +138,62 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--json", default="benchmarks/results/throughput.json")
     parser.add_argument("--cores", type=int, default=1,
-                        help="CPU cores each engine may use: deepinfer as that many data-parallel ranks of one "
-                             "thread, transformers as that many intra-op threads")
+                        help="CPU cores each engine may use: transformers as that many intra-op threads, deepinfer "
+                             "as --layout says")
+    parser.add_argument("--layout", choices=("dp", "threads"), default="dp",
+                        help="deepinfer on several cores: data-parallel ranks of one thread, or one process whose "
+                             "replayed steps give their large calls every core")
+    parser.add_argument("--baseline", default=None, metavar="REF",
+                        help="also run deepinfer as built at this git ref (e.g. main), same prompts, same run")
     args = parser.parse_args()
     torch.manual_seed(0)
     model_dir = _model_dir(args)
     vocab = json.load(open(os.path.join(model_dir, "config.json")))["vocab_size"]
     load = os.getloadavg()  # other work on the cores skews every figure: recorded with them
     rows = []
+    if args.baseline:
+        from baseline import call, describe
+
+        baseline_name = f"deepinfer @ {describe(args.baseline)}"
     for batch in [int(b) for b in args.batches.split(",")]:
         prompts = _prompts(vocab, batch, args.prompt_len)
-        ours = run_deepinfer(model_dir, prompts, args.new_tokens, args.cores)
+        ours = run_deepinfer(model_dir, prompts, args.new_tokens, args.cores, args.layout)
+        row = dict(batch=batch, deepinfer=ours)
+        if args.baseline:
+            base = call(args.baseline, "throughput", "run_deepinfer", model_dir, prompts, args.new_tokens, args.cores,
+                        args.layout)
+            row.update(baseline=base, vs_baseline=ours["tok_s"] / base["tok_s"],
+                       baseline_identical=f"{sum(a == b for a, b in zip(ours['tokens'], base.pop('tokens')))}/{batch}")
         ref = run_transformers(model_dir, prompts, args.new_tokens, args.cores)
         same = sum(a == b for a, b in zip(ours.pop("tokens"), ref.pop("tokens")))
-        rows.append(dict(batch=batch, deepinfer=ours, transformers=ref, speedup=ours["tok_s"] / ref["tok_s"],
-                         identical_outputs=f"{same}/{batch}"))
+        row.update(transformers=ref, speedup=ours["tok_s"] / ref["tok_s"], identical_outputs=f"{same}/{batch}")
+        rows.append(row)
     where = torch.cuda.get_device_name() if torch.cuda.is_available() else \
-        f"cpu, {args.cores} core(s) per engine" + (f" (deepinfer data_parallel_size={args.cores})" if args.cores > 1 else "")
+        f"cpu, {args.cores} core(s) per engine" + (
+            "" if args.cores == 1 else f" (deepinfer data_parallel_size={args.cores})" if args.layout == "dp"
+            else " (deepinfer one process, threads per call)")
     print(f"model: {model_label(args)} ({model_dir})  prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, "
           f"greedy, {where}; load average before {load[0]:.2f}")
-    print("| batch | engine | output tok/s | TTFT (s) | TPOT (ms) | speedup | identical outputs |")
-    print("|---|---|---|---|---|---|---|")
+    print("| batch | engine | output tok/s | TTFT (s) | TPOT (ms) | vs transformers | identical to transformers |"
+          + (" vs baseline |" if args.baseline else ""))
+    print("|---|---|---|---|---|---|---|" + ("---|" if args.baseline else ""))
     for r in rows:
-        for name in ("deepinfer", "transformers"):
+        for name in ("deepinfer", "baseline", "transformers"):
+            if name not in r:
+                continue
             m = r[name]
-            extra = (f"{r['speedup']:.1f}x", r["identical_outputs"]) if name == "deepinfer" else ("1.0x", "")
+            label = baseline_name if name == "baseline" else name
+            speed = f"{m['tok_s'] / r['transformers']['tok_s']:.1f}x"
+            same = r["identical_outputs"] if name == "deepinfer" else \
+                f"(= deepinfer {r['baseline_identical']})" if name == "baseline" else ""
             tpot = "n/a" if m["tpot_s"] is None else f"{m['tpot_s'] * 1e3:.1f}"
-            print(f"| {r['batch']} | {name} | {m['tok_s']:.1f} | {m['ttft_s']:.3f} | {tpot} | "
-                  f"{extra[0]} | {extra[1]} |")
+            extra = f" {r['vs_baseline']:.2f}x |" if name == "deepinfer" and args.baseline else (" |" if args.baseline else "")
+            print(f"| {r['batch']} | {label} | {m['tok_s']:.1f} | {m['ttft_s']:.3f} | {tpot} | {speed} | {same} |" + extra)
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
-        json.dump(dict(model=model_label(args), vocab_size=vocab, device=where, cores=args.cores,
-                       prompt_len=args.prompt_len, new_tokens=args.new_tokens, load_average=load, rows=rows), f,
-                  indent=2)
+        json.dump(dict(model=model_label(args), vocab_size=vocab, device=where, cores=args.cores, layout=args.layout,
+                       baseline=baseline_name if args.baseline else None, prompt_len=args.prompt_len,
+                       new_tokens=args.new_tokens, load_average=load, rows=rows), f, indent=2)
 
 
 if __name__ == "__main__":
