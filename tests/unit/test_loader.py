@@ -196,6 +196,28 @@ def test_fp4_experts(tmp_path, naming, fmt, packed_dtype):
         assert ((r - src[name]).abs() <= torch.maximum(scale[name] / 4, src[name].abs() / 4)).all(), name
 
 
+def test_save_upstream_reads_back(tmp_path):
+    """tiny_models.save_upstream, DeepSeek's own layout (what llama.cpp's converter reads): upstream
+    config keys and names, FP4 experts. It loads as the model it wrote, experts rounded to FP4."""
+    import copy
+
+    from deepinfer.core.config import ModelConfig
+    from tiny_models import save_upstream
+
+    m = copy.deepcopy(model())  # save_upstream rounds the experts in place
+    save_upstream(m, tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert written["compress_ratios"] == TINY["compress_ratios"] and written["num_hash_layers"] == 2
+    assert not {"layer_types", "mlp_layer_types", "rope_parameters", "compress_rates"} & written.keys()
+    sd, down = m.state_dict(), "model.layers.3.mlp.experts.down_proj"
+    assert not torch.equal(sd[down], model().state_dict()[down])  # rounded: what the FP4 checkpoint holds
+    weights, _ = load_checkpoint(tmp_path, expected_of(sd))
+    assert_same(weights, sd)
+    ours, theirs = ModelConfig.from_dir(tmp_path), ModelConfig.from_dict(m.config.to_dict())
+    for field in ("layer_types", "mlp_layer_types", "compress_rates", "rope_main", "rope_compress", "head_dim"):
+        assert getattr(ours, field) == getattr(theirs, field), field
+
+
 # ------------------------------------------------------------------------------- errors
 
 QA = "model.layers.0.self_attn.q_a_proj.weight"
