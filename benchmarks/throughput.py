@@ -11,7 +11,7 @@ Each engine gets the same CPU cores (--cores, default 1): transformers as intra-
 way of using several cores); deepinfer, with --layout dp (the default), as data-parallel ranks of
 one thread each, with --layout threads as one process that gives each call of a replayed step
 one thread or all of its cores, whichever measured faster (both pinned to the first --cores cores).
---baseline REF adds deepinfer as built at a git ref (benchmarks/baseline.py: a worktree of REF,
+--baseline REF adds deepinfer as built at a git ref (benchmarks/baseline.py: REF's files exported once,
 run in a subprocess with this script's measuring code), in the same run, on the same prompts.
 
 On a CUDA machine both engines run on the GPU (deepinfer's nvidia backend, transformers with the
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -66,7 +67,19 @@ def _prompts(vocab: int, batch: int, length: int) -> list[list[int]]:
     return torch.randint(2, vocab, (batch, length), generator=gen).tolist()
 
 
-def run_deepinfer(model_dir: str, prompts, new_tokens: int, cores: int = 1, layout: str = "dp") -> dict:
+def timed(fn, repeats: int = 1):
+    """Run fn() `repeats` times: (median seconds, every run's seconds, the last run's result).
+    The median, because other processes share this machine's cores."""
+    runs, out = [], None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = fn()
+        runs.append(time.perf_counter() - start)
+    return statistics.median(runs), runs, out
+
+
+def run_deepinfer(model_dir: str, prompts, new_tokens: int, cores: int = 1, repeats: int = 1,
+                  layout: str = "dp") -> dict:
     from deepinfer import LLM, SamplingParams
 
     # one single-threaded rank per core, or one process (a replayed step's calls take 1 or `cores` threads)
@@ -75,25 +88,22 @@ def run_deepinfer(model_dir: str, prompts, new_tokens: int, cores: int = 1, layo
     if affinity is not None:
         os.sched_setaffinity(0, sorted(affinity)[:cores])
     try:
-        return _generate(LLM, SamplingParams, model_dir, prompts, new_tokens, parallel)
+        llm = LLM(model_dir, max_num_seqs=max(len(prompts), 1), max_num_batched_tokens=4096, **parallel)
+        params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+        # warm-up on the whole batch: kernels built, and a build with step graphs records this batch
+        # size's decode steps (one step and several per call) before the timed runs
+        llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(temperature=0.0, max_tokens=16,
+                                                                               ignore_eos=True), use_tqdm=False)
+        seconds, runs, outs = timed(lambda: llm.generate(prompt_token_ids=prompts, sampling_params=params,
+                                                         use_tqdm=False), repeats)
     finally:
         if affinity is not None:
             os.sched_setaffinity(0, affinity)
-
-
-def _generate(LLM, SamplingParams, model_dir, prompts, new_tokens, parallel) -> dict:
-    llm = LLM(model_dir, max_num_seqs=max(len(prompts), 1), max_num_batched_tokens=4096, **parallel)
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-    llm.generate(prompt_token_ids=prompts[:1], sampling_params=SamplingParams(temperature=0.0, max_tokens=2),
-                 use_tqdm=False)  # warm-up
-    start = time.perf_counter()
-    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-    seconds = time.perf_counter() - start
     llm.close()
     n = sum(len(o.outputs[0].token_ids) for o in outs)
     ttft = sum(o.time_to_first_token for o in outs) / len(outs)
     tpot = [o.time_per_output_token for o in outs if o.time_per_output_token is not None]
-    return dict(seconds=seconds, output_tokens=n, tok_s=n / seconds, ttft_s=ttft,
+    return dict(seconds=seconds, runs_s=runs, output_tokens=n, tok_s=n / seconds, ttft_s=ttft,
                 tpot_s=sum(tpot) / max(len(tpot), 1), tokens=[o.outputs[0].token_ids for o in outs])
 
 
@@ -102,7 +112,7 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def run_transformers(model_dir: str, prompts, new_tokens: int, cores: int = 1) -> dict:
+def run_transformers(model_dir: str, prompts, new_tokens: int, cores: int = 1, repeats: int = 1) -> dict:
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     torch.set_num_threads(cores)  # intra-op threads: how one transformers process uses several cores
@@ -119,15 +129,19 @@ def run_transformers(model_dir: str, prompts, new_tokens: int, cores: int = 1) -
         model(ids, logits_to_keep=1)  # time to first token ~ one prefill forward (last-position logits, as generate)
         _sync()
         ttft = time.perf_counter() - first
-        start = time.perf_counter()
-        out = model.generate(ids, generation_config=gc)
-        _sync()
-        seconds = time.perf_counter() - start
+
+        def generate():
+            out = model.generate(ids, generation_config=gc)
+            _sync()
+            return out
+
+        seconds, runs, out = timed(generate, repeats)
     gen = out[:, ids.shape[1]:]
     n = gen.numel()
     # a separate prefill forward can take longer than generate's own (long prompts): no TPOT then
     tpot = (seconds - ttft) / max(new_tokens - 1, 1) if seconds > ttft else None
-    return dict(seconds=seconds, output_tokens=n, tok_s=n / seconds, ttft_s=ttft, tpot_s=tpot, tokens=gen.tolist())
+    return dict(seconds=seconds, runs_s=runs, output_tokens=n, tok_s=n / seconds, ttft_s=ttft, tpot_s=tpot,
+                tokens=gen.tolist())
 
 
 def main() -> None:
@@ -145,53 +159,54 @@ def main() -> None:
                              "replayed steps give their large calls every core")
     parser.add_argument("--baseline", default=None, metavar="REF",
                         help="also run deepinfer as built at this git ref (e.g. main), same prompts, same run")
+    parser.add_argument("--repeats", type=int, default=1, help="timed runs per engine and batch (median)")
     args = parser.parse_args()
     torch.manual_seed(0)
-    model_dir = _model_dir(args)
+    model_dir = os.path.abspath(_model_dir(args))  # the baseline runs from its own directory
     vocab = json.load(open(os.path.join(model_dir, "config.json")))["vocab_size"]
     load = os.getloadavg()  # other work on the cores skews every figure: recorded with them
-    rows = []
+    engines = ["deepinfer"]
     if args.baseline:
         from baseline import call, describe
 
         baseline_name = f"deepinfer @ {describe(args.baseline)}"
+        engines.append("baseline")
+    engines.append("transformers")
+    rows = []
     for batch in [int(b) for b in args.batches.split(",")]:
         prompts = _prompts(vocab, batch, args.prompt_len)
-        ours = run_deepinfer(model_dir, prompts, args.new_tokens, args.cores, args.layout)
-        row = dict(batch=batch, deepinfer=ours)
+        run = (model_dir, prompts, args.new_tokens, args.cores, args.repeats)
+        row = dict(batch=batch, deepinfer=run_deepinfer(*run, layout=args.layout))
         if args.baseline:
-            base = call(args.baseline, "throughput", "run_deepinfer", model_dir, prompts, args.new_tokens, args.cores,
-                        args.layout)
-            row.update(baseline=base, vs_baseline=ours["tok_s"] / base["tok_s"],
-                       baseline_identical=f"{sum(a == b for a, b in zip(ours['tokens'], base.pop('tokens')))}/{batch}")
-        ref = run_transformers(model_dir, prompts, args.new_tokens, args.cores)
-        same = sum(a == b for a, b in zip(ours.pop("tokens"), ref.pop("tokens")))
-        row.update(transformers=ref, speedup=ours["tok_s"] / ref["tok_s"], identical_outputs=f"{same}/{batch}")
+            row["baseline"] = call(args.baseline, "throughput", "run_deepinfer", *run, args.layout)
+        row["transformers"] = run_transformers(*run)
+        row["load_average_after"] = os.getloadavg()
+        expected = row["transformers"]["tokens"]
+        for name in engines:
+            row[name]["identical_to_transformers"] = f"{sum(map(list.__eq__, row[name]['tokens'], expected))}/{batch}"
+        for name in engines:
+            row[name].pop("tokens")
         rows.append(row)
     where = torch.cuda.get_device_name() if torch.cuda.is_available() else \
         f"cpu, {args.cores} core(s) per engine" + (
             "" if args.cores == 1 else f" (deepinfer data_parallel_size={args.cores})" if args.layout == "dp"
             else " (deepinfer one process, threads per call)")
     print(f"model: {model_label(args)} ({model_dir})  prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, "
-          f"greedy, {where}; load average before {load[0]:.2f}")
-    print("| batch | engine | output tok/s | TTFT (s) | TPOT (ms) | vs transformers | identical to transformers |"
-          + (" vs baseline |" if args.baseline else ""))
-    print("|---|---|---|---|---|---|---|" + ("---|" if args.baseline else ""))
+          f"greedy, {where}; load average before {load[0]:.2f}; median of {args.repeats}")
+    print("| batch | engine | output tok/s | TTFT (s) | TPOT (ms) | vs transformers | identical to transformers |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
-        for name in ("deepinfer", "baseline", "transformers"):
-            if name not in r:
-                continue
+        for name in engines:
             m = r[name]
             label = baseline_name if name == "baseline" else name
-            speed = f"{m['tok_s'] / r['transformers']['tok_s']:.1f}x"
-            same = r["identical_outputs"] if name == "deepinfer" else \
-                f"(= deepinfer {r['baseline_identical']})" if name == "baseline" else ""
             tpot = "n/a" if m["tpot_s"] is None else f"{m['tpot_s'] * 1e3:.1f}"
-            extra = f" {r['vs_baseline']:.2f}x |" if name == "deepinfer" and args.baseline else (" |" if args.baseline else "")
-            print(f"| {r['batch']} | {label} | {m['tok_s']:.1f} | {m['ttft_s']:.3f} | {tpot} | {speed} | {same} |" + extra)
+            print(f"| {r['batch']} | {label} | {m['tok_s']:.1f} | {m['ttft_s']:.3f} | {tpot} | "
+                  f"{m['tok_s'] / r['transformers']['tok_s']:.2f}x | "
+                  f"{'' if name == 'transformers' else m['identical_to_transformers']} |")
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(dict(model=model_label(args), vocab_size=vocab, device=where, cores=args.cores, layout=args.layout,
+                       repeats=args.repeats,
                        baseline=baseline_name if args.baseline else None, prompt_len=args.prompt_len,
                        new_tokens=args.new_tokens, load_average=load, rows=rows), f, indent=2)
 
