@@ -1,5 +1,5 @@
-"""Another build of deepinfer, side by side in the same benchmark run: a git ref checked out into a
-worktree (once, under the system's temp dir) and a function of these benchmark scripts run in a
+"""Another build of deepinfer, side by side in the same benchmark run: a git ref's files exported
+(once, under the system's temp dir) and a function of these benchmark scripts run in a
 subprocess whose `deepinfer` is that build. The measuring code is this checkout's, the engine
 the ref's: the comparison is between builds, under the same conditions and in the same run.
 
@@ -12,10 +12,12 @@ Arguments and results travel as JSON.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
 import sys
+import tarfile
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -23,13 +25,17 @@ REPO = os.path.dirname(HERE)
 
 
 def worktree(ref: str) -> tuple[str, str]:
-    """(path, commit) of a detached worktree of `ref`, created on first use."""
+    """(path, commit) of `ref`'s files, exported once under the temp dir (git archive: the
+    repository's own worktree list is left alone)."""
     commit = subprocess.run(["git", "-C", REPO, "rev-parse", "--verify", ref + "^{commit}"], check=True,
                             capture_output=True, text=True).stdout.strip()
     path = os.path.join(tempfile.gettempdir(), f"deepinfer-baseline-{commit[:12]}")
     if not os.path.exists(os.path.join(path, "deepinfer", "__init__.py")):
-        subprocess.run(["git", "-C", REPO, "worktree", "add", "--detach", "--force", path, commit], check=True,
-                       capture_output=True, text=True)
+        partial = tempfile.mkdtemp(prefix=f"deepinfer-baseline-{commit[:12]}-", dir=tempfile.gettempdir())
+        archive = subprocess.run(["git", "-C", REPO, "archive", "--format=tar", commit], check=True,
+                                 capture_output=True).stdout
+        tarfile.open(fileobj=io.BytesIO(archive)).extractall(partial, filter="data")
+        os.replace(partial, path)  # whole or not at all: an interrupted export is not mistaken for a build
     return path, commit
 
 
