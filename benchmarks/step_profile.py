@@ -158,7 +158,9 @@ def _median(outs: list[dict]) -> dict:
     if isinstance(first, dict):
         return {k: _median([o[k] for o in outs]) if k in outs[-1] and all(k in o for o in outs) else v
                 for k, v in first.items()}
-    if isinstance(first, (int, float)) and not isinstance(first, bool):
+    if isinstance(first, int) and not isinstance(first, bool):
+        return int(statistics.median_low(outs))
+    if isinstance(first, float):
         return statistics.median(outs)
     return first
 
