@@ -303,6 +303,16 @@ def signature(tensors: list[torch.Tensor]) -> tuple:
 
 
 # ---------------------------------------------------------------- buckets
+def size_bucket(n: int, minimum: int = 0, linear_from: int = 64) -> int:
+    """A size that varies from step to step (a model's longest context, its candidate entries)
+    rounded up for its planner, so decode steps fall into few shape buckets: at least `minimum`
+    (0 stays 0 without one), a power of two up to `linear_from`, then multiples of `linear_from`."""
+    n = max(n, minimum)
+    if n <= 0:
+        return 0
+    return 1 << (n - 1).bit_length() if n <= linear_from else -(-n // linear_from) * linear_from
+
+
 @dataclasses.dataclass(slots=True)
 class _Bucket:
     recording: Recording | None = None

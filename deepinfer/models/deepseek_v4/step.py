@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from deepinfer.core.cache import CacheSpec, Pool, PoolSpec, StateCache
+from deepinfer.core.graphs import size_bucket
 from deepinfer.models.base import StepInput
 from deepinfer.models.deepseek_v4.config import CSA, DeepseekV4Config
 
@@ -104,13 +105,6 @@ class CacheView:
 
 
 _MIN_ENTRIES = 64  # candidate entries per token at least (fewer buckets for short sequences)
-
-
-def _bucket(n: int) -> int:
-    """Sizes that vary from step to step rounded up, so decode steps fall into few shape buckets (the
-    engine records each bucket once and replays it, core/graphs.py): 0, a power of two up to 64,
-    then multiples of 64."""
-    return 0 if n <= 0 else 1 << (n - 1).bit_length() if n <= 64 else -(-n // 64) * 64
 
 
 def _arange_within(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -275,7 +269,7 @@ class StepMeta:
         # entries visible to token at p: w < (p + 1) // rate
         visible = (self.positions + 1) // rate
         most = cache.block_table.shape[1] * layer.kv_pool.page_rows  # entries a block-table row maps
-        width = min(max(_bucket(int(visible.max())), _MIN_ENTRIES), most) if len(visible) else 0
+        width = min(size_bucket(int(visible.max()), _MIN_ENTRIES), most) if len(visible) else 0
         entries = np.arange(width)[None, :]
         cand = cache.entry_rows(layer, slot[:, None], entries)
         cand = np.where(entries < visible[:, None], cand, -1)
