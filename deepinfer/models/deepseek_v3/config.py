@@ -158,7 +158,7 @@ class DeepseekV3Config:
             first_k_dense_replace=need("first_k_dense_replace", default=3, positive=False),
             rms_norm_eps=need("rms_norm_eps", float, 1e-6),
             max_position_embeddings=need("max_position_embeddings", default=4096),
-            rope=RopeConfig(theta, rope_dim, yarn and {k: yarn[k] for k in
+            rope=RopeConfig(theta, rope_dim, yarn and {k: yarn.get(k) for k in
                                                        ("factor", "original_max_position_embeddings",
                                                         "beta_fast", "beta_slow")}),
             rope_attention_factor=attention_factor,

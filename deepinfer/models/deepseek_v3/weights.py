@@ -27,7 +27,8 @@ _MODULES = {
     "q_norm": "q_a_layernorm", "wq_b": "q_b_proj", "wkv_a": "kv_a_proj_with_mqa", "kv_norm": "kv_a_layernorm",
     "wkv_b": "kv_b_proj", "wo": "o_proj", "w1": "gate_proj", "w2": "down_proj", "w3": "up_proj",
 }
-_TOP = {"embed.weight": "model.embed_tokens.weight", "head.weight": "lm_head.weight", "norm.weight": "model.norm.weight"}
+_TOP = {"embed.weight": "model.embed_tokens.weight", "head.weight": "lm_head.weight",
+        "norm.weight": "model.norm.weight"}
 # per-expert tensors -> (fused stack, half): gate rows then up rows, as transformers fuses them
 _EXPERT_PARTS = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", None)}
 _HUB_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
