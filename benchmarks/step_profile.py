@@ -9,6 +9,7 @@ a model the accelerator has no step program for, such as DeepSeek-V3, runs its P
 Prints a table and writes JSON.
 
     python benchmarks/step_profile.py [--model DIR | --tiny-config mixed_hc4_yarn [--vocab deepseek]] [--batch 32]
+    DEEPINFER_CPU_THREADS=2 python benchmarks/step_profile.py --tiny-config v3/bench --batch 1   # issue 20's V3
 
 The LM head (the `linear` call on lm_head.weight) is reported as its own row, `linear (LM head)`:
 with a real 129,280-token vocabulary it is a large share of a small model's step.
@@ -133,14 +134,17 @@ def main() -> None:
     print(f"| whole step | {out['step_ms']:.3f} | |")
     print("phases (ms/step): " + ", ".join(f"{k} {v:.3f}" for k, v in out["phases_ms"].items()))
     out["model"] = model_label(args)
+    out.update(threads=torch.get_num_threads(), load_average=os.getloadavg())
     head_ms = out["ops"].get("linear (LM head)", {"ms": 0.0})["ms"]
     as_run = next(iter(out["as_run_ms"].values()))  # one step per call, as the engine runs it
     out["lm_head_ms"] = head_ms
     out["lm_head_share"] = {"op-by-op step": head_ms / out["step_ms"], "step as run": head_ms / as_run}
     print(f"LM head: {head_ms:.3f} ms = {100 * head_ms / out['step_ms']:.0f}% of the op-by-op step, "
           f"{100 * head_ms / as_run:.0f}% of the step as run (one step per call)")
-    path = args.json or ("benchmarks/results/step_profile_" + ("model" if args.model else "tiny_test" if args.vocab == "test"
-                                                               else "tiny_test_deepseek_vocab") + ".json")
+    name = "model" if args.model else \
+        f"{args.tiny_config.replace('/', '_')}_batch{args.batch}" if args.tiny_config.startswith("v3/") else \
+        "tiny_test" if args.vocab == "test" else "tiny_test_deepseek_vocab"
+    path = args.json or f"benchmarks/results/step_profile_{name}.json"
     with open(path, "w") as f:
         json.dump(out, f, indent=1)
 
