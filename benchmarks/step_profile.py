@@ -12,6 +12,7 @@ other ops is timed once, as the outermost call. Prints tables and writes JSON.
 
     python benchmarks/step_profile.py [--model DIR | --tiny-config mixed_hc4_yarn [--vocab deepseek]] [--batch 32]
     python benchmarks/step_profile.py --baseline 42e561a   # + the same profile of that build, same run
+    python benchmarks/step_profile.py --tiny-config v3/bench --batch 1   # issue 20's DeepSeek-V3 model
 
 --baseline REF profiles deepinfer as built at a git ref as well (benchmarks/baseline.py), e.g. the
 build before step graphs, whose fast path was a hand-written C++ copy of the V4 step (the "step
@@ -34,8 +35,8 @@ import time
 import torch
 
 OPS = ("linear", "grouped_linear", "fp8_block_linear", "embedding", "rms_norm", "rope", "swiglu", "hc_pre", "hc_post",
-       "hc_head", "compress_windows", "indexer_topk", "sparse_attention", "route_topk", "route_hash", "moe_experts",
-       "swiglu_mlp", "sample", "apply_token_bitmask")
+       "hc_head", "compress_windows", "indexer_topk", "sparse_attention", "route_topk", "route_grouped_topk",
+       "route_hash", "moe_experts", "swiglu_mlp", "sample", "apply_token_bitmask")
 
 
 def timed_ops(accel, lm_head: torch.Tensor) -> tuple[collections.Counter, collections.Counter]:
@@ -218,14 +219,17 @@ def main() -> None:
     print(f"| rest of the step (Python) | {out['step_ms'] - out['op_calls_ms']:.3f} | |")
     print(f"| whole step | {out['step_ms']:.3f} | |")
     print("phases (ms/step): " + ", ".join(f"{k} {v:.3f}" for k, v in out["phases_ms"].items()))
+    out["threads"] = torch.get_num_threads()
     head_ms = out["ops"].get("linear (LM head)", {"ms": 0.0})["ms"]
     as_run = out["as_run_ms"]["one step per call"]["ms"]
     out["lm_head_ms"] = head_ms
     out["lm_head_share"] = {"op-by-op step": head_ms / out["step_ms"], "step as run": head_ms / as_run}
     print(f"LM head: {head_ms:.3f} ms = {100 * head_ms / out['step_ms']:.0f}% of the op-by-op step, "
           f"{100 * head_ms / as_run:.0f}% of the step as run (one step per call)")
-    path = args.json or ("benchmarks/results/step_profile_" + ("model" if args.model else "tiny_test" if args.vocab == "test"
-                                                               else "tiny_test_deepseek_vocab") + ".json")
+    name = "model" if args.model else \
+        f"{args.tiny_config.replace('/', '_')}_batch{args.batch}" if args.tiny_config.startswith("v3/") else \
+        "tiny_test" if args.vocab == "test" else "tiny_test_deepseek_vocab"
+    path = args.json or f"benchmarks/results/step_profile_{name}.json"
     with open(path, "w") as f:
         json.dump(dict(model=model_label(args), batch=args.batch, prompt_len=args.prompt_len, steps=args.steps,
                        repeats=args.repeats, load_average=load, load_average_after=os.getloadavg(), builds=builds), f,

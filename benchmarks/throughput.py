@@ -40,6 +40,13 @@ def _model_dir(args) -> str:
         return args.model
     from tiny_models import DEEPSEEK_VOCAB, make_hf_model, write_deepseek_tokenizer
 
+    if args.tiny_config.startswith("v3/"):  # a tiny DeepSeek-V3 (tests/tiny_models_v3.py), e.g. v3/bench
+        import tiny_models_v3
+
+        hf, _ = tiny_models_v3.make_hf_model(args.tiny_config.removeprefix("v3/"), seed=0)
+        path = tempfile.mkdtemp(prefix="deepinfer_bench_")
+        tiny_models_v3.save_hf_layout(hf, path)
+        return path
     real_vocab = getattr(args, "vocab", "test") == "deepseek"
     hf, _ = make_hf_model(args.tiny_config, seed=0, **({"vocab_size": DEEPSEEK_VOCAB} if real_vocab else {}))
     path = tempfile.mkdtemp(prefix="deepinfer_bench_")
@@ -57,7 +64,9 @@ def model_label(args) -> str:
 
 def add_model_args(parser) -> None:
     parser.add_argument("--model", default=None, help="model dir (default: a tiny random V4 of the tests)")
-    parser.add_argument("--tiny-config", default="mixed_hc4_yarn")
+    parser.add_argument("--tiny-config", default="mixed_hc4_yarn",
+                        help="a tiny V4 config of tests/tiny_models.py, or v3/<name> of tests/tiny_models_v3.py "
+                             "(v3/bench: issue 20's peers model)")
     parser.add_argument("--vocab", choices=("test", "deepseek"), default="test",
                         help="the tiny config's vocabulary: its own 512 tokens, or DeepSeek's 129,280")
 

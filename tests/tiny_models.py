@@ -212,9 +212,11 @@ def hf_greedy(hf, prompt: list[int], max_new_tokens: int) -> list[int]:
     """transformers' greedy generate with no stopping (eos suppression would bias it)."""
     from transformers import GenerationConfig
 
+    from v3_oracle import single_thread
+
     gc = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
     hf.generation_config.eos_token_id = None  # else generate() falls back to the model's eos and stops
-    with torch.no_grad():
+    with torch.no_grad(), single_thread():  # tiny models: threads only spin-wait between ops
         out = hf.generate(torch.tensor([prompt]), generation_config=gc)
     return out[0, len(prompt):].tolist()
 

@@ -106,7 +106,8 @@ class LLMEngine:
         self.model_config, model_cls = load_config(model_dir)  # the family's config and model class
         cfg = self.model_config
         weights, self.extra_weights = load_checkpoint(model_dir, model_cls.checkpoint_tensors(cfg), model_cls,
-                                                      keep_prefixes=model_cls.extra_prefixes)
+                                                      keep_prefixes=model_cls.extra_prefixes,
+                                                      skip_prefixes=model_cls.ignored_prefixes(cfg))
         accel.tune_for_model(cfg.hidden_size, config.processes_per_host)
         self.model = model_cls(cfg, weights, accel, parallel)
         del weights

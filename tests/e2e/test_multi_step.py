@@ -129,11 +129,11 @@ def test_a_waiting_request_is_not_held_back_by_a_call(tiny_model_dir, monkeypatc
 
 
 @pytest.mark.parametrize("invariant", [False, True], ids=["fast", "batch-invariant"])
-def test_replayed_steps_give_the_eager_engines_outputs(tiny_model_dir, monkeypatch, invariant):
+def test_replayed_steps_give_the_eager_engines_outputs(family_model_dir, monkeypatch, invariant):
     """The engine with recorded and replayed decode steps (plain and multi-step calls, greedy and
-    sampled rows, requests arriving and finishing) against DEEPINFER_ENFORCE_EAGER=1: the same tokens
-    and logprobs, and the replay did run."""
-    path, _ = tiny_model_dir
+    sampled rows, requests arriving and finishing) against DEEPINFER_ENFORCE_EAGER=1, for each
+    model family: the same tokens and logprobs, and the replay did run."""
+    path, _ = family_model_dir
     monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "1" if invariant else "0")
     prompts = _prompts([3, 50, 130, 290, 77, 20, 64, 9], seed=6)
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (40, 12, 33, 45)] + \

@@ -1,6 +1,6 @@
-"""Step graphs (core/graphs.py, backends/cpu/replay.py): a decode step recorded once per shape
-bucket and replayed from C++ must give the eager graph's logits and leave its cache state, bit for
-bit, on every later step of the bucket (fast and batch-invariant); a changed argument in a
+"""Step graphs (core/graphs.py, backends/cpu/replay.py): a decode step of any registered model
+recorded once per shape bucket and replayed from C++ must give the eager graph's logits and leave
+its cache state, bit for bit, on every later step of the bucket (fast and batch-invariant); a changed argument in a
 recording must be caught by that comparison; what a replay could not repeat stays eager."""
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ import torch
 
 from model_runner import build_model, new_cache
 from tiny_models import CONFIGS, make_hf_model
+from tiny_models_v3 import CONFIGS as V3_CONFIGS
+from tiny_models_v3 import make_hf_model as make_hf_model_v3
 
 from deepinfer.backends.base import Const, Instruction
 from deepinfer.backends.cpu import kernels, replay
@@ -129,14 +131,17 @@ def _run(model, cache, prompts, steps, on_replay=None):
     return checked, tapes
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("name", sorted(CONFIGS) + [f"v3/{n}" for n in sorted(V3_CONFIGS)])
 @pytest.mark.parametrize("invariant", [False, True], ids=["fast", "batch-invariant"])
 def test_replayed_decode_steps_equal_the_eager_graph_bit_for_bit(name, invariant, monkeypatch):
-    """All three V4 test configs (every layer kind, hash and top-k MoE, hc_mult 2 and 4): six
-    sequences of 40-330 tokens joining at different steps, prefilled in chunks of 1-48 tokens while
-    others decode, crossing the window and finishing CSA and HCA windows while replayed."""
+    """Every registered family's test configs: the three V4 ones (every layer kind, hash and top-k
+    MoE, hc_mult 2 and 4) and the three V3 ones (q LoRA or not, group-limited routing, YaRN both
+    ways): six sequences of 40-330 tokens joining at different steps, prefilled in chunks of 1-48
+    tokens while others decode; V4 crosses the window and finishes CSA and HCA windows while
+    replayed, V3's attention width crosses its size buckets."""
     monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "1" if invariant else "0")
-    hf, cfg = make_hf_model(name, seed=7)
+    hf, cfg = make_hf_model_v3(name.removeprefix("v3/"), seed=7) if name.startswith("v3/") else \
+        make_hf_model(name, seed=7)
     model = build_model(hf, cfg)
     g = torch.Generator().manual_seed(1)
     lengths = [330, 40, 97, 150, 260, 64]

@@ -19,6 +19,7 @@ Op mapping (a torch_npu operator is used only where its documented semantics equ
 | sparse_attention    | Triton (shared kernel, re-tiled)                                    [c]  |
 | indexer_topk        | Triton scores + torch stable sort                                   [d]  |
 | route_topk          | Triton scores + torch.topk                                          [e]  |
+| route_grouped_topk  | Triton scores + torch.topk                                          [h]  |
 | route_hash          | Triton scores                                                       [a]  |
 | apply_token_bitmask | Triton (shared kernel)                                              [a]  |
 | linear, grouped_linear, embedding | reference: plain torch (aclnn matmul / gather on the NPU)  |
@@ -41,6 +42,8 @@ Why not a fused torch_npu operator:
     does not support.
 [g] no torch_npu quantized matmul has been checked against DeepSeek's 1 x 128 activation / 128 x 128
     weight block scaling yet; the reference quantizes the activations and dequantizes both.
+[h] npu_moe_gating_top_k with sigmoid is this router's fused operator, with [e]'s size limits and no
+    documented tie order; not checked on hardware yet.
 
 The Triton kernels are the ones nvidia runs (backends/triton), launched with tile sizes that fit Ascend's 192 KB unified
 buffer (triton_ops.py re-tiles sparse_attention and compress_windows; the rest fit as they are); none
@@ -113,6 +116,7 @@ class AscendAccelerator(Accelerator):
     sparse_attention = _kernel("triton_ops", "sparse_attention")
     indexer_topk = _kernel("attention", "indexer_topk")
     route_topk = _kernel("sampling", "route_topk")
+    route_grouped_topk = _kernel("sampling", "route_grouped_topk")
     route_hash = _kernel("sampling", "route_hash")
     apply_token_bitmask = _kernel("sampling", "apply_token_bitmask")
     # the reference's plain torch (aclnn matmul / gather / sort on the NPU)

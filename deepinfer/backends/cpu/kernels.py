@@ -2,14 +2,15 @@
 
 The reference ops (backends/reference.py) are plain torch: dozens of small ops per call, which is what a
 decode step of a small model spends its time on (the mHC mix alone is ~80 ops, 8 calls a step).
-`fused_ops.cpp` does fourteen of them in one pass each: hc_pre, hc_post, hc_head, rms_norm,
+`fused_ops.cpp` does fifteen of them in one pass each: hc_pre, hc_post, hc_head, rms_norm,
 rope, compress_entries, sparse_attention and indexer_topk always; linear, moe_experts, swiglu_mlp
-(the shared expert), grouped_linear and the two routers for decode-sized batches (larger ones go to
+(the shared expert), grouped_linear and the three routers for decode-sized batches (larger ones go to
 the reference, whose GEMMs win there). The fused sequences hc_pre_norm, hc_post_pre_norm and
 rms_norm_rope chain those kernels in one call; `sampling_ops.cpp` and `pool_ops.cpp`, in the same
-library, are greedy sampling's argmax and the row copies that commit a step's staged rows. It is built with torch's C++ extension loader on the machine that runs it (so
-`-march=native` is safe) into ~/.cache/deepinfer/cpu_kernels/<hash>, once per
-source/torch/compiler version; later processes only load the library.
+library, are greedy sampling's argmax and the row copies that commit a step's staged rows. It is
+built with torch's C++ extension loader on the machine that runs it (so `-march=native` is safe)
+into ~/.cache/deepinfer/cpu_kernels/<hash>, once per source/torch/compiler version; later
+processes only load the library.
 
 `DEEPINFER_CPU_KERNELS=0` keeps the reference ops. Without a working C++ compiler the build
 fails, a warning says why, and the reference ops are used.
@@ -174,6 +175,14 @@ def route_topk(x, gate, bias, top_k, scaling, *, reference=ops.route_topk, max_m
     return tuple(torch.ops.deepinfer_cpu.route_topk(x, gate, bias, top_k, scaling))
 
 
+def route_grouped_topk(x, gate, bias, top_k, n_group, topk_group, normalize, scaling, *,
+                       reference=ops.route_grouped_topk, max_macs=_ROUTER_MAX_MACS):
+    if x.shape[0] * gate.numel() > max_macs or x.dtype != _F32 or gate.dtype != _F32:
+        return reference(x, gate, bias, top_k, n_group, topk_group, normalize, scaling)
+    return tuple(torch.ops.deepinfer_cpu.route_grouped_topk(x, gate, bias, top_k, n_group, topk_group, normalize,
+                                                            scaling))
+
+
 def route_hash(x, gate, ids, scaling, *, reference=ops.route_hash, max_macs=_ROUTER_MAX_MACS):
     if x.shape[0] * gate.numel() > max_macs or x.dtype != _F32 or gate.dtype != _F32:
         return reference(x, gate, ids, scaling)
@@ -239,7 +248,8 @@ FUSED = {"compress_entries": compress_entries, "hc_pre_norm": hc_pre_norm, "hc_p
 
 
 OPS = ("hc_pre", "hc_post", "hc_head", "rms_norm", "rope", "sparse_attention", "indexer_topk", "moe_experts",
-       "grouped_linear", "route_topk", "route_hash", "swiglu_mlp", "linear", "argmax", "sample", "copy_rows")
+       "grouped_linear", "route_topk", "route_grouped_topk", "route_hash", "swiglu_mlp", "linear", "argmax", "sample",
+       "copy_rows")
 
 
 def batch_invariant_ops() -> dict:
@@ -259,7 +269,8 @@ def batch_invariant_ops() -> dict:
         # prefills of narrow matrices (1.5x at 64 x 512, 256 rows; it wins at every size at 256 wide;
         # `python benchmarks/cpu_kernels.py --invariant-linear`).
         limits = {"max_macs_per_expert": math.inf} if name == "moe_experts" else \
-            {"max_macs": math.inf} if name in ("grouped_linear", "swiglu_mlp", "route_topk", "route_hash") else \
+            {"max_macs": math.inf} if name in ("grouped_linear", "swiglu_mlp", "route_topk", "route_grouped_topk",
+                                               "route_hash") else \
             {"max_tokens": math.inf} if name == "linear" else {}
         out[name] = functools.partial(globals()[name], reference=reference, **limits)
     return out
