@@ -3,6 +3,7 @@ processes, and EPLB's placement planner."""
 
 from __future__ import annotations
 
+import io
 import os
 import tempfile
 
@@ -22,7 +23,11 @@ def _exchange(rank: int, world: int, store: str, results) -> None:
         got = group.all_to_all_rows(rows, send, recv)
         fp8 = group.all_to_all_rows(rows.to(torch.float8_e4m3fn), send, recv)
         gathered = group.all_gather_rows(rows[:rank], list(range(world)))  # rank 0 contributes nothing
-        results.put((rank, recv, got, fp8, gathered))
+        # serialized, not queued as tensors: a queued tensor travels as a shared-memory fd that its
+        # sender must outlive, and this rank exits right after
+        buf = io.BytesIO()
+        torch.save((rank, recv, got, fp8, gathered), buf)
+        results.put(buf.getvalue())
     finally:
         group.destroy_group()
 
@@ -35,7 +40,8 @@ def test_uneven_all_to_all_carries_fp8_as_bytes():
     procs = [ctx.Process(target=_exchange, args=(r, world, store, results)) for r in range(world)]
     for p in procs:
         p.start()
-    out = {r: (recv, got, fp8, gathered) for r, recv, got, fp8, gathered in (results.get(timeout=120) for _ in procs)}
+    out = {r: (recv, got, fp8, gathered) for r, recv, got, fp8, gathered in
+           (torch.load(io.BytesIO(results.get(timeout=120))) for _ in procs)}
     for p in procs:
         p.join(30)
         assert p.exitcode == 0
