@@ -5,9 +5,14 @@ greedy settings, in one run. Prints a table and writes JSON.
     python benchmarks/throughput.py --vocab deepseek     # the same with DeepSeek's 129,280-token vocabulary
     python benchmarks/throughput.py --model deepinfer/assets/tiny-dsv4
     python benchmarks/throughput.py --batches 32 --cores 2    # both engines on 2 cores
+    python benchmarks/throughput.py --baseline main           # + the engine as built on main
 
-Each engine gets the same CPU cores (--cores, default 1): deepinfer as data-parallel ranks of one
-thread each, transformers as intra-op threads (its way of using several cores).
+Each engine gets the same CPU cores (--cores, default 1): transformers as intra-op threads (its
+way of using several cores); deepinfer, with --layout dp (the default), as data-parallel ranks of
+one thread each, with --layout threads as one process that gives each call of a replayed step
+one thread or all of its cores, whichever measured faster (both pinned to the first --cores cores).
+--baseline REF adds deepinfer as built at a git ref (benchmarks/baseline.py: REF's files exported once,
+run in a subprocess with this script's measuring code), in the same run, on the same prompts.
 
 On a CUDA machine both engines run on the GPU (deepinfer's nvidia backend, transformers with the
 model moved to cuda), both in float32.
@@ -82,16 +87,27 @@ def timed(fn, repeats: int = 1):
     return statistics.median(runs), runs, out
 
 
-def run_deepinfer(model_dir: str, prompts, new_tokens: int, cores: int = 1, repeats: int = 1) -> dict:
+def run_deepinfer(model_dir: str, prompts, new_tokens: int, cores: int = 1, repeats: int = 1,
+                  layout: str = "dp") -> dict:
     from deepinfer import LLM, SamplingParams
 
-    parallel = dict(data_parallel_size=cores) if cores > 1 else {}  # one single-threaded rank per core
-    llm = LLM(model_dir, max_num_seqs=max(len(prompts), 1), max_num_batched_tokens=4096, **parallel)
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-    llm.generate(prompt_token_ids=prompts[:1], sampling_params=SamplingParams(temperature=0.0, max_tokens=2),
-                 use_tqdm=False)  # warm-up
-    seconds, runs, outs = timed(lambda: llm.generate(prompt_token_ids=prompts, sampling_params=params,
-                                                     use_tqdm=False), repeats)
+    # one single-threaded rank per core, or one process (a replayed step's calls take 1 or `cores` threads)
+    parallel = dict(data_parallel_size=cores) if cores > 1 and layout == "dp" else {}
+    affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    if affinity is not None:
+        os.sched_setaffinity(0, sorted(affinity)[:cores])
+    try:
+        llm = LLM(model_dir, max_num_seqs=max(len(prompts), 1), max_num_batched_tokens=4096, **parallel)
+        params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+        # warm-up on the whole batch: kernels built, and a build with step graphs records this batch
+        # size's decode steps (one step and several per call) before the timed runs
+        llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(temperature=0.0, max_tokens=16,
+                                                                               ignore_eos=True), use_tqdm=False)
+        seconds, runs, outs = timed(lambda: llm.generate(prompt_token_ids=prompts, sampling_params=params,
+                                                         use_tqdm=False), repeats)
+    finally:
+        if affinity is not None:
+            os.sched_setaffinity(0, affinity)
     llm.close()
     n = sum(len(o.outputs[0].token_ids) for o in outs)
     ttft = sum(o.time_to_first_token for o in outs) / len(outs)
@@ -145,39 +161,63 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--json", default="benchmarks/results/throughput.json")
     parser.add_argument("--cores", type=int, default=1,
-                        help="CPU cores each engine may use: deepinfer as that many data-parallel ranks of one "
-                             "thread, transformers as that many intra-op threads")
+                        help="CPU cores each engine may use: transformers as that many intra-op threads, deepinfer "
+                             "as --layout says")
+    parser.add_argument("--layout", choices=("dp", "threads"), default="dp",
+                        help="deepinfer on several cores: data-parallel ranks of one thread, or one process whose "
+                             "replayed steps give their large calls every core")
+    parser.add_argument("--baseline", default=None, metavar="REF",
+                        help="also run deepinfer as built at this git ref (e.g. main), same prompts, same run")
+    parser.add_argument("--repeats", type=int, default=1, help="timed runs per engine and batch (median)")
     args = parser.parse_args()
     torch.manual_seed(0)
-    model_dir = _model_dir(args)
+    model_dir = os.path.abspath(_model_dir(args))  # the baseline runs from its own directory
     vocab = json.load(open(os.path.join(model_dir, "config.json")))["vocab_size"]
     load = os.getloadavg()  # other work on the cores skews every figure: recorded with them
+    engines = ["deepinfer"]
+    if args.baseline:
+        from baseline import call, describe
+
+        baseline_name = f"deepinfer @ {describe(args.baseline)}"
+        engines.append("baseline")
+    engines.append("transformers")
     rows = []
     for batch in [int(b) for b in args.batches.split(",")]:
         prompts = _prompts(vocab, batch, args.prompt_len)
-        ours = run_deepinfer(model_dir, prompts, args.new_tokens, args.cores)
-        ref = run_transformers(model_dir, prompts, args.new_tokens, args.cores)
-        same = sum(a == b for a, b in zip(ours.pop("tokens"), ref.pop("tokens")))
-        rows.append(dict(batch=batch, deepinfer=ours, transformers=ref, speedup=ours["tok_s"] / ref["tok_s"],
-                         identical_outputs=f"{same}/{batch}"))
+        run = (model_dir, prompts, args.new_tokens, args.cores, args.repeats)
+        row = dict(batch=batch, deepinfer=run_deepinfer(*run, layout=args.layout))
+        if args.baseline:
+            row["baseline"] = call(args.baseline, "throughput", "run_deepinfer", *run, args.layout)
+        row["transformers"] = run_transformers(*run)
+        row["load_average_after"] = os.getloadavg()
+        expected = row["transformers"]["tokens"]
+        for name in engines:
+            row[name]["identical_to_transformers"] = f"{sum(map(list.__eq__, row[name]['tokens'], expected))}/{batch}"
+        for name in engines:
+            row[name].pop("tokens")
+        rows.append(row)
     where = torch.cuda.get_device_name() if torch.cuda.is_available() else \
-        f"cpu, {args.cores} core(s) per engine" + (f" (deepinfer data_parallel_size={args.cores})" if args.cores > 1 else "")
+        f"cpu, {args.cores} core(s) per engine" + (
+            "" if args.cores == 1 else f" (deepinfer data_parallel_size={args.cores})" if args.layout == "dp"
+            else " (deepinfer one process, threads per call)")
     print(f"model: {model_label(args)} ({model_dir})  prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, "
-          f"greedy, {where}; load average before {load[0]:.2f}")
-    print("| batch | engine | output tok/s | TTFT (s) | TPOT (ms) | speedup | identical outputs |")
+          f"greedy, {where}; load average before {load[0]:.2f}; median of {args.repeats}")
+    print("| batch | engine | output tok/s | TTFT (s) | TPOT (ms) | vs transformers | identical to transformers |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        for name in ("deepinfer", "transformers"):
+        for name in engines:
             m = r[name]
-            extra = (f"{r['speedup']:.1f}x", r["identical_outputs"]) if name == "deepinfer" else ("1.0x", "")
+            label = baseline_name if name == "baseline" else name
             tpot = "n/a" if m["tpot_s"] is None else f"{m['tpot_s'] * 1e3:.1f}"
-            print(f"| {r['batch']} | {name} | {m['tok_s']:.1f} | {m['ttft_s']:.3f} | {tpot} | "
-                  f"{extra[0]} | {extra[1]} |")
+            print(f"| {r['batch']} | {label} | {m['tok_s']:.1f} | {m['ttft_s']:.3f} | {tpot} | "
+                  f"{m['tok_s'] / r['transformers']['tok_s']:.2f}x | "
+                  f"{'' if name == 'transformers' else m['identical_to_transformers']} |")
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
-        json.dump(dict(model=model_label(args), vocab_size=vocab, device=where, cores=args.cores,
-                       prompt_len=args.prompt_len, new_tokens=args.new_tokens, load_average=load, rows=rows), f,
-                  indent=2)
+        json.dump(dict(model=model_label(args), vocab_size=vocab, device=where, cores=args.cores, layout=args.layout,
+                       repeats=args.repeats,
+                       baseline=baseline_name if args.baseline else None, prompt_len=args.prompt_len,
+                       new_tokens=args.new_tokens, load_average=load, rows=rows), f, indent=2)
 
 
 if __name__ == "__main__":

@@ -94,14 +94,18 @@ _VARS = [
     EnvVar("DEEPINFER_HF_MODEL_DIR", "", _str, "local checkpoint used when LLM(model=None)"),
     EnvVar("DEEPINFER_CPU_KERNELS", True, _bool,
            "cpu backend: fused C++ kernels for the hot ops (compiled on first use); 0 = reference ops only"),
-    EnvVar("DEEPINFER_CPU_STEP_PROGRAM", True, _bool,
-           "cpu backend: run decode-sized steps as one C++ call of the fused kernels (same results as the "
-           "op-by-op graph); 0 = always the graph"),
+    EnvVar("DEEPINFER_ENFORCE_EAGER", False, _bool,
+           "1: run every step op by op (no recorded and replayed decode steps: the cpu tape, CUDA graphs)"),
+    EnvVar("DEEPINFER_CUDAGRAPH_BATCH_SIZE_INTERVAL", 8, _int,
+           "nvidia: decode batches are padded up to the next captured size, 1, 2, 4 and then multiples of "
+           "this up to max_num_seqs (one CUDA graph per size); 0 = capture every batch size as it comes"),
     EnvVar("DEEPINFER_MULTI_STEP_DECODE", 8, _int,
-           "greedy decode steps per call of the accelerator's step program when every running request "
-           "decodes greedily and none waits (multi-step scheduling); 1 = one step per call"),
+           "greedy decode steps per call when every running request decodes greedily and none waits "
+           "(multi-step scheduling: planning, the replayed step and its argmax per step, scheduling and "
+           "post-processing once per call); 1 = one step per call"),
     EnvVar("DEEPINFER_CPU_THREADS", 0, _int,
-           "intra-op threads of the cpu backend; 0 = 1 for small models (hidden <= 1024), else all cores"),
+           "intra-op threads of the cpu backend; 0 = 1 for small models (hidden <= 1024), else all cores, "
+           "and a replayed step's calls each take 1 or all cores by their measured time; N = N everywhere"),
 ]
 VARS: dict[str, EnvVar] = {v.name: v for v in _VARS}
 

@@ -16,6 +16,7 @@ Conventions for all ops:
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from abc import ABC, abstractmethod
 
@@ -29,6 +30,32 @@ class WeightRole(enum.Enum):
 
     PLAIN = "plain"  # read by linear, embedding, norms, routers, tables: the checkpoint layout
     EXPERTS = "experts"  # [E, N, K] stacks of routed experts, read only by moe_experts
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Slot:
+    """In a recorded step (core/graphs.py): a tensor of the step, an input (0 .. num_inputs-1) or
+    what an earlier instruction returned."""
+
+    index: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Const:
+    """In a recorded step: a tensor that outlives it (a weight, a cache pool, a view of them),
+    `recording.constants[index]`."""
+
+    index: int
+
+
+@dataclasses.dataclass(slots=True)
+class Instruction:
+    """One operator call of a recorded step."""
+
+    op: torch._ops.OpOverload
+    args: tuple  # tensors replaced by Slot / Const, nested in lists and tuples as the call had them
+    kwargs: dict
+    outs: list[int]  # slot of each returned tensor (tensor lists flattened), -1: an argument returned
 
 
 class Accelerator(ABC):
@@ -54,6 +81,12 @@ class Accelerator(ABC):
     # Draft with DSpark when the checkpoint has a drafter (DEEPINFER_USE_NEXTN_DECODE's default):
     # pays where a step's cost hardly grows with its tokens (a memory- or launch-bound device).
     speculative_decoding: bool = True
+    # compile_step can replay recorded steps (core/graphs.py records them only where this is True)
+    step_graphs: bool = False
+    # decode batches are padded up to a few captured sizes (DEEPINFER_CUDAGRAPH_BATCH_SIZE_INTERVAL):
+    # pays where each captured bucket is costly (a CUDA graph and its memory pool), not where a
+    # recording is a list of calls (cpu)
+    pad_graph_batches: bool = False
 
     # -------------------------------------------------------------- weights
     def prepare_weight(self, tensor: torch.Tensor, role: WeightRole = WeightRole.PLAIN) -> torch.Tensor:
@@ -130,6 +163,16 @@ class Accelerator(ABC):
         """Final collapse: pre = sigmoid(unweighted_rms_norm(flatten(streams)) @ fn.T * scale + base) + hc_eps;
         streams [T, N, D], fn [N, N*D], base [N], scale [1] -> sum_n pre_n stream_n [T, D]."""
 
+    # -------------------------------------------------------------- cache pools
+    def copy_rows(self, pool: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """In place: pool[dst[i]] = pool[src[i]] for every i (a ring keeping the rows a step staged
+        in its scratch). pool [R, W] any dtype; src, dst [N] int64, every row valid, the src rows
+        and the dst rows disjoint sets. This default (reference.py's index_select, then index_copy_)
+        is the definition; a backend may override it with a kernel."""
+        from deepinfer.backends import reference
+
+        reference.copy_rows(pool, src, dst)
+
     # -------------------------------------------------------------- attention
     @abstractmethod
     def compress_windows(self, kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
@@ -202,6 +245,14 @@ class Accelerator(ABC):
         return self.linear(self.swiglu(gate, up, limit), down)
 
     # -------------------------------------------------------------- sampling
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """Greedy sampling: the index of each row's largest logit, the first one on ties, a NaN
+        counting as the largest (torch.argmax's rule). logits [B, V] float32 -> [B] int64. This
+        default is the definition; a backend may override it with a kernel."""
+        from deepinfer.backends import reference
+
+        return reference.argmax(logits)
+
     @abstractmethod
     def sample(self, logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                top_p: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -223,23 +274,24 @@ class Accelerator(ABC):
         or None for an input it does not take. Only a backend that has such kernels overrides this."""
         return None
 
-    # -------------------------------------------------------------- step programs
-    def step_program(self, model, cache):
-        """A faster way to run `model.forward` on `cache`, or None (the default: the model's Python
-        graph, op by op). What it returns has `runs(meta) -> bool` (whether it takes this step) and
-        `__call__(meta, logit_rows) -> logits`, with the same results and cache updates as the
-        graph; optionally `plan(meta) -> bool` (StepMeta's index arrays, the same values, or False to
-        leave them to numpy) and `decode(ids, slots, starts, steps) -> tokens [steps, B] | None`
-        (greedy multi-step decoding). A backend may replay a captured graph here (CUDA graphs); the
-        cpu backend runs the step as one C++ call (backends/cpu/step_program.py)."""
+    # -------------------------------------------------------------- step graphs
+    def compile_step(self, recording, step_fn):
+        """A replay of a recorded step (core/graphs.py), or None. `recording`: the operators one step
+        called, in order (`instructions`: Instruction), its tensors as Slot (`num_inputs` inputs,
+        shaped `input_specs` [(shape, stride, dtype)], then instruction results, `num_slots` in all)
+        and Const (`constants`), and the slots it returned (`outputs`). `step_fn(inputs) -> outputs`
+        runs the same step eagerly on other input tensors of the same shapes. The replay is a callable
+        `inputs -> outputs` with the eager step's results and in-place writes; a backend may replay the
+        instructions (cpu: a C++ tape) or capture step_fn (nvidia: a CUDA graph on static buffers)."""
         return None
 
     # -------------------------------------------------------------- device
     def synchronize(self) -> None:
         """Wait for all queued work on the device."""
 
-    def tune_for_model(self, hidden_size: int) -> None:
-        """Adjust process-wide execution settings to the model once it is known (no-op by default)."""
+    def tune_for_model(self, hidden_size: int, processes: int = 1) -> None:
+        """Adjust process-wide execution settings to the model once it is known (no-op by default).
+        `processes`: engine processes sharing this machine (parallel ranks), each with its share."""
 
     def kernel_signature(self) -> str:
         """What a timing measured on this backend depends on besides the shapes: which kernels run

@@ -284,10 +284,19 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     return torch.empty_like(logits).scatter_(1, sorted_idx, masked_sorted)
 
 
-def sample(logits, temperature, top_k, top_p, seeds, positions):
+def copy_rows(pool: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    pool.index_copy_(0, dst, pool.index_select(0, src))
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(dim=-1)
+
+
+def sample(logits, temperature, top_k, top_p, seeds, positions, argmax=None):
+    """`argmax`: a backend's kernel for the greedy pick (Accelerator.argmax), torch.argmax by default."""
     logits = logits.float()
     greedy = temperature < 1e-5
-    tokens = logits.argmax(dim=-1)
+    tokens = logits.argmax(dim=-1) if argmax is None else argmax(logits)
     if bool(greedy.all()):
         return tokens
     rows = (~greedy).nonzero().squeeze(1)

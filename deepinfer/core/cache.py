@@ -3,13 +3,17 @@ and pages of state that grows with the sequence.
 
 A pool is one tensor of rows of `width` features, in up to three regions:
 - slot rows: `ring` rows per sequence slot, indexed by position modulo `ring` (sliding-window
-  state: rejected speculative tokens need no undo while the ring keeps a rollback margin);
+  state: rejected speculative tokens need no undo while the ring keeps a rollback margin), for
+  `max_seqs` slots and one more, `trash_slot`, never handed out;
 - scratch rows: one per token of the step (max_step_tokens), where a step stages its new rows
   before they are committed (a prefill chunk longer than a ring must not overwrite rows its own
   earlier tokens still read);
 - page rows: state that grows with the sequence, one row per `stride` positions, in pages of
   `page_tokens` positions. One block table per sequence serves every paged pool: page p of a
   sequence holds rows of positions [p * page_tokens, (p + 1) * page_tokens) in every paged pool.
+  One more page, `trash_page`, is never handed out either: a step padded to a fixed shape (a
+  recorded step's bucket, core/graphs.py) writes what its padding computes into the trash slot and
+  page (the trash slot's block-table row maps every page to the trash page).
 Pages of finished (or preempted) sequences stay in a prefix cache (core/prefix_cache.py) until
 their page is needed: a free page is one on the free list or an idle cached one.
 """
@@ -81,6 +85,7 @@ class StateCache:
                 raise ValueError(f"page_tokens ({page_tokens}) must be a multiple of every pool's stride ({stride})")
         self.spec = spec
         self.max_seqs = max_seqs
+        self.trash_slot, self.ring_slots = max_seqs, max_seqs + 1  # slot rows exist for ring_slots slots
         self.num_pages = num_pages
         self.page_tokens = page_tokens
         self.max_step_tokens = max_step_tokens
@@ -89,16 +94,18 @@ class StateCache:
         self.dtype, self.device = dtype, torch.device(device)
         self.pools: dict[str, Pool] = {}
         for p in spec.pools:
-            scratch_base = max_seqs * p.ring
+            scratch_base = self.ring_slots * p.ring
             page_base = scratch_base + (max_step_tokens if p.scratch else 0)
             page_rows = page_tokens // p.stride if p.stride else 0
-            data = torch.zeros(page_base + num_pages * page_rows, p.width, dtype=dtype, device=self.device)
+            data = torch.zeros(page_base + (num_pages + 1) * page_rows, p.width, dtype=dtype, device=self.device)
             self.pools[p.name] = Pool(p, data, scratch_base, page_base, page_rows)
 
         # host metadata: read when a step's index tensors are planned, never by a kernel
-        self.block_table = np.zeros((max_seqs, self.max_pages_per_seq), dtype=np.int64)
+        self.block_table = np.zeros((self.ring_slots, self.max_pages_per_seq), dtype=np.int64)
         self.free_slots = list(range(max_seqs - 1, -1, -1))
         self.free_pages = list(range(num_pages - 1, -1, -1))
+        self.trash_page = num_pages  # written by padding, never read (see the module doc)
+        self.block_table[self.trash_slot] = self.trash_page
         self.slot_pages: dict[int, list[int]] = {}
         self.prefix = PrefixCache(page_tokens) if spec.paged else None
 

@@ -14,6 +14,7 @@ import torch
 
 from deepinfer.backends.base import Accelerator
 from deepinfer.core.cache import StateCache
+from deepinfer.core.graphs import StepGraphs, step_inputs, with_step_tensors
 from deepinfer.core.loader import load_checkpoint
 from deepinfer.core.replay import BoundedReplay
 from deepinfer.core.request import Request
@@ -43,6 +44,8 @@ class EngineConfig:
     # bytes the cache is planned from; None: what the accelerator reports free (parallel ranks that
     # must plan identical caches pass the smallest value any of them sees)
     available_memory: int | None = None
+    # engine processes sharing this machine's cores (parallel ranks): each uses its share
+    processes_per_host: int = 1
 
     def validate(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
@@ -105,7 +108,7 @@ class LLMEngine:
         weights, self.extra_weights = load_checkpoint(model_dir, model_cls.checkpoint_tensors(cfg), model_cls,
                                                       keep_prefixes=model_cls.extra_prefixes,
                                                       skip_prefixes=model_cls.ignored_prefixes(cfg))
-        accel.tune_for_model(cfg.hidden_size)
+        accel.tune_for_model(cfg.hidden_size, config.processes_per_host)
         self.model = model_cls(cfg, weights, accel, parallel)
         del weights
         # DSpark speculative decoding, when the checkpoint has a drafter and DEEPINFER_USE_NEXTN_DECODE > 0
@@ -123,6 +126,11 @@ class LLMEngine:
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens,
                                    BoundedReplay.from_env(self.model.replay_window, self.cache))
         self.sampler = Sampler(accel)
+        # decode steps recorded once per shape bucket and replayed (core/graphs.py); not with expert
+        # or context parallelism, whose collectives run from Python inside the forward
+        ctx = parallel or ParallelContext()
+        self.graphs = StepGraphs(accel, max_tokens=config.max_num_seqs) \
+            if StepGraphs.enabled(accel) and ctx.expert_parallel is None and ctx.context_parallel is None else None
         self.requests: dict[str, Request] = {}
         self.last_step = StepStats()
         self.structured = None  # structured outputs (core/structured.py), built on the first so_args request
@@ -153,7 +161,7 @@ class LLMEngine:
         available = ec.available_memory if ec.available_memory is not None else self.accel.memory_available()
         budget = ec.cache_bytes if ec.cache_bytes is not None else min(2 << 30, int(0.3 * available))
         per_slot = spec.bytes_per_slot(element)
-        pages = (budget - per_slot * ec.max_num_seqs) // per_page
+        pages = (budget - per_slot * (ec.max_num_seqs + 1)) // per_page - 1  # + the trash slot and page
         if pages < 1:
             raise ValueError(f"cache_bytes={budget} cannot hold {ec.max_num_seqs} sequence slots "
                              f"({per_slot} bytes each) and one page ({per_page} bytes); "
@@ -256,8 +264,8 @@ class LLMEngine:
         with self._timed("schedule"):
             chunks = self.scheduler.schedule()
         steps = self._multi_step_length(chunks) if chunks and not overlap else 1
-        finished = self._multi_step(chunks, steps) if steps > 1 else None
-        if finished is not None:
+        if steps > 1:
+            finished = self._multi_step(chunks, steps)
             self.last_step = StepStats(0, steps * len(chunks), time.perf_counter() - t0)
             return grammar_failed + finished
         with self._timed("prepare"):
@@ -288,9 +296,6 @@ class LLMEngine:
         steps = self.multi_step
         if steps <= 1 or self.spec is not None or self.scheduler.waiting:
             return 1
-        if self.model.step_program(self.cache) is None:  # the accelerator has no way to run several
-            self.multi_step = 1
-            return 1
         window = self.model.replay_window
         for c in chunks:
             req = c.request
@@ -304,11 +309,10 @@ class LLMEngine:
                 return 1
         return steps
 
-    def _multi_step(self, chunks: list[ScheduledChunk], steps: int) -> list[Request] | None:
-        """Run `steps` greedy decode steps of the scheduled requests in one model call, then
-        post-process their tokens in order, as `steps` plain steps would have; None when the model
-        cannot take this batch (a plain step follows). A request that stops within the call keeps
-        the tokens up to its stop; the state computed past it is released with it."""
+    def _multi_step(self, chunks: list[ScheduledChunk], steps: int) -> list[Request]:
+        """Run `steps` greedy decode steps of the scheduled requests in one call, then post-process
+        their tokens in order, as `steps` plain steps would have. A request that stops within the
+        call keeps the tokens up to its stop; the state computed past it is released with it."""
         reqs = [c.request for c in chunks]
         with self._timed("prepare"):
             for req in reqs:
@@ -316,9 +320,7 @@ class LLMEngine:
             starts = [req.num_computed for req in reqs]
             ids = [req.token(start) for req, start in zip(reqs, starts)]
         with self._timed("forward"):
-            tokens = self.model.decode_steps(ids, [req.slot for req in reqs], starts, steps, self.cache)
-        if tokens is None:
-            return None
+            tokens = self._decode_steps(ids, [req.slot for req in reqs], starts, steps)
         self.num_forwards += 1
         finished = []
         with self._timed("postprocess"):
@@ -333,6 +335,45 @@ class LLMEngine:
                         finished.append(req)
                         break
         return finished
+
+    def _decode_steps(self, ids: list[int], slots: list[int], starts: list[int], steps: int) -> torch.Tensor:
+        """`steps` greedy decode steps of a batch: sequence b feeds ids[b] at position starts[b],
+        then its own argmax each step. The model plans all steps at once; each step, with its
+        argmax, is replayed from its bucket's recording (the cpu tape runs them all in one call)
+        with the step before's tokens fed in. -> tokens [steps, B]."""
+        as_tensor = lambda xs: torch.from_numpy(np.asarray(xs, dtype=np.int64))  # noqa: E731
+        batch = len(ids)
+        inp = StepInput(as_tensor(ids), as_tensor(slots), as_tensor(starts), torch.ones(batch, dtype=torch.int64))
+        meta = self.model.prepare(inp, self.cache, steps=steps)
+        tensors, sizes = step_inputs(meta)
+        ids_input = next(i for i, t in enumerate(tensors) if t is meta.ids)
+        model, cache, accel = self.model, self.cache, self.accel
+
+        def step(inputs):  # one step on row s of the plan (inputs[:-1]) and the logit rows
+            return accel.argmax(model.forward(inp, cache, inputs[-1], with_step_tensors(meta, inputs[:-1])))
+
+        rows = torch.arange(batch, device=meta.ids.device)
+        if self.graphs is not None and batch <= self.graphs.max_tokens:
+            return self.graphs.run_steps((True, sizes), tensors, [rows], steps, [(0, ids_input)], step)[0].cpu()
+        out = []
+        for s in range(steps):
+            inputs = [t[s] for t in tensors] + [rows]
+            if out:
+                inputs[ids_input] = out[-1]
+            out.append(step(inputs))
+        return torch.stack(out).cpu()
+
+    def _model_step(self, inp: StepInput, meta, logit_rows: torch.Tensor) -> torch.Tensor:
+        """The model's forward of a step: replayed from the bucket's recording for decode steps (one
+        token per sequence) where steps are captured."""
+        model, cache = self.model, self.cache
+        num_tokens = inp.ids.shape[0]
+        if self.graphs is None or num_tokens != inp.lens.shape[0] or num_tokens > self.graphs.max_tokens:
+            return model.forward(inp, cache, logit_rows, meta)
+        tensors, sizes = step_inputs(meta)
+        return self.graphs.run((False, sizes), lambda: model.forward(inp, cache, logit_rows, meta),
+                               tensors + [logit_rows],
+                               lambda inputs: model.forward(inp, cache, inputs[-1], with_step_tensors(meta, inputs[:-1])))
 
     def _retire(self, req: Request) -> None:
         """A request that just finished: flush its text, free its slot and pages."""
@@ -417,6 +458,15 @@ class LLMEngine:
         for row, req in enumerate(plan.sampling):
             req.output_token_ids.append(-(row + 1))
             req.pending += 1
+        # a decode step padded to a captured batch size (core/graphs.py): extra sequences at the
+        # cache's trash slot, position 0, whose logits nobody reads
+        pad = self.graphs.padded_batch(len(ids)) - len(ids) if self.graphs is not None and len(ids) == len(slots) \
+            and self.spec is None else 0
+        if pad:
+            ids, slots, starts, lens = ids + [0] * pad, slots + [self.cache.trash_slot] * pad, starts + [0] * pad, \
+                lens + [1] * pad
+            floors, restored = floors + [0] * pad, restored + [0] * pad
+            plan.logit_rows.extend(range(len(ids) - pad, len(ids)))
         # host metadata (StepMeta moves it); via numpy, which takes a list in a third of torch.tensor's time
         t = lambda xs: torch.from_numpy(np.array(xs, dtype=np.int64))  # noqa: E731
         plan.inp = StepInput(t(ids), t(slots), t(starts), t(lens))
@@ -435,8 +485,11 @@ class LLMEngine:
             ids = plan.meta.ids
             plan.meta.ids = torch.where(ids < 0, prev_tokens[(-ids - 1).clamp(min=0)], ids)
         with self._timed("forward"):
-            forward = self.model.forward if self.spec is None else self.spec.forward  # spec: + drafter context
-            logits = forward(plan.inp, self.cache, torch.tensor(plan.logit_rows, dtype=torch.int64), plan.meta)
+            rows = torch.tensor(plan.logit_rows, dtype=torch.int64)
+            if self.spec is None:
+                logits = self._model_step(plan.inp, plan.meta, rows)
+            else:  # + the drafter's context features
+                logits = self.spec.forward(plan.inp, self.cache, rows, plan.meta)
         self.num_forwards += 1
         tokens = None
         if any(d is not None for d in plan.drafts):

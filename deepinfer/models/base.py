@@ -103,25 +103,24 @@ class CausalLM(ABC):
         rejected speculative token never overwrites state that is still read."""
 
     @abstractmethod
-    def prepare(self, inp: StepInput, cache: "StateCache"):
+    def prepare(self, inp: StepInput, cache: "StateCache", steps: int | None = None):
         """The step's metadata (index tensors), planned on the host; it has `ids`, the step's token
-        ids on the device, which the engine may patch with the previous step's samples."""
+        ids on the device, which the engine may patch with the previous step's samples. The engine
+        records a step once per shape bucket and replays it with a later step's metadata
+        (core/graphs.py): `forward` must read the step only through the tensors this object holds
+        (in its attributes, or dicts, lists and tuples of them) and the numbers it holds the same
+        way, never through host arrays. Decode steps (one token per sequence) should have shapes
+        that depend on the batch size only, so one recording serves them all.
+        `steps` (decode steps only): plan this step and the next steps-1 greedy decode steps at once
+        (sequence b feeds position starts[b] + s in step s): every tensor gets a leading dimension
+        of `steps`, row s being step s's (`ids`: row 0 given, the others the engine fills with the
+        previous step's samples)."""
 
     @abstractmethod
     def forward(self, inp: StepInput, cache: "StateCache", logit_rows: torch.Tensor, meta=None,
                 feature_layers: tuple[int, ...] = (), feature_rows: torch.Tensor | None = None):
         """Run one step, update `cache`, return logits [len(logit_rows), V] of the given flat token
         rows; with `feature_layers`, (logits, features [len(feature_rows), len(feature_layers), D])."""
-
-    def step_program(self, cache: "StateCache"):
-        """The accelerator's faster way to run this model's steps on `cache`, or None."""
-        return None
-
-    def decode_steps(self, ids: list[int], slots: list[int], starts: list[int], steps: int,
-                     cache: "StateCache") -> torch.Tensor | None:
-        """`steps` greedy decode steps in one call (multi-step scheduling), or None where the model
-        cannot: the engine then runs them one by one."""
-        return None
 
     def make_drafter(self, extra: dict[str, torch.Tensor], max_seqs: int, margin: int):
         """The speculative drafter the checkpoint carries (`extra`), or None."""

@@ -23,6 +23,11 @@ class Rank:
     rank: int
     world_size: int
 
+    @property
+    def local_world_size(self) -> int:
+        """Ranks on this machine: all of them when spawned here, torchrun's LOCAL_WORLD_SIZE under it."""
+        return int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+
 
 def launched_by_torchrun() -> bool:
     """torchrun (and other env:// launchers) set these for every process it starts."""

@@ -67,7 +67,8 @@ class RankWorker:
         # no DSpark on parallel ranks yet: ranks that share requests must pick identical verify
         # lengths, and the dynamic policy's step-cost table is timed on each rank. Synchronous
         # scheduling (see the module doc). Caches planned from the memory every rank has.
-        engine_config = dataclasses.replace(args.engine, speculative=False, available_memory=_agreed_free_memory(accel))
+        engine_config = dataclasses.replace(args.engine, speculative=False, available_memory=_agreed_free_memory(accel),
+                                            processes_per_host=rank.local_world_size)
         self.engine = LLMEngine(args.model, accel, engine_config, args.tokenizer,
                                 ParallelContext(expert_parallel=self.ep, context_parallel=self.cp))
         self.engine.close()

@@ -132,8 +132,8 @@ def test_random_workload_with_aborts_frees_everything(family_model_dir, temperat
     llm = LLM(path, max_num_seqs=max_num_seqs, max_num_batched_tokens=256, num_cache_pages=12)
     engine = llm.engine
     calls = []  # multi-step calls that ran (greedy rows, nobody waiting)
-    decode_steps = engine.model.decode_steps
-    engine.model.decode_steps = lambda *a, **kw: calls.append(1) or decode_steps(*a, **kw)
+    decode_steps = engine._decode_steps
+    engine._decode_steps = lambda *a, **kw: calls.append(1) or decode_steps(*a, **kw)
     rng = random.Random(7)
     reqs = []
     for i in range(requests):
@@ -157,8 +157,7 @@ def test_random_workload_with_aborts_frees_everything(family_model_dir, temperat
         else:
             assert r.finish_reason == "length" and len(r.output_token_ids) == r.params.max_tokens
     assert aborted, "the workload should have aborted some requests"
-    if engine.model.step_program(engine.cache) is not None:  # a model the accelerator runs several steps of
-        assert calls or len(temperatures) > 1, "the greedy workload should have run multi-step calls"
+    assert calls or len(temperatures) > 1, "the greedy workload should have run multi-step calls"
     engine.pop_finished()
     assert engine.cache.num_free_pages == engine.cache.num_pages
     assert engine.cache.num_free_slots == engine.cache.max_seqs

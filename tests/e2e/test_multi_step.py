@@ -22,16 +22,16 @@ def _llm(path, monkeypatch, steps: int, **kw) -> LLM:
 
 
 def _count_calls(llm: LLM) -> list[int]:
-    """Counts the model's multi-step calls that ran (returned tokens)."""
-    model, calls = llm.engine.model, []
-    decode_steps = model.decode_steps
+    """Counts the engine's multi-step calls (steps per call)."""
+    engine, calls = llm.engine, []
+    decode_steps = engine._decode_steps
 
     def counted(*a, **kw):
         out = decode_steps(*a, **kw)
-        calls.append(0 if out is None else out.shape[0])
+        calls.append(out.shape[0])
         return out
 
-    model.decode_steps = counted
+    engine._decode_steps = counted
     return calls
 
 
@@ -110,10 +110,10 @@ def test_a_waiting_request_is_not_held_back_by_a_call(tiny_model_dir, monkeypatc
     """With a request waiting for a slot, steps stay single so it is admitted as soon as one frees."""
     path, _ = tiny_model_dir
     multi = _llm(path, monkeypatch, 8, max_num_seqs=2)
-    engine, model = multi.engine, multi.engine.model
+    engine = multi.engine
     waiting_at_calls = []
-    decode_steps = model.decode_steps
-    model.decode_steps = lambda *a, **kw: waiting_at_calls.append(len(engine.scheduler.waiting)) or decode_steps(*a, **kw)
+    decode_steps = engine._decode_steps
+    engine._decode_steps = lambda *a, **kw: waiting_at_calls.append(len(engine.scheduler.waiting)) or decode_steps(*a, **kw)
     prompts = _prompts([30, 30, 30], seed=5)
     reqs = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True))
             for p, m in zip(prompts, (3, 40, 10))]
@@ -126,3 +126,30 @@ def test_a_waiting_request_is_not_held_back_by_a_call(tiny_model_dir, monkeypatc
         engine.step()
     assert [len(r.output_token_ids) for r in reqs] == [3, 40, 10]
     assert waiting_at_calls and set(waiting_at_calls) == {0}
+
+
+@pytest.mark.parametrize("invariant", [False, True], ids=["fast", "batch-invariant"])
+def test_replayed_steps_give_the_eager_engines_outputs(family_model_dir, monkeypatch, invariant):
+    """The engine with recorded and replayed decode steps (plain and multi-step calls, greedy and
+    sampled rows, requests arriving and finishing) against DEEPINFER_ENFORCE_EAGER=1, for each
+    model family: the same tokens and logprobs, and the replay did run."""
+    path, _ = family_model_dir
+    monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "1" if invariant else "0")
+    prompts = _prompts([3, 50, 130, 290, 77, 20, 64, 9], seed=6)
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (40, 12, 33, 45)] + \
+             [SamplingParams(temperature=0.8, max_tokens=30, seq_seed=s, ignore_eos=True) for s in (1, 2)] + \
+             [SamplingParams(temperature=0.0, max_tokens=20, top_logprobs=2, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)]
+
+    def run(eager: str):
+        monkeypatch.setenv("DEEPINFER_ENFORCE_EAGER", eager)
+        llm = _llm(path, monkeypatch, 8)
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        llm.generate(prompt_token_ids=prompts[:3], sampling_params=params[:3], use_tqdm=False)  # all greedy: multi-step
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], llm.engine.graphs
+
+    eager, none = run("1")
+    replayed, graphs = run("0")
+    assert none is None
+    assert replayed == eager
+    assert graphs.stats["replayed"] > 50 and graphs.stats["eager"] == 0, graphs.stats

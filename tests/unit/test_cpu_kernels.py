@@ -319,6 +319,37 @@ def test_moe_experts_off_the_blocked_shapes(T, D, inter, E, k):
                            kernels.moe_experts(x, w, ids, gate_up, down, 3.0)[t:t + 1])
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_argmax_kernel_is_torch_argmax_with_ties_nan_and_inf(seed):
+    """Greedy sampling: the first of equal maxima, a NaN counting as the largest (its first one),
+    a row of -inf giving 0, on row lengths across the kernel's chunks and lanes."""
+    g = _gen(seed)
+    for vocab in (1, 15, 16, 17, 8191, 8192, 8193, 40000, 129280):
+        x = torch.randint(-4, 4, (6, vocab), generator=g).float()  # many exact ties
+        x[1] = float("-inf")
+        x[2, vocab // 2:] = float("nan")
+        x[3, -1] = float("inf")
+        x[4] = torch.randn(vocab, generator=g)
+        got = kernels.argmax(x)
+        assert torch.equal(got, ref.argmax(x)), (vocab, got, ref.argmax(x))
+    make_accel = make()
+    x = torch.randn(3, 1000, generator=g)
+    t, z = torch.zeros(3), torch.zeros(3, dtype=torch.int64)
+    assert torch.equal(make_accel.sample(x, t, z, torch.ones(3), z, z), x.argmax(-1))  # greedy rows take it
+
+
+def test_copy_rows_kernel_matches_the_reference_for_any_dtype():
+    g = _gen(0)
+    for dtype in (torch.float32, torch.bfloat16, torch.int64):
+        pool = torch.randn(40, 24, generator=g).to(dtype)
+        src, dst = torch.tensor([30, 31, 5, 39]), torch.tensor([0, 7, 8, 2])
+        want = pool.clone()
+        ref.copy_rows(want, src, dst)
+        got = pool.clone()
+        kernels.copy_rows(got, src, dst)
+        assert torch.equal(got, want)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        kernels.copy_rows(torch.zeros(4, 2), torch.tensor([4]), torch.tensor([0]))
 @pytest.mark.parametrize("t", (1, 7, 33))
 @pytest.mark.parametrize("kernels_on, invariant", [("1", "0"), ("1", "1"), ("0", "1")],
                          ids=["kernels", "invariant-kernels", "invariant"])

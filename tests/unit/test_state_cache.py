@@ -30,7 +30,7 @@ def test_sliding_only_state_does_not_grow_with_length():
         assert cache.num_free_pages == 4
     # each layer keeps exactly one window ring per slot, nothing per token
     for layer in CacheView(cache, cfg).layers:
-        assert layer.kv.shape[0] == cache.max_seqs * cfg.sliding_window + cache.max_step_tokens
+        assert layer.kv.shape[0] == cache.ring_slots * cfg.sliding_window + cache.max_step_tokens  # + the trash slot
         assert layer.comp_ring is None and layer.index_keys is None
 
 

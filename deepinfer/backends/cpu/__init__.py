@@ -35,6 +35,8 @@ class CpuAccelerator(Accelerator):
     # for 2.98 tokens, and dynamic mode, which then nearly stops drafting, still ran 3-12% under no
     # drafting at concurrency 1-64 (benchmarks/dspark.py). DEEPINFER_USE_NEXTN_DECODE=5 turns it on.
     speculative_decoding = False
+    # decode steps are recorded once per shape and replayed from C++ (replay.py)
+    step_graphs = True
 
     linear = staticmethod(reference.linear)
     grouped_linear = staticmethod(reference.grouped_linear)
@@ -54,6 +56,8 @@ class CpuAccelerator(Accelerator):
     route_grouped_topk = staticmethod(reference.route_grouped_topk)
     route_hash = staticmethod(reference.route_hash)
     moe_experts = staticmethod(reference.moe_experts)
+    argmax = staticmethod(reference.argmax)
+    copy_rows = staticmethod(reference.copy_rows)
     sample = staticmethod(reference.sample)
     apply_token_bitmask = staticmethod(reference.apply_token_bitmask)
 
@@ -63,17 +67,31 @@ class CpuAccelerator(Accelerator):
             tensor = tensor.float()
         return tensor.contiguous()
 
-    def tune_for_model(self, hidden_size: int) -> None:
+    def tune_for_model(self, hidden_size: int, processes: int = 1) -> None:
         # Small models are bound by per-op overhead: one intra-op thread beats two on the tiny
         # shipped model (3.0 s vs 4.2 s for a 32 x 40-token batch) and does not collapse when
         # another process shares the cores (2.0 s vs 47 s measured, OpenMP oversubscription).
-        # DEEPINFER_CPU_THREADS overrides the choice.
+        # A replayed step still gives its large calls (an LM head over a real vocabulary) every core
+        # of this process's share, where they measured faster (replay.py). DEEPINFER_CPU_THREADS
+        # fixes the count everywhere instead.
         from deepinfer import envs
 
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        cores = max(1, cores // max(1, processes))
         threads = envs.get("DEEPINFER_CPU_THREADS")
-        if threads <= 0:
-            threads = 1 if hidden_size <= 1024 else (os.cpu_count() or 1)
+        fixed = threads > 0
+        if not fixed:
+            threads = 1 if hidden_size <= 1024 else cores
         torch.set_num_threads(threads)
+        self.step_threads = [] if fixed or cores <= threads else [threads, cores]
+
+    # thread counts a replayed step's calls choose from (tune_for_model): none to choose before it
+    step_threads: list[int] = []
+
+    def compile_step(self, recording, step_fn):
+        from deepinfer.backends.cpu import replay
+
+        return replay.compile_recording(recording, self.step_threads)
 
     def memory_available(self) -> int:
         try:
@@ -95,16 +113,10 @@ for _name in invariant.OPS:
 
 
 class _Kernels:
-    """What the kernel classes share: the fused sequences and the step program."""
+    """What the kernel classes share: the fused sequences."""
 
     def kernel(self, name: str):
         return kernels.FUSED.get(name)
-
-    def step_program(self, model, cache):
-        from deepinfer import envs
-        from deepinfer.backends.cpu.step_program import StepProgram
-
-        return StepProgram.build(model, cache, self) if envs.get("DEEPINFER_CPU_STEP_PROGRAM") else None
 
     def kernel_signature(self) -> str:
         return f"{super().kernel_signature()} fused {kernels.build_digest()}"

@@ -1,5 +1,5 @@
-// The fused kernels of fused_ops.cpp, for the other sources of the same library (step_program.cpp
-// chains them without a trip through Python or the dispatcher). Semantics: backends/base.py.
+// The fused kernels of fused_ops.cpp, declared for any other source of the same library that would
+// chain them without a trip through Python or the dispatcher. Semantics: backends/base.py.
 #pragma once
 
 #include <ATen/ATen.h>

@@ -6,10 +6,11 @@ decode step of a small model spends its time on (the mHC mix alone is ~80 ops, 8
 rope, compress_entries, sparse_attention and indexer_topk always; linear, moe_experts, swiglu_mlp
 (the shared expert), grouped_linear and the three routers for decode-sized batches (larger ones go to
 the reference, whose GEMMs win there). The fused sequences hc_pre_norm, hc_post_pre_norm and
-rms_norm_rope chain those kernels in one call. `step_program.cpp`, in the same library, chains the
-whole forward (step_program.py). It is built with torch's C++ extension loader on the machine
-that runs it (so `-march=native` is safe) into ~/.cache/deepinfer/cpu_kernels/<hash>, once per
-source/torch/compiler version; later processes only load the library.
+rms_norm_rope chain those kernels in one call; `sampling_ops.cpp` and `pool_ops.cpp`, in the same
+library, are greedy sampling's argmax and the row copies that commit a step's staged rows. It is
+built with torch's C++ extension loader on the machine that runs it (so `-march=native` is safe)
+into ~/.cache/deepinfer/cpu_kernels/<hash>, once per source/torch/compiler version; later
+processes only load the library.
 
 `DEEPINFER_CPU_KERNELS=0` keeps the reference ops. Without a working C++ compiler the build
 fails, a warning says why, and the reference ops are used.
@@ -29,28 +30,32 @@ import torch
 from deepinfer.backends import reference as ops
 
 _HERE = os.path.dirname(__file__)
-# one library: the kernels, and the step program that chains them (step_program.py)
-_SOURCES = [os.path.join(_HERE, name) for name in ("fused_ops.cpp", "step_program.cpp")]
+_SOURCES = [os.path.join(_HERE, name) for name in ("fused_ops.cpp", "sampling_ops.cpp", "pool_ops.cpp")]
 _HEADERS = [os.path.join(_HERE, "fused_ops.h")]
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd"]
 _lock = threading.Lock()
 _loaded: bool | None = None  # None: not tried yet
 
 
-def build_digest() -> str:
-    """Names one build of the kernels: their source, torch and the compiler flags."""
+def build_digest(sources: list[str] | None = None) -> str:
+    """Names one build of C++ sources (default: the kernels): their text, torch and the compiler flags."""
     digest = hashlib.sha256(torch.__version__.encode() + " ".join(_FLAGS).encode())
-    for path in _SOURCES + _HEADERS:
+    for path in (_SOURCES + _HEADERS if sources is None else sources):
         with open(path, "rb") as f:
             digest.update(f.read())
     return digest.hexdigest()[:16]
 
 
-def _build_dir() -> str:
+def build_dir(name: str = "cpu_kernels", sources: list[str] | None = None) -> str:
+    """Where a build of `sources` lives: ~/.cache/deepinfer/<name>/<digest> (XDG_CACHE_HOME honoured)."""
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    path = os.path.join(root, "deepinfer", "cpu_kernels", build_digest())
+    path = os.path.join(root, "deepinfer", name, build_digest(sources))
     os.makedirs(path, exist_ok=True)
     return path
+
+
+def _build_dir() -> str:
+    return build_dir()
 
 
 def load() -> bool:
@@ -193,6 +198,24 @@ def moe_experts(x, weights, ids, gate_up, down, limit, *, reference=ops.moe_expe
     return torch.ops.deepinfer_cpu.moe_experts(x, weights, ids, gate_up, down, limit)
 
 
+def argmax(logits, *, reference=ops.argmax):
+    """Greedy sampling (Accelerator.argmax): the kernel for float32 [B, V]."""
+    if logits.dim() != 2 or logits.dtype != _F32 or logits.shape[-1] == 0:
+        return reference(logits)
+    return torch.ops.deepinfer_cpu.argmax_rows(logits)
+
+
+def copy_rows(pool, src, dst, *, reference=ops.copy_rows):
+    """Accelerator.copy_rows: the kernel for pools with contiguous rows."""
+    if pool.dim() != 2 or pool.stride(1) != 1 or src.dtype != torch.int64 or dst.dtype != torch.int64:
+        return reference(pool, src, dst)
+    torch.ops.deepinfer_cpu.copy_rows(pool, src, dst)
+
+
+def sample(logits, temperature, top_k, top_p, seeds, positions, *, reference=ops.sample):
+    return reference(logits, temperature, top_k, top_p, seeds, positions, argmax=argmax)
+
+
 # The fused sequences of models/deepseek_v4/fused.py, served through Accelerator.kernel: None
 # declines an input (not float32) and the model runs the composite instead.
 def compress_entries(ring, rows, bias, overlap, norm_weight, eps, cos, sin):
@@ -225,7 +248,8 @@ FUSED = {"compress_entries": compress_entries, "hc_pre_norm": hc_pre_norm, "hc_p
 
 
 OPS = ("hc_pre", "hc_post", "hc_head", "rms_norm", "rope", "sparse_attention", "indexer_topk", "moe_experts",
-       "grouped_linear", "route_topk", "route_grouped_topk", "route_hash", "swiglu_mlp", "linear")
+       "grouped_linear", "route_topk", "route_grouped_topk", "route_hash", "swiglu_mlp", "linear", "argmax", "sample",
+       "copy_rows")
 
 
 def batch_invariant_ops() -> dict:

@@ -42,6 +42,9 @@ class NvidiaAccelerator(Accelerator):
 
     def __init__(self) -> None:
         self.device = _device()
+        # decode steps captured as CUDA graphs (graphs.py), on a GPU; batches padded to the captured sizes
+        self.step_graphs = self.pad_graph_batches = self.device.type == "cuda"
+        self._graph_pool = None
         # The csrc/cuda attention (built by setup.py / csrc/cuda/build.sh) replaces the Triton one
         # for every step size, so a token's result never depends on which kernel its batch picked.
         self.cuda_attention = self.device.type == "cuda" and cuda_ext.load() is not None
@@ -76,6 +79,15 @@ class NvidiaAccelerator(Accelerator):
     route_hash = staticmethod(sampling.route_hash)
     sample = staticmethod(sampling.sample)
     apply_token_bitmask = staticmethod(sampling.apply_token_bitmask)
+
+    def compile_step(self, recording, step_fn):
+        if self.device.type != "cuda" or step_fn is None:
+            return None
+        from deepinfer.backends.nvidia import graphs
+
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        return graphs.CapturedStep(recording, step_fn, self.device, graphs.cuda_capture(self._graph_pool))
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":

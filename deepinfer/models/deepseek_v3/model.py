@@ -86,10 +86,10 @@ class DeepseekV3Model(CausalLM):
     def cache_spec(self, margin: int) -> CacheSpec:
         return cache_spec(self.config)
 
-    def prepare(self, inp: StepInput, cache: StateCache) -> StepMeta:
+    def prepare(self, inp: StepInput, cache: StateCache, steps: int | None = None) -> StepMeta:
         cp = self.parallel.context_parallel
         split = cp.split(inp.lens.tolist(), cache.device) if cp is not None else None
-        return StepMeta(inp, cache, self.config, split=split)
+        return StepMeta(inp, cache, self.config, split=split, steps=steps)
 
     def _prepare_layer(self, weights: dict[str, torch.Tensor], i: int) -> None:
         """A layer's checkpoint tensors in the form the forward multiplies by (host side, float32):

@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from deepinfer.core.cache import CacheSpec, PoolSpec, StateCache
+from deepinfer.core.graphs import size_bucket
 from deepinfer.models.base import StepInput
 from deepinfer.models.deepseek_v3.config import DeepseekV3Config
 
@@ -28,6 +29,12 @@ def _arange_within(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return group, np.arange(len(group)) - first[group]
 
 
+# Attention widths of V3's steps are rounded up to powers of two from 64 to 1024, then to multiples of
+# 1024: decode steps fall into few shape buckets (the engine records a bucket twice before replaying
+# it, core/graphs.py), and the padded columns (-1) cost the attention kernels a skipped entry each.
+_MIN_WIDTH, _LINEAR_FROM = 64, 1024
+
+
 class StepMeta:
     """Index tensors of one step, planned on the host (numpy, from the cache's block table: no device
     sync) and moved to the cache's device in one go:
@@ -35,27 +42,46 @@ class StepMeta:
     - write_rows [T]: the pool row each token's latent row goes to (every layer's pool has the same
       page layout, so one set of rows serves all);
     - attention [T, W]: the pool rows each token attends to, its sequence's positions 0..p (-1
-      beyond), W = the step's longest context. O(T x W): fine for decode and for the short
-      prefills of the tiny models; a causal-range form of the op would be the way to long prefills.
+      beyond), W = the step's longest context rounded up (size_bucket: the shapes of a decode step
+      depend on the batch size and that bucket only, so one recording serves many steps). O(T x W):
+      fine for decode and for the short prefills of the tiny models; a causal-range form of the op
+      would be the way to long prefills.
     `ids` is the device copy of the step's token ids, which the engine may patch with the previous
     step's samples. With context parallelism (`split`), `own` selects the token rows this rank
-    computes and `all_tokens` gathers rows of every token from every rank."""
+    computes and `all_tokens` gathers rows of every token from every rank. `steps` plans that many
+    decode steps at once (multi-step decoding: sequence b at position starts[b] + s in step s):
+    every tensor gets a leading dimension of `steps`, `ids` of which only the first row is known."""
 
-    def __init__(self, inp: StepInput, cache: StateCache, config: DeepseekV3Config, split=None):
+    def __init__(self, inp: StepInput, cache: StateCache, config: DeepseekV3Config, split=None,
+                 steps: int | None = None):
         self.inp, self.cache, self.config = inp, cache, config
         starts, slots, lens = inp.starts.numpy(), inp.slots.numpy(), inp.lens.numpy()
         self.num_tokens = int(lens.sum())
-        seq, within = _arange_within(lens)
+        batch = len(lens)
+        if steps is None:
+            seq, within = _arange_within(lens)
+        elif self.num_tokens != batch:
+            raise ValueError("several steps are planned at once only for decode steps")
+        else:  # token (s, b): sequence b at position starts[b] + s
+            seq, within = np.tile(np.arange(batch), steps), np.repeat(np.arange(steps), batch)
         positions = starts[seq] + within
         self.positions = positions
-        self.rope = config.cos_sin(positions)
+        cos, sin = config.cos_sin(positions)
         pool = cache.pools["layers.0.latent"]
         tok_slots = slots[seq]
-        self.write_rows = pool.page_base + cache.page_rows(pool, tok_slots, positions)
-        width = int(positions.max()) + 1 if self.num_tokens else 0
+        write_rows = pool.page_base + cache.page_rows(pool, tok_slots, positions)
+        most = cache.block_table.shape[1] * pool.page_rows  # positions a block-table row maps
+        width = min(size_bucket(int(positions.max()) + 1, _MIN_WIDTH, _LINEAR_FROM), most) if len(positions) else 0
         cols = np.arange(width)[None, :]
         rows = pool.page_base + cache.page_rows(pool, tok_slots[:, None], cols)
-        self.attention = np.where(cols <= positions[:, None], rows, -1)
+        attention = np.where(cols <= positions[:, None], rows, -1)
+        planned = [write_rows, attention, cos, sin]
+        ids = inp.ids
+        if steps is not None:  # [steps, ...]: step s is row s of every tensor
+            planned = [a.reshape(steps, batch, *a.shape[1:]) for a in planned]
+            ids = np.zeros((steps, batch), dtype=np.int64)
+            ids[0] = inp.ids.numpy()
+        self.ids, self.write_rows, self.attention, self.rope = ids, planned[0], planned[1], tuple(planned[2:])
         self.split = split
         self.own: slice | torch.Tensor = slice(None) if split is None else split.own
         self._to_device(cache.device)
@@ -67,7 +93,7 @@ class StepMeta:
             t = torch.from_numpy(t) if isinstance(t, np.ndarray) else t
             return t if on_host else t.to(device, non_blocking=True)
 
-        self.ids = move(self.inp.ids)
+        self.ids = move(self.ids)
         self.write_rows = move(self.write_rows)
         self.attention = move(self.attention)
         self.rope = tuple(map(move, self.rope))

@@ -61,7 +61,6 @@ class DeepseekV4Model(CausalLM):
                 self.experts.append(ep.add_layer(self.w.pop(p + "gate_up_proj"), self.w.pop(p + "down_proj"),
                                                  config.num_experts_per_tok, config.swiglu_limit))
         self._views: tuple[StateCache, CacheView] | None = None
-        self._program, self._program_cache = None, None  # see step_program
 
     # ------------------------------------------------------------ the model interface
     @classmethod
@@ -126,18 +125,15 @@ class DeepseekV4Model(CausalLM):
         earlier step runs. With `feature_layers` (the DSpark drafter's context), returns
         (logits, features [len(feature_rows), len(feature_layers), D]): the attention input of
         those layers, averaged over the hc streams, at the flat token indices `feature_rows`.
-        The accelerator's step program (Accelerator.step_program) runs the steps it takes; the
-        others run `forward_graph`."""
+        The engine records this graph per shape bucket and replays it (core/graphs.py)."""
         meta = meta if meta is not None else self.prepare(inp, cache)
-        program = self.step_program(cache)
-        if program is not None and not feature_layers and program.runs(meta):
-            return program(meta, logit_rows.to(cache.device))
         return self.forward_graph(meta, logit_rows, feature_layers, feature_rows)
 
     @torch.inference_mode()
     def forward_graph(self, meta: StepMeta, logit_rows: torch.Tensor,
                       feature_layers: tuple[int, ...] = (), feature_rows: torch.Tensor | None = None):
-        """`forward` op by op: the definition every step program must reproduce."""
+        """`forward` op by op: the definition every replay of a recorded step reproduces. It reads
+        the step only through `meta`'s tensors (core/graphs.py replays it with another step's)."""
         cfg, ops, w, cache = self.config, self.accel, self.w, meta.cache
         ids = meta.ids[meta.own]
         x = ops.embedding(ids, w["model.embed_tokens.weight"])
@@ -156,37 +152,17 @@ class DeepseekV4Model(CausalLM):
                                                                 *self._block_entry(b + 1))
             else:
                 streams = ops.hc_post(out, streams, post, comb)
-        streams = meta.all_tokens(streams)[logit_rows.to(streams.device)]
+        streams = meta.all_tokens(streams).index_select(0, logit_rows.to(streams.device))
         h = ops.hc_head(streams, w["model.hc_head.hc_fn"], w["model.hc_head.hc_base"],
                         w["model.hc_head.hc_scale"], cfg.rms_norm_eps, cfg.hc_eps)
         h = ops.rms_norm(h, w["model.norm.weight"], cfg.rms_norm_eps)
         logits = ops.linear(h, w["lm_head.weight"])
         return (logits, torch.stack(features, dim=1)) if feature_layers else logits
 
-    def step_program(self, cache: StateCache):
-        """The accelerator's step program for `cache` (built on first use), or None. Not with
-        expert or context parallelism: their collectives run from Python inside the forward."""
-        if self.parallel.expert_parallel is not None or self.parallel.context_parallel is not None:
-            return None
-        if self._program_cache is not cache:
-            self._program, self._program_cache = self.accel.step_program(self, self.view(cache)), cache
-        return self._program
-
-    def decode_steps(self, ids: list[int], slots: list[int], starts: list[int], steps: int,
-                     cache: StateCache) -> torch.Tensor | None:
-        """`steps` greedy decode steps of a batch in one call of the accelerator's step program
-        (multi-step scheduling): sequence b feeds ids[b] at position starts[b], then its own argmax
-        each step. Returns the tokens [steps, B], or None where the program cannot (no program, or
-        not for this batch): the engine then runs the steps one by one, with the same results."""
-        program = self.step_program(cache)
-        decode = getattr(program, "decode", None)
-        return decode(ids, slots, starts, steps) if decode is not None else None
-
-    def prepare(self, inp: StepInput, cache: StateCache) -> StepMeta:
+    def prepare(self, inp: StepInput, cache: StateCache, steps: int | None = None) -> StepMeta:
         cp = self.parallel.context_parallel
         split = cp.split(inp.lens.tolist(), cache.device) if cp is not None else None
-        return StepMeta(inp, self.view(cache), self.config, planner=getattr(self.step_program(cache), "plan", None),
-                        split=split)
+        return StepMeta(inp, self.view(cache), self.config, split=split, steps=steps)
 
     def _block_entry(self, b: int) -> tuple:
         """hc_pre_norm's arguments after the streams for block b (2i: layer i's attention, 2i+1: its MoE)."""
@@ -246,8 +222,7 @@ class DeepseekV4Model(CausalLM):
 
         out = ops.sparse_attention(q, layer.kv, indices, w[p + "sinks"], head_dim ** -0.5)
         out = ops.rope(out, cos[own], sin[own], inverse=True)
-        src, dst = meta.window_commit
-        layer.kv.index_copy_(0, dst, layer.kv.index_select(0, src))
+        ops.copy_rows(layer.kv, *meta.window_commit)
         out = ops.grouped_linear(out.reshape(num_tokens, cfg.o_groups, -1), w[p + "o_a_proj.weight"])
         return ops.linear(out.flatten(1), w[p + "o_b_proj.weight"])
 
@@ -257,22 +232,21 @@ class DeepseekV4Model(CausalLM):
         (softmax-gated sum, RMSNorm, RoPE at the window's first position) and write it to its page."""
         cfg, ops, w = self.config, self.accel, self.w
         num_tokens = kv_gate.shape[0]
-        scratch = cache.max_seqs * layer.comp_ring_size
+        scratch = cache.ring_slots * layer.comp_ring_size
         ring[scratch:scratch + num_tokens].copy_(kv_gate)
         rows = info["tok_rows"]
         if rows.shape[0]:
             entry = fused.compress_entries(ops, ring, rows, w[p + "position_bias"], layer.kind == CSA,
                                            w[p + "kv_norm.weight"], cfg.rms_norm_eps, *info["cos_sin"])
             entries_out.index_copy_(0, info["out_rows"], entry.to(entries_out.dtype))
-        src, dst = info["commit"]
-        ring.index_copy_(0, dst, ring.index_select(0, src))
+        ops.copy_rows(ring, *info["commit"])
 
     # ------------------------------------------------------------ MoE
     def _moe(self, i: int, h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         cfg, ops, w = self.config, self.accel, self.w
         p = f"model.layers.{i}.mlp."
         if cfg.mlp_layer_types[i] == "hash_moe":
-            expert_ids = w[p + "gate.tid2eid"][ids]
+            expert_ids = w[p + "gate.tid2eid"].index_select(0, ids)
             weights = ops.route_hash(h, w[p + "gate.weight"], expert_ids, cfg.routed_scaling_factor)
         else:
             weights, expert_ids = ops.route_topk(h, w[p + "gate.weight"], w[p + "gate.e_score_correction_bias"],

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from deepinfer.core.cache import CacheSpec, Pool, PoolSpec, StateCache
+from deepinfer.core.graphs import size_bucket
 from deepinfer.models.base import StepInput
 from deepinfer.models.deepseek_v4.config import CSA, DeepseekV4Config
 
@@ -66,7 +67,8 @@ class CacheView:
 
     def __init__(self, cache: StateCache, config: DeepseekV4Config):
         self.cache = cache
-        self.max_seqs, self.max_step_tokens = cache.max_seqs, cache.max_step_tokens
+        # ring slots: the sequence slots and the trash slot (StateCache), each `ring` rows
+        self.ring_slots, self.max_step_tokens = cache.ring_slots, cache.max_step_tokens
         self.page_tokens, self.block_table = cache.page_tokens, cache.block_table
         self.dtype, self.device = cache.dtype, cache.device
         pools = cache.pools
@@ -82,14 +84,27 @@ class CacheView:
             self.layers.append(LayerState(
                 config.layer_types[i], config.compress_rate(i), kv.data, kv,
                 comp.data if comp else None, index.data if index else None, keys.data if keys else None, margin))
+        # one layer per compressed kind: the planning is shared by the layers of a kind
+        kinds = {}
+        for layer in self.layers:
+            if layer.rate:
+                kinds.setdefault((layer.kind, layer.rate), layer)
+        self.kinds: list[LayerState] = list(kinds.values())
 
     def entry_rows(self, layer: LayerState, slots: np.ndarray, entries: np.ndarray) -> np.ndarray:
         """Rows (relative to the compressed region) of compressed entries `entries` of `slots`."""
         return self.cache.page_rows(layer.kv_pool, slots, entries)
 
+    def trash_row(self, layer: LayerState) -> int:
+        """A row of the cache's trash page (StateCache.trash_page) in the layer's paged pools."""
+        return self.cache.trash_page * layer.kv_pool.page_rows
+
     def entry_base(self) -> int:
         """First row of the compressed-entry region inside a layer's kv tensor."""
         return self.ring_rows + self.max_step_tokens
+
+
+_MIN_ENTRIES = 64  # candidate entries per token at least (fewer buckets for short sequences)
 
 
 def _arange_within(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -107,14 +122,23 @@ class StepMeta:
     device copy of the step's token ids, which the engine may patch with the previous step's
     samples before the forward. The index arithmetic runs in numpy: it is ~60 operations on
     arrays of a few hundred elements, where a torch op's fixed cost (~5 us) was most of a
-    decode step's planning time."""
+    decode step's planning time.
 
-    def __init__(self, inp: StepInput, cache: CacheView, config: DeepseekV4Config, planner=None, split=None):
+    A decode step (one token per sequence) is planned with fixed shapes, so that the engine
+    records it once per batch size and replays it for every later one (core/graphs.py): one
+    compressed window per sequence, finished or not (an unfinished one has no tokens, rows -1, and
+    its entry goes to the cache's trash page), and the entries a token may see padded to at least
+    _MIN_ENTRIES, then a power of two (then multiples of 64), with -1 (absent: every op skips them,
+    and the indexer's pick does not depend on the padding). `steps` > 1 plans that many decode steps
+    at once (multi-step decoding: sequence b at position starts[b] + s in step s): every tensor
+    gets a leading dimension of `steps`, `ids` of which only the first row is known; numpy's cost
+    is per call, so k steps cost about one."""
+
+    def __init__(self, inp: StepInput, cache: CacheView, config: DeepseekV4Config, split=None,
+                 steps: int | None = None):
         self.inp, self.cache, self.config = inp, cache, config
         self.starts, self.slots = inp.starts.numpy(), inp.slots.numpy()
         lens = inp.lens.numpy()
-        self.first = np.cumsum(lens) - lens  # flat index of each sequence's first token
-        self.ends = self.starts + lens
         self.num_tokens = int(lens.sum())
         if self.num_tokens > cache.max_step_tokens:
             raise ValueError(f"step has {self.num_tokens} tokens, cache scratch holds {cache.max_step_tokens}")
@@ -124,33 +148,60 @@ class StepMeta:
         # keys and compressed inputs are then completed from the other ranks by all_tokens.
         self.split = split
         self.own: slice | torch.Tensor = slice(None) if split is None else split.own
-        # An accelerator's planner (its step program's) may compute the same arrays faster; it
-        # declines what it does not cover (it returns False), and the numpy below is the definition.
-        replay = inp.window_floor is not None or inp.num_restored is not None
-        if planner is None or replay or not planner(self):
-            self._plan()
+        self.decode = self.num_tokens == len(lens) and inp.window_floor is None and inp.num_restored is None
+        if steps is not None and not self.decode:
+            raise ValueError("several steps are planned at once only for decode steps")
+        self._plan(steps or 1)
+        if steps is not None:  # [steps, ...]: step s is row s of every tensor
+            batch = len(lens)
+            self._map(lambda a: a.reshape(steps, batch, *a.shape[1:]))
+            self.ids = np.zeros((steps, batch), dtype=np.int64)
+            self.ids[0] = inp.ids.numpy()
+        else:
+            self.ids = inp.ids
         self._to_device(cache.device)
 
-    def _plan(self) -> None:
-        """Every index array of the step, in numpy."""
+    def _plan(self, steps: int) -> None:
+        """Every index array of the step (or of `steps` decode steps, token (s, b) = sequence b at
+        position starts[b] + s, the only token of its sequence in its step), in numpy."""
         inp, cache, config = self.inp, self.cache, self.config
-        self.seq, within = _arange_within(inp.lens.numpy())
-        self.positions = self.starts[self.seq] + within
+        if self.decode:
+            batch = len(self.starts)
+            seq = np.tile(np.arange(batch), steps)
+            self.positions = self.starts[seq] + np.repeat(np.arange(steps), batch)
+            # per token: its step's first position of the sequence, the flat index of the sequence's
+            # first token in its step, its slot, the end of its sequence's tokens in its step
+            self.tok = (self.positions, seq, self.slots[seq], self.positions + 1)
+        else:
+            lens = inp.lens.numpy()
+            first = np.cumsum(lens) - lens
+            seq, within = _arange_within(lens)
+            self.positions = self.starts[seq] + within
+            self.tok = (self.starts[seq], first[seq], self.slots[seq], (self.starts + lens)[seq])
         self.rope = {"main": config.rope_main.cos_sin(self.positions),
                      "compress": config.rope_compress.cos_sin(self.positions)}
         window = config.sliding_window
         key_pos = self.positions[:, None] + np.arange(-(window - 1), 1)
         if inp.window_floor is not None:  # keys never computed after a prefix-cache hit read as absent
-            floor = inp.window_floor.numpy()[self.seq]
+            floor = inp.window_floor.numpy()[seq]
             floor = np.where(self.positions >= floor, floor, 0)
             key_pos = np.where(key_pos >= floor[:, None], key_pos, -1)
-        self.window_rows = self.rows(key_pos, self.seq[:, None], cache.ring, 0)
-        self.window_commit = self._commit(cache.ring, 0)
+        start, first_tok, slot, _ = (t[:, None] for t in self.tok)
+        self.window_rows = self.rows(key_pos, start, first_tok, slot, cache.ring)
+        self.window_commit = self._commit(cache.ring)
         # Read the block table now: with overlapped scheduling the CPU may hand a freed slot or
         # page to another request while this step is still queued on the device.
-        for layer in cache.layers:
-            if layer.rate:
-                self.compressed(layer)
+        for layer in cache.kinds:
+            self._by_rate[layer.kind, layer.rate] = self._compressed(layer)
+
+    def _map(self, f) -> None:
+        """Replace every planned array by f(array)."""
+        self.window_rows = f(self.window_rows)
+        self.window_commit = tuple(map(f, self.window_commit))
+        self.rope = {k: tuple(map(f, v)) for k, v in self.rope.items()}
+        for info in self._by_rate.values():
+            for k, v in info.items():
+                info[k] = tuple(map(f, v)) if isinstance(v, tuple) else f(v)
 
     def _to_device(self, device: torch.device) -> None:
         on_host = device.type == "cpu"
@@ -159,70 +210,72 @@ class StepMeta:
             t = torch.from_numpy(t) if isinstance(t, np.ndarray) else t
             return t if on_host else t.to(device, non_blocking=True)
 
-        self.ids = move(self.inp.ids)
-        self.window_rows = move(self.window_rows)
-        self.window_commit = tuple(map(move, self.window_commit))
-        self.rope = {k: tuple(map(move, v)) for k, v in self.rope.items()}
-        for info in self._by_rate.values():
-            for k in ("tok_rows", "out_rows", "candidates", "attention_rows"):
-                if k in info:
-                    info[k] = move(info[k])
-            info["cos_sin"] = tuple(map(move, info["cos_sin"]))
-            info["commit"] = tuple(map(move, info["commit"]))
+        self.ids = move(self.ids)
+        self._map(move)
 
     def all_tokens(self, own_rows: torch.Tensor) -> torch.Tensor:
         """Rows of every token of the step, from the rows of the tokens this process owns."""
         return own_rows if self.split is None else self.split.gather(own_rows)
 
-    def rows(self, pos: np.ndarray, seq: np.ndarray, ring: int, ring_base: int) -> np.ndarray:
-        """Row of token `pos` of batch sequence `seq` (broadcast against pos) in a [ring rows |
-        scratch] tensor whose scratch starts at slots*ring: the step's own tokens are read from
-        the scratch, older ones from the ring; negative positions give -1."""
-        start = self.starts[seq]
-        scratch = self.cache.max_seqs * ring + self.first[seq] + (pos - start)
-        ringed = ring_base + self.slots[seq] * ring + pos % ring  # numpy's % is floor-mod, as torch.remainder
+    def rows(self, pos: np.ndarray, start: np.ndarray, first: np.ndarray, slot: np.ndarray, ring: int) -> np.ndarray:
+        """Row of position `pos` of the sequence whose tokens in this step start at position `start`,
+        at flat token `first`, in `slot` (all broadcast against pos), in a [ring rows | scratch]
+        tensor whose scratch starts at ring_slots*ring: the step's own tokens are read from the scratch,
+        older ones from the ring; negative positions give -1."""
+        scratch = self.cache.ring_slots * ring + first + (pos - start)
+        ringed = slot * ring + pos % ring  # numpy's % is floor-mod, as torch.remainder
         rows = np.where(pos >= start, scratch, ringed)
         return np.where(pos >= 0, rows, -1)
 
-    def _commit(self, ring: int, ring_base: int) -> tuple[np.ndarray, np.ndarray]:
+    def _commit(self, ring: int) -> tuple[np.ndarray, np.ndarray]:
         """(scratch rows, ring rows) of the tokens a ring of `ring` rows keeps after the step."""
-        tokens = np.flatnonzero(self.positions >= (self.ends[self.seq] - ring))
-        pos, seq = self.positions[tokens], self.seq[tokens]
-        src = self.cache.max_seqs * ring + tokens
-        dst = ring_base + self.slots[seq] * ring + pos % ring
-        return src, dst
+        start, first, slot, end = self.tok
+        pos = self.positions
+        if not self.decode:  # a decode step keeps its one token per sequence
+            tokens = np.flatnonzero(pos >= end - ring)
+            pos, start, first, slot = pos[tokens], start[tokens], first[tokens], slot[tokens]
+        return self.cache.ring_slots * ring + first + (pos - start), slot * ring + pos % ring
 
     def compressed(self, layer: LayerState) -> dict:
         """Windows finished in this step and the entries each token may see, for a layer kind."""
-        key = (layer.kind, layer.rate)
-        if key in self._by_rate:
-            return self._by_rate[key]
+        return self._by_rate[layer.kind, layer.rate]
+
+    def _compressed(self, layer: LayerState) -> dict:
         rate, ring, cache, inp = layer.rate, layer.comp_ring_size, self.cache, self.inp
-        # windows w whose last token arrives in this step: starts//rate <= w < ends//rate,
-        # except the restored ones of a prefix-cache hit (shared pages: read-only)
-        first = self.starts if inp.num_restored is None else np.maximum(self.starts, inp.num_restored.numpy())
-        w_lo = first // rate
-        counts = np.maximum(self.ends // rate - w_lo, 0)
-        win_seq, within = _arange_within(counts)
-        win = w_lo[win_seq] + within
+        start, first, slot, end = self.tok
+        if self.decode:  # one window per token: the one it finishes, if any
+            finished = (self.positions + 1) % rate == 0
+            win = np.where(finished, (self.positions + 1) // rate - 1, 0)
+            w_start, w_first, w_slot = start, first, slot
+        else:
+            # windows w whose last token arrives in this step: starts//rate <= w < ends//rate,
+            # except the restored ones of a prefix-cache hit (shared pages: read-only)
+            lo = self.starts if inp.num_restored is None else np.maximum(self.starts, inp.num_restored.numpy())
+            lens = inp.lens.numpy()
+            w_lo = lo // rate
+            win_seq, within = _arange_within(np.maximum((self.starts + lens) // rate - w_lo, 0))
+            win = w_lo[win_seq] + within
+            seq_first = np.cumsum(lens) - lens
+            w_start, w_first, w_slot, finished = self.starts[win_seq], seq_first[win_seq], self.slots[win_seq], None
         # CSA entries mix the previous window (first half) with their own (second half)
         span = 2 * rate if layer.kind == CSA else rate
         tok_pos = (win[:, None] + 1) * rate - span + np.arange(span)
-        tok_rows = self.rows(tok_pos, win_seq[:, None], ring, 0)
-        out_rows = cache.entry_rows(layer, self.slots[win_seq], win)
+        tok_rows = self.rows(tok_pos, w_start[:, None], w_first[:, None], w_slot[:, None], ring)
+        out_rows = cache.entry_rows(layer, w_slot, win)
+        if finished is not None:  # an unfinished window: no tokens, its entry to the trash page
+            tok_rows = np.where(finished[:, None], tok_rows, -1)
+            out_rows = np.where(finished, out_rows, cache.trash_row(layer))
         entry_cos_sin = self.config.rope_compress.cos_sin(win * rate)
         # entries visible to token at p: w < (p + 1) // rate
         visible = (self.positions + 1) // rate
-        width = int(visible.max()) if self.num_tokens else 0
+        most = cache.block_table.shape[1] * layer.kv_pool.page_rows  # entries a block-table row maps
+        width = min(size_bucket(int(visible.max()), _MIN_ENTRIES), most) if len(visible) else 0
         entries = np.arange(width)[None, :]
-        cand = cache.entry_rows(layer, self.slots[self.seq][:, None], entries)
+        cand = cache.entry_rows(layer, slot[:, None], entries)
         cand = np.where(entries < visible[:, None], cand, -1)
         info = dict(tok_rows=tok_rows, out_rows=out_rows, cos_sin=entry_cos_sin, candidates=cand,
-                    commit=self._commit(ring, 0))
+                    commit=self._commit(ring))
         if layer.kind != CSA:  # every visible entry is attended: the whole index list is known now
             base = cache.entry_base()
             info["attention_rows"] = np.concatenate([self.window_rows, np.where(cand >= 0, cand + base, -1)], axis=1)
-        self._by_rate[key] = info
         return info
-
-

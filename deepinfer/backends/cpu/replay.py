@@ -1,0 +1,155 @@
+"""The cpu backend's replay of recorded steps: a recording (core/graphs.py: the operators one step
+called, with its tensors named as slots and constants) becomes a `Tape` of replay.cpp, which calls
+the same operators with the same arguments from C++, no Python between them. Built with torch's
+C++ extension loader on first use (as kernels.py builds the fused kernels), as a Python module.
+
+Threads per instruction: the engine runs small models on one intra-op thread (a tiny op loses more
+to waking a second thread than it gains), but some calls of such a step are large, e.g. the LM
+head of a 129,280-token vocabulary (10.4 ms on one core here, 4.9 ms on two; the fused kernels of a
+batch-32 step of the test model measured no faster on two). The first replay of a tape times every
+call that writes no argument (calling it again changes nothing) and takes over `_MIN_TRIED` on one
+thread, on each thread count the accelerator offers (CpuAccelerator.tune_for_model: this process's
+share of the cores), and keeps a larger count where it saved at least `_MIN_GAIN` of the call's time
+and `_MIN_SAVED` seconds. DEEPINFER_CPU_THREADS set to a count fixes every call at that count.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import warnings
+
+import torch
+
+from deepinfer.backends.base import Const, Slot
+from deepinfer.backends.cpu import kernels
+
+_HERE = os.path.dirname(__file__)
+_SOURCE = os.path.join(_HERE, "replay.cpp")
+_lock = threading.Lock()
+_module = None  # the built module, False if it cannot be built
+_MIN_GAIN = 0.15  # a call keeps more threads only when they save this share of its time ...
+_MIN_SAVED = 20e-6  # ... and at least this many seconds (waking a thread, this machine's noise)
+_PROFILE_REPEATS = 3
+_MIN_TRIED = 100e-6  # calls shorter than this on one thread are not tried on more
+
+
+def load():
+    """The compiled replay module, or None (with a warning) where it cannot be built."""
+    global _module
+    with _lock:
+        if _module is None:
+            _module = _build() or False
+        return _module or None
+
+
+def _build():
+    from torch.utils import cpp_extension
+
+    path = kernels.build_dir("replay", [_SOURCE])
+    if not os.path.exists(os.path.join(path, "deepinfer_cpu_replay.so")):
+        print("deepinfer: compiling the cpu backend's step replay (once, ~40 s)...", file=sys.stderr, flush=True)
+    try:
+        return cpp_extension.load(name="deepinfer_cpu_replay", sources=[_SOURCE], extra_cflags=["-O2"],
+                                  build_directory=path, verbose=False)
+    except Exception as exc:  # no compiler: steps run eagerly, op by op
+        warnings.warn(f"deepinfer: the cpu step replay could not be built ({type(exc).__name__}); steps run "
+                      "op by op", RuntimeWarning, stacklevel=3)
+        return None
+
+
+class TapeStep:
+    """A compiled step: `step(inputs) -> outputs` (the recording's output tensors, new each call)."""
+
+    def __init__(self, tape, options: list[int]):
+        self.tape, self.options = tape, options
+        self.threads: list[int] | None = None  # chosen per instruction at the first call
+
+    def __call__(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        if self.threads is None and self.options:
+            outputs, seconds = self.tape.profile(inputs, self.options, _PROFILE_REPEATS, _MIN_TRIED)
+            self.threads = [self._choose(times[:-1]) for times in seconds]
+            self.tape.set_threads(self.threads)
+            return outputs
+        return self.tape.run(inputs)
+
+    def run_steps(self, per_step: list[torch.Tensor], shared: list[torch.Tensor], steps: int,
+                  feedback: list[tuple[int, int]]) -> list[torch.Tensor]:
+        """`steps` replays in one C++ call: step s reads row s of each `per_step` tensor and all of
+        `shared`, except input i of a (o, i) in `feedback`, which takes the step before's output o
+        (from the second step on). -> each output stacked over the steps."""
+        pairs = [v for pair in feedback for v in pair]
+        previous, first = [], 0
+        if self.threads is None and self.options:  # the first replay chooses the threads (__call__)
+            previous = self([t[0] for t in per_step] + list(shared))
+            first = 1
+            if steps == 1:
+                return [o[None] for o in previous]
+        out = self.tape.run_steps([t[first:] for t in per_step], list(shared), steps - first, pairs, previous)
+        return out if not first else [torch.cat([p[None], o]) for p, o in zip(previous, out)]
+
+    def _choose(self, times: list[float]) -> int:
+        if not times or times[0] < 0 or min(times) < 0:
+            return 0
+        best = min(range(len(times)), key=times.__getitem__)
+        saved = times[0] - times[best]
+        return self.options[best] if best and saved >= _MIN_GAIN * times[0] and saved >= _MIN_SAVED else 0
+
+    def threaded(self) -> list[tuple[str, int]]:
+        """(operator, threads) of the calls that run on more than the default threads."""
+        names = self.tape.op_names()
+        return [(names[i], t) for i, t in enumerate(self.threads or []) if t]
+
+
+def compile_recording(recording, thread_options: list[int] = ()) -> TapeStep | None:
+    """The recording as a C++ tape, or None where the replay module cannot be built.
+    `thread_options`: the thread counts its calls choose from at the first replay ([]: none)."""
+    module = load()
+    if module is None:
+        return None
+    from_slot = [torch.empty(0) for _ in range(recording.num_slots)]  # stand-ins, matched by identity
+    constants = recording.constants
+    last_read: dict[int, int] = {}
+    for k, ins in enumerate(recording.instructions):
+        for s in _slots_in((ins.args, ins.kwargs)):
+            last_read[s] = k
+    keep = {o.index for o in recording.outputs}
+    frees: list[list[int]] = [[] for _ in recording.instructions]
+    for k, ins in enumerate(recording.instructions):
+        for s in ins.outs:  # returned, never read: released at once
+            if s >= 0 and s not in last_read and s not in keep:
+                frees[k].append(s)
+    for s, k in last_read.items():
+        if s not in keep:
+            frees[k].append(s)
+    tape = module.Tape(recording.num_slots, list(range(recording.num_inputs)), [o.index for o in recording.outputs])
+    for shape, stride, dtype in recording.input_specs:
+        tape.expect_input(torch.empty_strided(shape, stride, dtype=dtype, device="meta"))
+
+    def value(a):
+        if isinstance(a, Slot):
+            return from_slot[a.index]
+        if isinstance(a, Const):
+            return constants[a.index]
+        if isinstance(a, (list, tuple)):
+            return type(a)(value(v) for v in a)
+        return a
+
+    for k, ins in enumerate(recording.instructions):
+        used = sorted(set(_slots_in((ins.args, ins.kwargs))))
+        schema = ins.op._schema
+        tape.add(schema.name, schema.overload_name, value(ins.args), {n: value(v) for n, v in ins.kwargs.items()},
+                 [from_slot[s] for s in used], used, ins.outs, frees[k])
+    return TapeStep(tape, list(thread_options))
+
+
+def _slots_in(value):
+    if isinstance(value, Slot):
+        yield value.index
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _slots_in(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _slots_in(v)

@@ -1,0 +1,306 @@
+"""Step graphs (core/graphs.py, backends/cpu/replay.py): a decode step of any registered model
+recorded once per shape bucket and replayed from C++ must give the eager graph's logits and leave
+its cache state, bit for bit, on every later step of the bucket (fast and batch-invariant); a changed argument in a
+recording must be caught by that comparison; what a replay could not repeat stays eager."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from model_runner import build_model, new_cache
+from tiny_models import CONFIGS, make_hf_model
+from tiny_models_v3 import CONFIGS as V3_CONFIGS
+from tiny_models_v3 import make_hf_model as make_hf_model_v3
+
+from deepinfer.backends.base import Const, Instruction
+from deepinfer.backends.cpu import kernels, replay
+from deepinfer.core.graphs import StepGraphs, record, signature, step_inputs
+from deepinfer.models.base import StepInput
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def _kernels(monkeypatch):
+    monkeypatch.setenv("DEEPINFER_CPU_KERNELS", "1")
+    monkeypatch.setenv("DEEPINFER_CPU_THREADS", "1")  # no thread calibration: the same calls each time
+    if not kernels.load() or replay.load() is None:
+        pytest.skip("the cpu kernels or the replay could not be built here")
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bits (padding writes NaN into the trash page: NaN != NaN, equal bits are equal)."""
+    return t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32) \
+        if t.is_floating_point() else t
+
+
+def _pools(cache) -> list[torch.Tensor]:
+    return [pool.data for pool in cache.pools.values()]
+
+
+def _schedule(lengths: list[int], seed: int, max_chunk: int) -> list[list[tuple[int, int]]]:
+    """Sequences join at different steps and advance by prefill chunks or single decode tokens; once
+    a sequence's prompt is fed it decodes, so runs of decode steps repeat their buckets."""
+    rng = random.Random(seed)
+    fed, join, steps, step_no = [0] * len(lengths), [rng.randint(0, 5) for _ in lengths], [], 0
+    while any(f < n for f, n in zip(fed, lengths)):
+        step = []
+        for s, n in enumerate(lengths):
+            if step_no >= join[s] and fed[s] < n:
+                prefill = fed[s] < n // 2
+                take = min(n - fed[s], rng.choice([1, 2, rng.randint(3, max_chunk)]) if prefill else 1)
+                step.append((s, take))
+                fed[s] += take
+        rng.shuffle(step)
+        if step:
+            steps.append(step)
+        step_no += 1
+    return steps
+
+
+def _same_step(step, inputs, fn, cache) -> tuple[bool, str]:
+    """Run one step both ways from the same cache state: eagerly (fn) and replayed (step). -> whether
+    the logits and every pool are equal bit for bit (and what differed). Leaves the eager state."""
+    before = [t.clone() for t in _pools(cache)]
+    replayed = step(inputs)[0]
+    after_replay = [t.clone() for t in _pools(cache)]
+    for pool, saved in zip(_pools(cache), before):
+        pool.copy_(saved)
+    with torch.inference_mode():
+        eager = fn()
+    if not torch.equal(_bits(replayed), _bits(eager)):
+        return False, f"logits differ by {(replayed - eager).abs().max()}"
+    for k, (pool, got) in enumerate(zip(_pools(cache), after_replay)):
+        if not torch.equal(_bits(pool), _bits(got)):
+            return False, f"pool {k} differs"
+    return True, ""
+
+
+def _run(model, cache, prompts, steps, on_replay=None):
+    """Feed the schedule; every decode step (one token per sequence) is recorded the first time its
+    bucket appears and compiled, and checked against the replay of that first recording every later
+    time (on_replay(step, inputs, fn) may replace the check). -> number of steps checked."""
+    slots = [cache.allocate_slot() for _ in prompts]
+    fed, tapes, checked = [0] * len(prompts), {}, 0
+    for step in steps:
+        ids, starts, lens = [], [], []
+        for seq, n in step:
+            cache.grow(slots[seq], fed[seq] + n)
+            ids.append(prompts[seq][fed[seq]:fed[seq] + n])
+            starts.append(fed[seq])
+            lens.append(n)
+            fed[seq] += n
+        inp = StepInput(torch.cat(ids), torch.tensor([slots[s] for s, _ in step]), torch.tensor(starts),
+                        torch.tensor(lens))
+        meta = model.prepare(inp, cache)
+        rows = torch.arange(int(inp.lens.sum()))
+
+        def fn(meta=meta, rows=rows, inp=inp):
+            return model.forward(inp, cache, rows, meta)
+
+        if len(rows) != len(step):
+            fn()
+            continue
+        tensors, sizes = step_inputs(meta)
+        inputs = tensors + [rows]
+        key = (sizes,) + signature(inputs)
+        if key in tapes:
+            if on_replay is None:
+                same, why = _same_step(tapes[key], inputs, fn, cache)
+                assert same, why
+            else:
+                on_replay(tapes[key], inputs, fn)
+            checked += 1
+        else:
+            recording, failure, _ = record(fn, inputs)
+            assert recording is not None, failure
+            tapes[key] = model.accel.compile_step(recording, None)
+    for slot in slots:
+        cache.release(slot)
+    return checked, tapes
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS) + [f"v3/{n}" for n in sorted(V3_CONFIGS)])
+@pytest.mark.parametrize("invariant", [False, True], ids=["fast", "batch-invariant"])
+def test_replayed_decode_steps_equal_the_eager_graph_bit_for_bit(name, invariant, monkeypatch):
+    """Every registered family's test configs: the three V4 ones (every layer kind, hash and top-k
+    MoE, hc_mult 2 and 4) and the three V3 ones (q LoRA or not, group-limited routing, YaRN both
+    ways): six sequences of 40-330 tokens joining at different steps, prefilled in chunks of 1-48
+    tokens while others decode; V4 crosses the window and finishes CSA and HCA windows while
+    replayed, V3's attention width crosses its size buckets."""
+    monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "1" if invariant else "0")
+    hf, cfg = make_hf_model_v3(name.removeprefix("v3/"), seed=7) if name.startswith("v3/") else \
+        make_hf_model(name, seed=7)
+    model = build_model(hf, cfg)
+    g = torch.Generator().manual_seed(1)
+    lengths = [330, 40, 97, 150, 260, 64]
+    prompts = [torch.randint(2, cfg.vocab_size, (n,), generator=g) for n in lengths]
+    checked, tapes = _run(model, new_cache(model), prompts, _schedule(lengths, 0, 48))
+    assert checked > 60 and len(tapes) < checked / 3, (checked, len(tapes))  # buckets recur
+
+
+def test_a_changed_argument_in_a_recording_is_caught(monkeypatch):
+    """The mutation test: the same check fails once one argument of one recorded call is changed
+    (an RMSNorm's eps), or one constant swapped (a layer's weight for another's)."""
+    hf, cfg = make_hf_model("mixed_hc4_yarn", seed=7)
+    model = build_model(hf, cfg)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(2, cfg.vocab_size, (n,), generator=g) for n in (40, 40)]
+    steps = [[(0, 30), (1, 30)]] + [[(0, 1), (1, 1)]] * 10
+    verdicts = {"exact": [], "eps": [], "weight": []}
+
+    def mutated(recording, how):
+        rec = copy.copy(recording)
+        rec.instructions = list(recording.instructions)
+        for k, ins in enumerate(rec.instructions):
+            if how == "eps" and str(ins.op) == "deepinfer_cpu.rms_norm.default":
+                rec.instructions[k] = Instruction(ins.op, (ins.args[0], ins.args[1], ins.args[2] * 2), ins.kwargs, ins.outs)
+                return rec
+            if how == "weight" and str(ins.op) == "deepinfer_cpu.linear.default" and k > 10:
+                other = next(i for i, c in enumerate(rec.constants) if c.shape == rec.constants[ins.args[1].index].shape
+                             and i != ins.args[1].index)
+                rec.instructions[k] = Instruction(ins.op, (ins.args[0], Const(other)), ins.kwargs, ins.outs)
+                return rec
+        raise AssertionError(f"nothing to change for {how}")
+
+    def check(step, inputs, fn):
+        for how, verdict in verdicts.items():
+            tape = step if how == "exact" else model.accel.compile_step(mutated(step.recording, how), None)
+            verdict.append(_same_step(tape, inputs, fn, cache)[0])
+
+    original = replay.compile_recording
+    monkeypatch.setattr(replay, "compile_recording",
+                        lambda rec, *a: _Kept(original(rec, *a), rec))  # keep each tape's recording for the mutation
+    cache = new_cache(model)
+    checked, _ = _run(model, cache, prompts, steps, on_replay=check)
+    assert checked >= 5
+    assert all(verdicts["exact"]) and not any(verdicts["eps"]) and not any(verdicts["weight"]), verdicts
+
+
+class _Kept:
+    """A compiled step with the recording it was compiled from."""
+
+    def __init__(self, step, recording):
+        self.step, self.recording = step, recording
+
+    def __call__(self, inputs):
+        return self.step(inputs)
+
+
+def test_what_a_replay_could_not_repeat_is_not_recorded():
+    x = torch.arange(6.0)
+    assert record(lambda: x * x.sum().item(), [x])[1].startswith("item")  # a read into Python
+    assert record(lambda: x[x > 2] * 2, [x])[0] is None  # a shape that depends on the data
+    assert record(lambda: torch.tensor([1.0]) + x, [x])[1].startswith("tensor")  # data made in Python
+    rec, failure, out = record(lambda: (x * 2)[1:], [x])
+    assert failure is None and torch.equal(out, (x * 2)[1:])
+
+
+def test_a_step_that_reads_host_data_stays_eager_after_two_different_recordings():
+    """A forward reading a tensor made from numpy (not among the step's tensors) records a different
+    constant each time: the two recordings differ and the bucket stays eager, with the right results."""
+    graphs = StepGraphs(kernels_accel(), max_tokens=8)
+    x = torch.ones(3)
+    for step in range(5):
+        hidden = torch.from_numpy(np.array([float(step)] * 3, dtype=np.float32))
+        out = graphs.run(("k",), lambda: x + hidden, [x])
+        assert torch.equal(out, x + step)
+    bucket = next(iter(graphs.buckets.values()))
+    assert bucket.step is None and "different operators" in bucket.eager and graphs.stats["replayed"] == 0
+
+
+def test_views_of_the_cache_are_taken_once_and_writes_through_them_land():
+    accel = kernels_accel()
+    graphs = StepGraphs(accel, max_tokens=8)
+    pool = torch.zeros(10, 4)
+
+    def step(rows, values):
+        pool[2:6].index_copy_(0, rows, values * 2)  # a view of the pool, written in place
+        return pool[:].sum(0)  # a whole-tensor view: the pool itself
+
+    for k in range(4):
+        rows, values = torch.tensor([k % 4, (k + 1) % 4]), torch.full((2, 4), float(k))
+        got = graphs.run(("w",), lambda: step(rows, values), [rows, values])
+        assert torch.equal(got, pool.sum(0)) and pool[2 + k % 4, 0] == 2 * k
+    assert graphs.stats == {"recorded": 2, "replayed": 2, "eager": 0, "compiled": 1}
+    ops = next(iter(graphs.buckets.values())).recording.ops()
+    assert ops == ["aten.mul.Tensor", "aten.index_copy_.default", "aten.sum.dim_IntList"], ops
+
+
+def test_enforce_eager_turns_capture_off(monkeypatch):
+    accel = kernels_accel()
+    assert StepGraphs.enabled(accel)
+    monkeypatch.setenv("DEEPINFER_ENFORCE_EAGER", "1")
+    assert not StepGraphs.enabled(accel)
+
+
+def test_a_call_keeps_more_threads_only_where_they_saved_time():
+    step = replay.TapeStep(tape=None, options=[1, 2])  # one thread, or both cores
+    assert step._choose([100e-6, 40e-6]) == 2  # saved 60%, 60 us
+    assert step._choose([100e-6, 95e-6]) == 0  # 5%: noise
+    assert step._choose([10e-6, 2e-6]) == 0  # a tiny call: 8 us is not worth a thread's wake-up
+    assert step._choose([100e-6, -1.0]) == 0  # not timed at 2
+
+
+def kernels_accel():
+    from deepinfer.backends.cpu import make
+
+    return make()
+
+
+def _engine(tmp_path, accel):
+    from deepinfer.core.engine import EngineConfig, LLMEngine
+
+    path = tmp_path / "model"
+    if not path.exists():
+        make_hf_model("mixed_hc4_yarn", seed=3)[0].save_pretrained(path)
+    return LLMEngine(str(path), accel, EngineConfig(max_num_seqs=8, max_num_batched_tokens=256, num_cache_pages=32))
+
+
+def _greedy_tokens(engine, lengths: list[int]) -> list[list[int]]:
+    from deepinfer import SamplingParams
+
+    engine.multi_step = 1  # plain steps: what a GPU with overlapped scheduling runs
+    g = torch.Generator().manual_seed(5)
+    reqs = [engine.add_request(torch.randint(2, 512, (n,), generator=g).tolist(),
+                               SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True))
+            for n, m in zip(lengths, (16, 5, 12, 8, 14))]
+    while engine.has_unfinished():
+        engine.step()
+    return [r.output_token_ids for r in reqs]
+
+
+def test_padded_decode_batches_and_static_buffers_give_the_unpadded_tokens(tmp_path, monkeypatch):
+    """What the nvidia backend does, on cpu: decode batches padded to the captured sizes (the extra
+    sequences at the trash slot) and each bucket run on static input buffers through the step's
+    own graph (backends/nvidia/graphs.py with an eager stand-in for the CUDA graph). Batch-invariant
+    ops, so a padded row must give exactly the unpadded row's tokens."""
+    from deepinfer.backends.cpu import CpuInvariantKernelAccelerator
+    from deepinfer.backends.nvidia.graphs import CapturedStep
+
+    class StaticBuffers(CpuInvariantKernelAccelerator):
+        pad_graph_batches = True
+
+        def compile_step(self, recording, step_fn):
+            return CapturedStep(recording, step_fn, self.device, capture=lambda fn: fn)
+
+    monkeypatch.setenv("DEEPINFER_CUDAGRAPH_BATCH_SIZE_INTERVAL", "4")
+    lengths = [40, 70, 33, 90, 12]  # batches of 5, 4, 3, 2, 1 as the requests finish
+    want = _greedy_tokens(_engine(tmp_path, CpuInvariantKernelAccelerator()), lengths)
+    engine = _engine(tmp_path, StaticBuffers())
+    assert [engine.graphs.padded_batch(b) for b in range(1, 9)] == [1, 2, 4, 4, 8, 8, 8, 8]
+    assert _greedy_tokens(engine, lengths) == want
+    graphs = engine.graphs
+    batches = {key[2][0][0] for key, b in graphs.buckets.items() if b.step is not None}  # the ids' length
+    assert batches <= {1, 2, 4, 8} and graphs.stats["replayed"] > 5, (batches, graphs.stats)
