@@ -39,8 +39,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["FP8", "FP4", "ActQuant", "QuantizedWeight", "act_quant", "quantize_fp8", "quantize_fp4", "e8m0_to_float",
-           "E2M1_VALUES", "FP8_MAX", "FP4_MAX"]
+__all__ = ["FP8", "FP4", "ActQuant", "QuantizedWeight", "Weight", "act_quant", "quantize_fp8", "quantize_fp4",
+           "e8m0_to_float", "fuse_rows", "stack", "scale_weight", "widen", "E2M1_VALUES", "FP8_MAX", "FP4_MAX"]
 
 FP8 = "fp8_e4m3"
 FP4 = "fp4_e2m1"
@@ -151,6 +151,9 @@ class QuantizedWeight:
     def dim(self) -> int:
         return self.data.dim()
 
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
     def is_floating_point(self) -> bool:
         return True  # real-valued, like a float weight (integer tables are the other kind)
 
@@ -188,17 +191,27 @@ class QuantizedWeight:
             raise IndexError("only the leading dims of a stacked [..., N, K] quantized weight can be indexed")
         return self._with(self.data[index], self.scale[index])
 
+    def gather_rows(self, ids: torch.Tensor) -> "QuantizedWeight":
+        """Rows `ids` of a 2-D weight as an [len(ids), K] weight (an embedding lookup)."""
+        return QuantizedWeight(self.data[ids], self.scale[ids // self.block[0]], self.format, (1, self.block[1]),
+                               self.act)
+
     def rows(self, start: int, stop: int) -> "QuantizedWeight":
         """Rows [start, stop) along N (a start off the block edge refines the row block)."""
-        b0 = math.gcd(self.block[0], start) if start % self.block[0] else self.block[0]
-        scale = self._refined_scale(b0)
-        return self._with(self.data[..., start:stop, :], scale[..., start // b0:_cdiv(stop, b0), :].contiguous(),
-                          (b0, self.block[1]))
+        w = self.refine(math.gcd(self.block[0], start))
+        b0 = w.block[0]
+        return self._with(self.data[..., start:stop, :], w.scale[..., start // b0:_cdiv(stop, b0), :].contiguous(),
+                          w.block)
 
-    def _refined_scale(self, b0: int) -> torch.Tensor:
-        """The scales on a row block b0 that divides block[0] (each row of tiles repeated)."""
+    def refine(self, b0: int) -> "QuantizedWeight":
+        """The same values on a row block b0 that divides block[0] (each row of scales repeated)."""
+        if self.block[0] % b0:
+            raise ValueError(f"refine: row block {b0} does not divide {self.block[0]}")
+        if b0 == self.block[0]:
+            return self
         n = self.shape[-2]
-        return self.scale.repeat_interleave(self.block[0] // b0, -2)[..., :_cdiv(n, b0), :]
+        scale = self.scale.repeat_interleave(self.block[0] // b0, -2)[..., :_cdiv(n, b0), :]
+        return self._with(self.data, scale.contiguous(), (b0, self.block[1]))
 
     @staticmethod
     def cat(parts: list["QuantizedWeight"]) -> "QuantizedWeight":
@@ -214,7 +227,7 @@ class QuantizedWeight:
         for p in parts[:-1]:
             offsets.append(offsets[-1] + p.shape[-2])
         b0 = math.gcd(*[p.block[0] for p in parts], *offsets)
-        scale = torch.cat([p._refined_scale(b0) if p.block[0] != b0 else p.scale for p in parts], dim=-2)
+        scale = torch.cat([p.refine(b0).scale for p in parts], dim=-2)
         return QuantizedWeight(torch.cat([p.data for p in parts], dim=-2), scale, first.format,
                                (b0, first.block[1]), first.act)
 
@@ -268,3 +281,53 @@ def quantize_fp4(w: torch.Tensor, act: ActQuant | None = None) -> QuantizedWeigh
     packed = (code[..., 0::2] | (code[..., 1::2] << 4)).to(torch.uint8)
     scale = s.squeeze(-1).to(torch.float8_e8m0fnu).view(torch.uint8)
     return QuantizedWeight(packed, scale, FP4, (1, FP4_GROUP), act)
+
+
+# ------------------------------------------------------------------------ weights of either kind
+
+Weight = torch.Tensor | QuantizedWeight
+
+
+def _storage(w: Weight) -> tuple:
+    """What two weights must share to be concatenated along N."""
+    if isinstance(w, QuantizedWeight):
+        return (w.format, w.shape[-1], w.block[1], w.scale.dtype, w.act)
+    return ("plain", w.shape[-1], w.dtype)
+
+
+def fuse_rows(parts: list[Weight]) -> list[Weight]:
+    """Weights [N_i, K] concatenated along N wherever consecutive ones are stored alike (plain
+    tensors of one dtype, or quantized ones `QuantizedWeight.cat` takes): the runs in order, one
+    GEMM each. A checkpoint that stores a model's fused projections alike gives one."""
+    runs: list[list[Weight]] = []
+    for p in parts:
+        if runs and _storage(runs[-1][-1]) == _storage(p):
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    return [QuantizedWeight.cat(r) if isinstance(r[0], QuantizedWeight) else torch.cat(r) for r in runs]
+
+
+def stack(parts: list[Weight]) -> Weight:
+    """[N, K] weights stored alike -> an [E, N, K] stack (experts)."""
+    if isinstance(parts[0], QuantizedWeight):
+        first = parts[0]
+        if any(_storage(p) != _storage(first) or p.block != first.block or p.shape != first.shape for p in parts):
+            raise ValueError(f"stack: experts stored unlike {first!r}")
+        return QuantizedWeight(torch.stack([p.data for p in parts]), torch.stack([p.scale for p in parts]),
+                               first.format, first.block, first.act)
+    return torch.stack(parts)
+
+
+def widen(w: Weight) -> torch.Tensor:
+    """A weight of either kind as float32 (the reference's view of it)."""
+    return w.dequantize() if isinstance(w, QuantizedWeight) else w.float()
+
+
+def scale_weight(w: Weight, factor: float) -> Weight:
+    """w * factor for a power of two `factor`, exact, in w's own storage."""
+    if isinstance(w, QuantizedWeight):
+        return w.scaled(factor)
+    if math.frexp(factor)[0] != 0.5:
+        raise ValueError(f"scale_weight: {factor} is not a power of two")
+    return w * factor

@@ -7,9 +7,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from deepinfer.backends.quant import QuantizedWeight
 from deepinfer.core.loader import CheckpointError, load_checkpoint
-from deepinfer.models.base import TensorSpec
 from deepinfer.models.deepseek_v4 import DeepseekV4Model
+from deepinfer.models.deepseek_v4.config import DeepseekV4Config
 from deepinfer.models.deepseek_v4.weights import checkpoint_source as hf_to_upstream
 
 transformers = pytest.importorskip("transformers")
@@ -43,12 +44,30 @@ def state(wide=False) -> dict[str, torch.Tensor]:
 
 
 def expected_of(sd):
-    return {k: TensorSpec(tuple(v.shape), v.dtype) for k, v in sd.items()}
+    """The model's own specs (which tensors stay as stored), checked against the state dict's shapes."""
+    wide = sd["model.layers.0.self_attn.q_a_proj.weight"].shape[1] == WIDE["hidden_size"]
+    specs = DeepseekV4Model.checkpoint_tensors(DeepseekV4Config.from_dict(model(wide).config.to_dict()))
+    assert {k: s.shape for k, s in specs.items()} == {k: tuple(v.shape) for k, v in sd.items()}
+    return specs
 
 
 def load(path, sd):
     """Load as the engine does for DeepSeek-V4: its names resolve upstream spellings, `mtp.*` kept aside."""
     return load_checkpoint(path, expected_of(sd), DeepseekV4Model, keep_prefixes=DeepseekV4Model.extra_prefixes)
+
+
+def stored_alike(sd, dtype=None):
+    """What the loader returns for a plain checkpoint of `sd` (optionally saved in `dtype`): weights
+    the model keeps as stored in the file's dtype, the rest float32, integer tables int64."""
+    specs = expected_of(sd)
+    out = {}
+    for k, v in sd.items():
+        if v.dtype == torch.int64:
+            out[k] = v
+        else:
+            v = v.to(dtype) if dtype is not None else v
+            out[k] = v if specs[k].stored or specs[k].experts else v.float()
+    return out
 
 
 def to_upstream(sd) -> dict[str, torch.Tensor]:
@@ -95,10 +114,15 @@ def write(path, tensors, shards=1, config=None):
     return path
 
 
-def assert_same(got: dict, want: dict):
+def assert_same(got: dict, want: dict, quantized=()):
+    """Equal tensors of equal dtype; the names in `quantized` must be QuantizedWeights that
+    dequantize to the expected values (nothing was widened at load)."""
     assert got.keys() == want.keys()
     for k in want:
-        assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k
+        if k in quantized:
+            assert isinstance(got[k], QuantizedWeight) and torch.equal(got[k].dequantize(), want[k]), k
+        else:
+            assert isinstance(got[k], torch.Tensor) and got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k
 
 
 # ------------------------------------------------------------------------------- quantizers
@@ -180,10 +204,11 @@ def test_upstream_bf16_int32_sharded_with_mtp(tmp_path):
            "mtp.0.attn.wq_a.scale": s, "mtp.0.ffn.experts.0.w1.weight": packed.view(torch.int8),
            "mtp.0.ffn.experts.0.w1.scale": s4, "mtp.0.hc_head_scale": torch.randn(1)}
     weights, extra = load(write(tmp_path, up | mtp, shards=3), sd)
-    assert_same(weights, {k: v if v.dtype == torch.int64 else v.bfloat16().float() for k, v in sd.items()})
-    assert_same(extra, {"mtp.0.main_proj.weight": mtp["mtp.0.main_proj.weight"].float(),
+    assert_same(weights, stored_alike(sd, torch.bfloat16))  # bf16 weights stay bf16, norms etc. float32
+    assert_same(extra, {"mtp.0.main_proj.weight": mtp["mtp.0.main_proj.weight"],
                         "mtp.0.attn.wq_a.weight": ref_fp8, "mtp.0.ffn.experts.0.w1.weight": ref_fp4,
-                        "mtp.0.hc_head_scale": mtp["mtp.0.hc_head_scale"]})
+                        "mtp.0.hc_head_scale": mtp["mtp.0.hc_head_scale"]},
+                quantized={"mtp.0.attn.wq_a.weight", "mtp.0.ffn.experts.0.w1.weight"})
 
 
 @pytest.mark.parametrize("naming,fmt,block", [("hf", "f32", None), ("hf", "e8m0", None), ("upstream", "e8m0", None),
@@ -216,7 +241,11 @@ def test_fp8_block_scales(tmp_path, naming, fmt, block):
         # subnormal step (2^-10 * scale) below 2^-6 * scale. Measured on these randn weights: 2.6%
         # relative Frobenius error for either scale format or block size; 5.9% max per element.
         assert (err <= (src[name].abs() * 2**-4 + bound[name] * 2**-10) * (1 + 1e-6)).all(), name
-    assert_same(weights, fold(src | ref, sd) if naming == "upstream" else sd | ref)
+    want = fold(src | ref, sd) if naming == "upstream" else sd | ref
+    quantized = {k for k in want if k in ref or hf_to_upstream(k) in ref or FUSED.fullmatch(k)}
+    assert_same(weights, want, quantized)
+    for k in quantized:  # kept quantized, in the checkpoint's block size (a gate/up half off the edge: refined)
+        assert weights[k].format == "fp8_e4m3" and weights[k].block[1] == b[1], k
 
 
 @pytest.mark.parametrize("naming,fmt,packed_dtype", [("upstream", "e8m0", torch.int8), ("hf", "f32", torch.uint8),
@@ -231,7 +260,9 @@ def test_fp4_experts(tmp_path, naming, fmt, packed_dtype):
         scale_name = name.removesuffix(".weight") + ".scale" if naming == "upstream" else name + "_scale_inv"
         out |= {name: packed.view(packed_dtype), scale_name: s}
     weights, _ = load(write(tmp_path, out), sd)
-    assert_same(weights, fold(src | ref, sd) if naming == "upstream" else sd | ref)
+    experts = {k for k in sd if FUSED.fullmatch(k)}
+    assert_same(weights, fold(src | ref, sd) if naming == "upstream" else sd | ref, quantized=experts)
+    assert all(weights[k].format == "fp4_e2m1" and weights[k].data.dtype == torch.uint8 for k in experts)
     for name, r in ref.items():
         # e2m1 steps are 0.5 up to 2, then 1 up to 4, then 2 up to 6 (in units of the scale): the
         # rounding error is <= max(s/4, |w|/4). Measured: 11.5% relative Frobenius error.

@@ -11,6 +11,7 @@ import torch
 
 from deepinfer.backends import reference
 from deepinfer.backends.base import Accelerator, WeightRole
+from deepinfer.backends.quant import Weight
 from deepinfer.backends.cpu import invariant, kernels
 
 
@@ -56,10 +57,9 @@ class CpuAccelerator(Accelerator):
     sample = staticmethod(reference.sample)
     apply_token_bitmask = staticmethod(reference.apply_token_bitmask)
 
-    def prepare_weight(self, tensor: torch.Tensor, role: WeightRole = WeightRole.PLAIN) -> torch.Tensor:
-        # bf16 matmuls run ~100x slower than fp32 on these CPUs: compute in float32.
-        if tensor.is_floating_point():
-            tensor = tensor.float()
+    def prepare_weight(self, tensor: Weight, role: WeightRole = WeightRole.PLAIN) -> Weight:
+        # Kept as loaded: bf16 and quantized weights are widened by the ops, a block at a time (bf16
+        # matmuls run ~100x slower than fp32 on these CPUs, so nothing computes in bf16).
         return tensor.contiguous()
 
     def tune_for_model(self, hidden_size: int) -> None:

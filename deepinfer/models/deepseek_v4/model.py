@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from deepinfer.backends.base import Accelerator, WeightRole
+from deepinfer.backends.quant import Weight, fuse_rows, scale_weight
 from deepinfer.core.cache import CacheSpec, StateCache
 from deepinfer.models.base import CausalLM, ParallelContext, StepInput, TensorSpec
 from deepinfer.models.deepseek_v4 import fused, weights as checkpoint
@@ -31,7 +32,7 @@ class DeepseekV4Model(CausalLM):
 
     extra_prefixes = ("mtp.",)  # the DSpark drafter's stages (dspark.py)
 
-    def __init__(self, config: DeepseekV4Config, weights: dict[str, torch.Tensor], accel: Accelerator,
+    def __init__(self, config: DeepseekV4Config, weights: dict[str, Weight], accel: Accelerator,
                  parallel: ParallelContext | None = None):
         self.config, self.accel = config, accel
         self.parallel = parallel or ParallelContext()
@@ -40,6 +41,8 @@ class DeepseekV4Model(CausalLM):
         index_scale = config.index_n_heads ** -0.5
         self.input_proj_splits = [self._fuse_input_projections(weights, i, index_scale)
                                   for i in range(config.num_hidden_layers)]
+        self._input_segments = [sum(1 for name in weights if name.startswith(f"model.layers.{i}.self_attn.input_proj."))
+                                for i in range(config.num_hidden_layers)]
         # columns needed for every token of the step (kv and compressor inputs): q_a comes before
         # them and the indexer head weights after, both only for own rows
         self._key_cols = [(splits["kv_proj"][0], max(b for name, (_, b) in splits.items()
@@ -89,7 +92,7 @@ class DeepseekV4Model(CausalLM):
         return DSparkDrafter(self.config, dcfg, extra, self.w, self.accel, max_seqs=max_seqs, margin=margin)
 
     @staticmethod
-    def _fuse_input_projections(weights: dict[str, torch.Tensor], i: int, index_scale: float) -> dict[str, tuple[int, int]]:
+    def _fuse_input_projections(weights: dict[str, Weight], i: int, index_scale: float) -> dict[str, tuple[int, int]]:
         """Every projection of a layer's attention input (q_a, kv, compressor and indexer kv/gate,
         indexer head weights) becomes one GEMM: a decode step is dominated by per-op overhead, so
         one [T, D] x [D, sum N] beats seven small ones. Returns name -> (start, end) columns.
@@ -97,7 +100,10 @@ class DeepseekV4Model(CausalLM):
         rows (context parallelism): the former are one contiguous column block, and each
         compressor's kv and gate are adjacent (the window staging stores them side by side).
         The indexer head weights' 1/sqrt(heads) is folded into their rows (a power of two for
-        every V4 config, so exact): one multiply less per CSA layer and step."""
+        every V4 config, so exact): one multiply less per CSA layer and step.
+        Projections are fused where the checkpoint stores them alike (quant.fuse_rows): one GEMM for
+        a float32 or bf16 checkpoint; V4-Flash keeps q_a and kv in FP8 and the compressor and indexer
+        projections in bf16, two GEMMs (`input_proj.0`, `input_proj.1`) whose outputs are concatenated."""
         p = f"model.layers.{i}.self_attn."
         names = ["q_a_proj", "kv_proj", "compressor.kv_proj", "compressor.gate_proj", "compressor.indexer.kv_proj",
                  "compressor.indexer.gate_proj", "compressor.indexer.scorer.weights_proj"]
@@ -105,15 +111,31 @@ class DeepseekV4Model(CausalLM):
         for name in names:
             key = p + name + ".weight"
             if key in weights:
-                tensor = weights.pop(key).float()
-                parts.append(tensor * index_scale if name.endswith("weights_proj") else tensor)
+                tensor = weights.pop(key)
+                parts.append(scale_weight(tensor, index_scale) if name.endswith("weights_proj") else tensor)
                 splits[name] = (start, start + tensor.shape[0])
                 start += tensor.shape[0]
-        weights[p + "input_proj.weight"] = torch.cat(parts)
+        segments = fuse_rows(parts)
+        if len(segments) == 1:
+            weights[p + "input_proj.weight"] = segments[0]
+        else:
+            weights.update({f"{p}input_proj.{j}.weight": seg for j, seg in enumerate(segments)})
         s = f"model.layers.{i}.mlp.shared_experts."
-        weights[s + "gate_up_proj.weight"] = torch.cat([weights.pop(s + "gate_proj.weight").float(),
-                                                         weights.pop(s + "up_proj.weight").float()])
+        shared = fuse_rows([weights.pop(s + "gate_proj.weight"), weights.pop(s + "up_proj.weight")])
+        if len(shared) != 1:
+            raise ValueError(f"{s}gate_proj and up_proj are stored differently ({shared[0].dtype}, {shared[1].dtype}): "
+                             "the shared expert needs them alike")
+        weights[s + "gate_up_proj.weight"] = shared[0]
         return splits
+
+    def _input_projection(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        """[T, sum N] every attention input projection of layer i (see _fuse_input_projections)."""
+        p = f"model.layers.{i}.self_attn."
+        whole = self.w.get(p + "input_proj.weight")
+        if whole is not None:
+            return self.accel.linear(h, whole)
+        return torch.cat([self.accel.linear(h, self.w[f"{p}input_proj.{j}.weight"])
+                          for j in range(self._input_segments[i])], dim=-1)
 
     # ------------------------------------------------------------ forward
     @torch.inference_mode()
@@ -206,7 +228,7 @@ class DeepseekV4Model(CausalLM):
         own = meta.own
         num_tokens, heads, head_dim = h.shape[0], cfg.num_attention_heads, cfg.head_dim
 
-        proj = ops.linear(h, w[p + "input_proj.weight"])
+        proj = self._input_projection(i, h)
         splits = self.input_proj_splits[i]
         lo, hi = self._key_cols[i]
         all_rows = meta.all_tokens(proj[:, lo:hi])  # kv + compressor inputs of every token
