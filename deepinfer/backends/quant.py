@@ -265,19 +265,20 @@ def quantize_fp8(w: torch.Tensor, block: tuple[int, int] = (128, 128), ue8m0: bo
 
 
 def quantize_fp4(w: torch.Tensor, act: ActQuant | None = None) -> QuantizedWeight:
-    """[..., N, K] float (K a multiple of 32) -> FP4 e2m1 with one power-of-two scale per 32 inputs
-    (amax / 6 rounded up), codes rounded to the nearest e2m1 value (ties to the even code)."""
+    """[..., N, K] float (K even) -> FP4 e2m1 with one power-of-two scale per 32 inputs (amax / 6
+    rounded up; a last partial group of its own), codes rounded to the nearest e2m1 value (ties to
+    the even code)."""
     *lead, n, k = w.shape
-    if k % FP4_GROUP:
-        raise ValueError(f"quantize_fp4: K={k} must be a multiple of {FP4_GROUP}")
-    g = w.float().unflatten(-1, (-1, FP4_GROUP))
+    if k % 2:
+        raise ValueError(f"quantize_fp4: K={k} must be even (two values a byte)")
+    g = torch.nn.functional.pad(w.float(), (0, -k % FP4_GROUP)).unflatten(-1, (-1, FP4_GROUP))
     s = _pow2_ceil(g.abs().amax(-1, keepdim=True).clamp(min=2.0 ** -120) / FP4_MAX)
     x = (g / s).clamp(-FP4_MAX, FP4_MAX)
     grid = E2M1_VALUES[:8]
     dist = (x.abs().unsqueeze(-1) - grid).abs()
     # nearest magnitude; at a tie the even code (the argmin over reversed-parity preference)
     mag = (dist + (torch.arange(8) % 2) * 1e-7).argmin(-1)
-    code = (mag | (torch.signbit(x).long() << 3)).flatten(-2)
+    code = (mag | (torch.signbit(x).long() << 3)).flatten(-2)[..., :k]
     packed = (code[..., 0::2] | (code[..., 1::2] << 4)).to(torch.uint8)
     scale = s.squeeze(-1).to(torch.float8_e8m0fnu).view(torch.uint8)
     return QuantizedWeight(packed, scale, FP4, (1, FP4_GROUP), act)

@@ -35,7 +35,7 @@ def _rows(weight: Weight, start: int, stop: int) -> torch.Tensor:
 def linear(x: torch.Tensor, weight: Weight) -> torch.Tensor:
     """y = x @ widen(weight).T in float32; a QuantizedWeight's `act` quantizes x first."""
     if isinstance(weight, torch.Tensor) and weight.dtype == torch.float32:
-        return F.linear(x, weight)
+        return F.linear(x.float(), weight)
     if isinstance(weight, QuantizedWeight) and weight.act is not None:
         x = act_quant(x, weight.act)
     x = x.float()
@@ -55,7 +55,7 @@ def grouped_linear(x: torch.Tensor, weight: Weight) -> torch.Tensor:
     groups, k = x.shape[-2], x.shape[-1]
     if isinstance(weight, torch.Tensor) and weight.dtype == torch.float32:
         w = weight.view(groups, -1, k)  # [G, N, K]
-        return torch.einsum("tgk,gnk->tgn", x, w)
+        return torch.einsum("tgk,gnk->tgn", x.float(), w)
     n = weight.shape[0] // groups
     if isinstance(weight, QuantizedWeight) and weight.act is not None:
         x = act_quant(x, weight.act)

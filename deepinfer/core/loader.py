@@ -74,7 +74,8 @@ def _convert(name: str, t: torch.Tensor, scale: torch.Tensor | None, spec: Tenso
     if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         raise CheckpointError(f"{name}: quantized {t.dtype} weight found without its scale tensor")
     if not t.is_floating_point():
-        raise CheckpointError(f"{name}: expected a floating-point tensor, found dtype {t.dtype}")
+        packed = " (packed FP4 needs its scale tensor: .scale or _scale_inv)" if t.dtype in _FP4_DTYPES else ""
+        raise CheckpointError(f"{name}: expected a floating-point tensor, found dtype {t.dtype}{packed}")
     if (spec.stored or spec.experts) and t.dtype in (torch.float32, torch.bfloat16, torch.float16):
         return t
     return t.to(spec.dtype if not (spec.stored or spec.experts) else torch.float32)
@@ -112,9 +113,16 @@ class _ExpertStack:
             return t.format, t.block, t.scale.dtype
         return ("plain", t.dtype)
 
+    @staticmethod
+    def _describe(kind: tuple) -> str:
+        if kind[0] == "plain":
+            return str(kind[1]).removeprefix("torch.")
+        return f"{kind[0]} {kind[1][0]}x{kind[1][1]} with {str(kind[2]).removeprefix('torch.')} scales"
+
     def put(self, name: str, j: int, half: int | None, t: Weight) -> None:
         if self._kind(t) != self.kind:
-            raise CheckpointError(f"{name}: stored as {self._kind(t)}, other experts of the stack as {self.kind}")
+            raise CheckpointError(f"{name}: stored as {self._describe(self._kind(t))}, the stack's other experts "
+                                  f"as {self._describe(self.kind)}: one stack needs one format")
         lo = (half or 0) * self.rows
         if isinstance(t, QuantizedWeight):
             b0 = self.block[0]

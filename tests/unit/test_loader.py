@@ -285,6 +285,27 @@ def _bad_scale(d):
     d[QA], d[QA + "_scale_inv"] = d[QA].to(torch.float8_e4m3fn), torch.ones(3, 3)
 
 
+def _scale_dtype(d):
+    d[QA], d[QA + "_scale_inv"] = d[QA].to(torch.float8_e4m3fn), torch.ones(1, 1, dtype=torch.float16)
+
+
+def _e5m2(d):
+    d[QA], d[QA + "_scale_inv"] = d[QA].to(torch.float8_e5m2), torch.ones(1, 1)
+
+
+def _fp4_no_scale(d):
+    d[W3] = quant_fp4(d[W3])[0].view(torch.int8)
+
+
+def _fp4_scale_shape(d):
+    packed, s, _, _ = quant_fp4(d[W3])
+    d[W3], d[W3.removesuffix(".weight") + ".scale"] = packed.view(torch.int8), s[:, :1]
+
+
+def _expert_unlike(d):
+    d[W3] = d[W3].bfloat16()  # the other experts of the stack are float32
+
+
 BROKEN = {  # case: (upstream naming?, mutation, tensor name the error must mention)
     "missing": (False, lambda d: d.pop(SINK), SINK),
     "missing_upstream_expert": (True, lambda d: d.pop(W3), W3),
@@ -300,6 +321,11 @@ BROKEN = {  # case: (upstream naming?, mutation, tensor name the error must ment
     "int_weight": (False, lambda d: d.update({QA: d[QA].long()}), QA),
     "fp8_without_scale": (False, _fp8_no_scale, QA),
     "scale_shape": (False, _bad_scale, QA),
+    "scale_dtype": (False, _scale_dtype, QA),
+    "e5m2_weight": (False, _e5m2, QA),
+    "fp4_without_scale": (True, _fp4_no_scale, W3),
+    "fp4_scale_shape": (True, _fp4_scale_shape, W3),
+    "expert_stored_unlike": (True, _expert_unlike, W3),
     "orphan_scale_hf": (False, lambda d: d.update({"model.layers.0.self_attn.x.weight_scale_inv": torch.ones(1)}),
                         "model.layers.0.self_attn.x.weight_scale_inv"),
     "orphan_scale_upstream": (True, lambda d: d.update({"layers.0.attn.wx.scale": torch.ones(1)}),

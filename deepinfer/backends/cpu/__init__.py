@@ -74,12 +74,18 @@ class CpuAccelerator(Accelerator):
             threads = 1 if hidden_size <= 1024 else (os.cpu_count() or 1)
         torch.set_num_threads(threads)
 
-    def memory_available(self) -> int:
+    def memory_info(self) -> tuple[int, int]:
+        # MemAvailable (free + reclaimable page cache): what this process can still allocate
         try:
-            pages = os.sysconf("SC_AVPHYS_PAGES")
-            return int(pages * os.sysconf("SC_PAGE_SIZE"))
-        except (ValueError, OSError):
-            return 4 << 30
+            with open("/proc/meminfo") as f:
+                info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+            return info["MemAvailable"], info["MemTotal"]
+        except (OSError, KeyError, ValueError, IndexError):
+            try:
+                page = os.sysconf("SC_PAGE_SIZE")
+                return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+            except (ValueError, OSError):
+                return 4 << 30, 8 << 30
 
 
 class CpuInvariantAccelerator(CpuAccelerator):

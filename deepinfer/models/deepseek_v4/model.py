@@ -128,9 +128,16 @@ class DeepseekV4Model(CausalLM):
         weights[s + "gate_up_proj.weight"] = shared[0]
         return splits
 
+    def _gemm_input(self, x: torch.Tensor) -> torch.Tensor:
+        """x in the compute dtype (LLM(dtype=...)): what the weight ops multiply; they accumulate in
+        float32 and return float32."""
+        dtype = self.accel.compute_dtype
+        return x if x.dtype == dtype else x.to(dtype)
+
     def _input_projection(self, i: int, h: torch.Tensor) -> torch.Tensor:
         """[T, sum N] every attention input projection of layer i (see _fuse_input_projections)."""
         p = f"model.layers.{i}.self_attn."
+        h = self._gemm_input(h)
         whole = self.w.get(p + "input_proj.weight")
         if whole is not None:
             return self.accel.linear(h, whole)
@@ -182,7 +189,7 @@ class DeepseekV4Model(CausalLM):
         h = ops.hc_head(streams, w["model.hc_head.hc_fn"], w["model.hc_head.hc_base"],
                         w["model.hc_head.hc_scale"], cfg.rms_norm_eps, cfg.hc_eps)
         h = ops.rms_norm(h, w["model.norm.weight"], cfg.rms_norm_eps)
-        logits = ops.linear(h, w["lm_head.weight"])
+        logits = ops.linear(self._gemm_input(h), w["lm_head.weight"])
         return (logits, torch.stack(features, dim=1)) if feature_layers else logits
 
     def step_program(self, cache: StateCache):
@@ -239,7 +246,8 @@ class DeepseekV4Model(CausalLM):
                 all_rows[:, a - lo:b - lo]
 
         q_lora = ops.rms_norm(cols("q_a_proj"), w[p + "q_a_norm.weight"], cfg.rms_norm_eps)
-        q = ops.linear(q_lora, w[p + "q_b_proj.weight"]).view(num_tokens, heads, head_dim)
+        q_in = self._gemm_input(q_lora)
+        q = ops.linear(q_in, w[p + "q_b_proj.weight"]).view(num_tokens, heads, head_dim)
         q = fused.rms_norm_rope(ops, q, None, cfg.rms_norm_eps, cos[own], sin[own])
         kv = fused.rms_norm_rope(ops, cols("kv_proj"), w[p + "kv_norm.weight"], cfg.rms_norm_eps, cos, sin)
         scratch = cache.ring_rows
@@ -258,7 +266,7 @@ class DeepseekV4Model(CausalLM):
                 self._compress(layer, cols("compressor.indexer.kv_proj", "compressor.indexer.gate_proj"), info,
                                ip, layer.index_keys, layer.index_ring, cache)
                 ccos, csin = meta.rope["compress"]
-                q_idx = ops.linear(q_lora, w[ip + "q_b_proj.weight"]).view(num_tokens, cfg.index_n_heads, -1)
+                q_idx = ops.linear(q_in, w[ip + "q_b_proj.weight"]).view(num_tokens, cfg.index_n_heads, -1)
                 q_idx = ops.rope(q_idx, ccos[own], csin[own])
                 weights = cols("compressor.indexer.scorer.weights_proj")  # 1/sqrt(heads) folded in
                 picked = ops.indexer_topk(q_idx, weights, layer.index_keys, info["candidates"][own], cfg.index_topk,
@@ -270,8 +278,8 @@ class DeepseekV4Model(CausalLM):
         out = ops.rope(out, cos[own], sin[own], inverse=True)
         src, dst = meta.window_commit
         layer.kv.index_copy_(0, dst, layer.kv.index_select(0, src))
-        out = ops.grouped_linear(out.reshape(num_tokens, cfg.o_groups, -1), w[p + "o_a_proj.weight"])
-        return ops.linear(out.flatten(1), w[p + "o_b_proj.weight"])
+        out = ops.grouped_linear(self._gemm_input(out.reshape(num_tokens, cfg.o_groups, -1)), w[p + "o_a_proj.weight"])
+        return ops.linear(self._gemm_input(out.flatten(1)), w[p + "o_b_proj.weight"])
 
     def _compress(self, layer: LayerState, kv_gate: torch.Tensor, info: dict, p: str,
                   entries_out: torch.Tensor, ring: torch.Tensor, cache: CacheView) -> None:
@@ -299,9 +307,10 @@ class DeepseekV4Model(CausalLM):
         else:
             weights, expert_ids = ops.route_topk(h, w[p + "gate.weight"], w[p + "gate.e_score_correction_bias"],
                                                  cfg.num_experts_per_tok, cfg.routed_scaling_factor)
-        routed = self.experts[i](h, weights, expert_ids)
+        x = self._gemm_input(h)
+        routed = self.experts[i](x, weights, expert_ids)
         s = p + "shared_experts."
-        return routed + ops.swiglu_mlp(h, w[s + "gate_up_proj.weight"], w[s + "down_proj.weight"], cfg.swiglu_limit)
+        return routed + ops.swiglu_mlp(x, w[s + "gate_up_proj.weight"], w[s + "down_proj.weight"], cfg.swiglu_limit)
 
     def _local_experts(self, gate_up: torch.Tensor, down: torch.Tensor):
         """A layer's routed experts on this process."""
