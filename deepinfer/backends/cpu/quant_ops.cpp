@@ -12,8 +12,9 @@
 //
 // A row's result depends only on its own x and the weight, never on how many tokens share the call
 // (every path below sums in the same order), so the ops are batch-invariant. Rows are split over
-// threads; a group of 4 rows is decoded for every token of the call while it is hot in cache, so a
-// weight is read from memory once per call.
+// threads in groups of 4; with several tokens a group is decoded once into a small buffer and
+// multiplied by every token while it is hot in cache, so a weight is read from memory, and
+// decoded, once per call.
 
 #include "kernel_util.h"
 
@@ -168,23 +169,36 @@ struct Matrix {
   }
 };
 
-// out[r] = x . row r of `w` for R rows starting at r0 (the module formula).
-template <int64_t F, int R>
-inline void dot_rows(const float* __restrict x, const Matrix& w, int64_t r0, float* __restrict out) {
+// The values of a row, as dot_rows reads them: decoded from the stored bytes in registers
+// (Packed), or loaded from a buffer a row group was decoded into once for all tokens (Decoded).
+// Both give the same raw values (value / kFold, exact), so both paths compute bit-identical sums.
+template <int64_t F>
+struct Packed {
+  const uint8_t* row;
+  V8 load8(int64_t k) const { return decode8<F>(row, k); }
+  float load1(int64_t k) const { return decode1<F>(row, k); }
+};
+struct Decoded {
+  const float* row;
+  V8 load8(int64_t k) const { return v_load(row + k); }
+  float load1(int64_t k) const { return row[k]; }
+};
+
+// out[r] = x . row r0 + r of `w` for R rows (the module formula), the rows' values from `rows`.
+template <int64_t F, int R, class Rows>
+inline void dot_rows(const float* __restrict x, const Matrix& w, int64_t r0, const Rows* rows, float* __restrict out) {
   const int64_t K = w.K;
-  const uint8_t* rows[R];
-  for (int r = 0; r < R; ++r) rows[r] = w.row(r0 + r);
   V8 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = v_zero();
   if constexpr (!scaled(F)) {
     const int64_t body = K & ~int64_t{7};
     for (int64_t k = 0; k < body; k += 8) {
       const V8 xv = v_load(x + k);
-      for (int r = 0; r < R; ++r) acc[r] = v_fma(xv, decode8<F>(rows[r], k), acc[r]);
+      for (int r = 0; r < R; ++r) acc[r] = v_fma(xv, rows[r].load8(k), acc[r]);
     }
     for (int r = 0; r < R; ++r) {
       float s = v_sum(acc[r]);
-      for (int64_t k = body; k < K; ++k) s += x[k] * decode1<F>(rows[r], k);
+      for (int64_t k = body; k < K; ++k) s += x[k] * rows[r].load1(k);
       out[r] = s;
     }
   } else {
@@ -196,14 +210,14 @@ inline void dot_rows(const float* __restrict x, const Matrix& w, int64_t r0, flo
       for (int r = 0; r < R; ++r) part[r] = v_zero();
       for (int64_t k = k0; k < kv; k += 8) {
         const V8 xv = v_load(x + k);
-        for (int r = 0; r < R; ++r) part[r] = v_fma(xv, decode8<F>(rows[r], k), part[r]);
+        for (int r = 0; r < R; ++r) part[r] = v_fma(xv, rows[r].load8(k), part[r]);
       }
       for (int r = 0; r < R; ++r) {
         const float s = w.scale(r0 + r, kb, fold(F));
         acc[r] = v_fma(part[r], v_set1(s), acc[r]);
         if (kv < k1) {
           float p = 0.0f;
-          for (int64_t k = kv; k < k1; ++k) p += x[k] * decode1<F>(rows[r], k);
+          for (int64_t k = kv; k < k1; ++k) p += x[k] * rows[r].load1(k);
           tail[r] += p * s;
         }
       }
@@ -212,15 +226,49 @@ inline void dot_rows(const float* __restrict x, const Matrix& w, int64_t r0, flo
   }
 }
 
-// out_of(t)[r - row_offset] for rows [r_begin, r_end) of w and T inputs x_of(t): rows in groups of 4,
-// each group for every token while its bytes are in cache.
+// Raw values (value / kFold) of row r of w into buf[0..K)
+template <int64_t F>
+inline void decode_row(const Matrix& w, int64_t r, float* __restrict buf) {
+  const uint8_t* row = w.row(r);
+  const int64_t K = w.K, body = K & ~int64_t{7};
+#if defined(DEEPINFER_AVX2)
+  for (int64_t k = 0; k < body; k += 8) _mm256_storeu_ps(buf + k, decode8<F>(row, k));
+#else
+  for (int64_t k = 0; k < body; ++k) buf[k] = decode1<F>(row, k);
+#endif
+  for (int64_t k = body; k < K; ++k) buf[k] = decode1<F>(row, k);
+}
+
+// A group of rows is decoded once into a buffer when this many tokens share the call (the decode
+// of FP8 / FP4 costs more than the multiply-adds); a single token decodes in registers.
+constexpr int64_t kDecodeOnceTokens = 2;
+
+// out_of(t)[r] for rows [r_begin, r_end) of w and T inputs x_of(t): rows in groups of 4, each group
+// for every token while its bytes are in cache.
 template <int64_t F, class XOf, class OutOf>
 void gemm_rows_typed(XOf x_of, OutOf out_of, int64_t T, const Matrix& w, int64_t r_begin, int64_t r_end) {
+  const int64_t K = w.K;
+  const bool decode_once = T >= kDecodeOnceTokens && F != kF32;
+  std::vector<float> buf(decode_once ? 4 * K : 0);
   int64_t r = r_begin;
-  for (; r + 4 <= r_end; r += 4)
-    for (int64_t t = 0; t < T; ++t) dot_rows<F, 4>(x_of(t), w, r, out_of(t) + r);
-  for (; r < r_end; ++r)
-    for (int64_t t = 0; t < T; ++t) dot_rows<F, 1>(x_of(t), w, r, out_of(t) + r);
+  for (; r + 4 <= r_end; r += 4) {
+    if (decode_once) {
+      Decoded rows[4];
+      for (int i = 0; i < 4; ++i) {
+        decode_row<F>(w, r + i, buf.data() + i * K);
+        rows[i].row = buf.data() + i * K;
+      }
+      for (int64_t t = 0; t < T; ++t) dot_rows<F, 4>(x_of(t), w, r, rows, out_of(t) + r);
+    } else {
+      Packed<F> rows[4];
+      for (int i = 0; i < 4; ++i) rows[i].row = w.row(r + i);
+      for (int64_t t = 0; t < T; ++t) dot_rows<F, 4>(x_of(t), w, r, rows, out_of(t) + r);
+    }
+  }
+  for (; r < r_end; ++r) {
+    Packed<F> rows[1] = {{w.row(r)}};
+    for (int64_t t = 0; t < T; ++t) dot_rows<F, 1>(x_of(t), w, r, rows, out_of(t) + r);
+  }
 }
 
 template <class XOf, class OutOf>
@@ -508,15 +556,15 @@ template <int64_t F>
 void widen_typed(const Matrix& w, int64_t begin, int64_t end, int64_t start, float* O) {
   const int64_t K = w.K;
   for (int64_t r = begin; r < end; ++r) {
-    float* o = O + (r - start) * K;
-    const uint8_t* row = w.row(r);
+    float* __restrict o = O + (r - start) * K;
+    decode_row<F>(w, r, o);
     if constexpr (scaled(F)) {
       for (int64_t k0 = 0, kb = 0; k0 < K; k0 += w.b1, ++kb) {
         const float s = w.scale(r, kb, fold(F));
-        for (int64_t k = k0; k < std::min(K, k0 + w.b1); ++k) o[k] = decode1<F>(row, k) * s;
+        const int64_t k1 = std::min(K, k0 + w.b1);
+#pragma omp simd
+        for (int64_t k = k0; k < k1; ++k) o[k] *= s;
       }
-    } else {
-      for (int64_t k = 0; k < K; ++k) o[k] = decode1<F>(row, k);
     }
   }
 }
