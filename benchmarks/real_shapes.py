@@ -15,8 +15,9 @@ and head weights, the router, the embedding and the head in bf16, mixing matrice
 biases float32. Values are random (finite FP8 codes, every FP4 code, scales 2^-10..2^-6), so the
 activations stay in range; the tokens mean nothing.
 
-Measured in one run: load time, the process's resident memory and the weights' bytes against the
-files' bytes, decode tokens/s at batch 1 and 32 (the time of decode steps only, after every prompt
+Measured in one run: load time, the process's resident memory (RSS once the decode steps have
+touched every weight: whole tensors stay memory-mapped from the files as safetensors returns them,
+expert stacks are assembled in anonymous memory) and the weights' bytes against the files' bytes, decode tokens/s at batch 1 and 32 (the time of decode steps only, after every prompt
 is prefilled), and the memory-bandwidth roofline for the bytes those steps read: every weight but
 the embedding (one row per token) and the routed experts, plus the routed experts each step hit
 (counted from the routing ids), divided into the copy bandwidth measured in the same run (a
@@ -265,15 +266,16 @@ def main() -> None:
                         "roofline_tokens_per_s": roofline, "fraction_of_roofline": tok_s / roofline,
                         "achieved_GBps": step_bytes * steps / decode_s / 1e9})
 
+    rss_served = rss()
     load_avg = os.getloadavg()
     out = {
         "checkpoint": {"dir": str(ckpt), "file_bytes": file_bytes, "written_bytes_by_kind": written,
                        "write_seconds": write_s},
         "load_seconds": load_s,
-        "resident": {"rss_before": rss0, "rss_after_load": rss_loaded, "rss_growth": rss_loaded - rss0,
+        "resident": {"rss_before": rss0, "rss_after_load": rss_loaded, "rss_after_decode": rss_served,
+                     "rss_growth": rss_served - rss0, "rss_growth_over_file": (rss_served - rss0) / file_bytes,
                      "weight_bytes": report.weight_bytes, "weights_by_kind": report.weights,
-                     "weights_over_file": report.weight_bytes / file_bytes,
-                     "rss_growth_over_file": (rss_loaded - rss0) / file_bytes, "cache_bytes": report.cache["total"]},
+                     "weights_over_file": report.weight_bytes / file_bytes, "cache_bytes": report.cache["total"]},
         "copy_bandwidth_GBps": bandwidth / 1e9,
         "dense_bytes_per_step": dense, "bytes_per_expert": per_expert,
         "decode": results,
@@ -288,7 +290,8 @@ def main() -> None:
     print(f"checkpoint            {file_bytes / gb:.2f} GB on disk ({', '.join(f'{k}: {v / gb:.2f}' for k, v in written.items())})")
     print(f"load                  {load_s:.1f} s")
     print(f"weights in memory     {report.weight_bytes / gb:.2f} GB = {report.weight_bytes / file_bytes:.3f}x the files; "
-          f"process RSS grew {(rss_loaded - rss0) / gb:.2f} GB = {(rss_loaded - rss0) / file_bytes:.3f}x")
+          f"process RSS grew {(rss_served - rss0) / gb:.2f} GB = {(rss_served - rss0) / file_bytes:.3f}x once served "
+          f"({(rss_loaded - rss0) / gb:.2f} GB after loading)")
     print(f"copy bandwidth        {bandwidth / gb:.1f} GB/s (read + write)")
     print(f"{'batch':>5} {'tok/s':>8} {'experts/step':>13} {'GB/step':>8} {'GB/s':>6} {'roofline tok/s':>15} {'of roofline':>12}")
     for r in results:

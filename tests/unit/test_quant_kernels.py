@@ -127,3 +127,27 @@ def test_act_quant_weights_quantize_their_inputs_first():
     assert_within("linear act-quantized", kernels.linear(x, w), xq @ w.dequantize().T, dot_bound(xq, w.dequantize()))
     assert torch.equal(kernels.linear(x, w), kernels.linear(xq, plain))
     assert not torch.equal(kernels.linear(x, w), kernels.linear(x, plain))
+
+
+@pytest.mark.parametrize("t", [1, 5, 40])  # decoded in registers, once into a buffer, widened for MKL
+def test_every_code_decodes_exactly(t):
+    """Row i holds code i alone, at column i: with x[k] = k + 1, output i is that code's value times
+    i + 1 times its scale, exactly, and a code decoded into the wrong column shows as a wrong multiple.
+    All 254 finite e4m3 codes (subnormals, both signs) and all 16 e2m1 codes; the scales are powers of
+    two and the values have at most 4 significant bits, so every product is exact."""
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    n = codes.numel()
+    data = torch.zeros(n, 256, dtype=torch.uint8)
+    data[torch.arange(n), torch.arange(n)] = codes
+    fp8 = QuantizedWeight(data.view(torch.float8_e4m3fn), torch.full((-(-n // 128), 2), 130, dtype=torch.uint8),
+                          "fp8_e4m3", (128, 128))
+    x = torch.arange(1, 257, dtype=torch.float32)
+    values = codes.view(torch.float8_e4m3fn).float() * 8.0 * x[:n]
+    assert torch.equal(kernels.linear(x.expand(t, 256).contiguous(), fp8), values.expand(t, n))
+    nib = torch.arange(16)
+    fp4_codes = torch.zeros(16, 32, dtype=torch.long)
+    fp4_codes[nib, nib] = nib
+    packed = (fp4_codes[:, 0::2] | (fp4_codes[:, 1::2] << 4)).to(torch.uint8)
+    fp4 = QuantizedWeight(packed, torch.full((16, 1), 125, dtype=torch.uint8), "fp4_e2m1", (1, 32))
+    e2m1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, 0, -0.5, -1, -1.5, -2, -3, -4, -6]) * 0.25 * x[:16]
+    assert torch.equal(kernels.linear(x[:32].expand(t, 32).contiguous(), fp4), e2m1.expand(t, 16))

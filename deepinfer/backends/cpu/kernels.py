@@ -33,7 +33,10 @@ _HERE = os.path.dirname(__file__)
 # one library: the kernels, and the step program that chains them (step_program.py)
 _SOURCES = [os.path.join(_HERE, name) for name in ("fused_ops.cpp", "quant_ops.cpp", "step_program.cpp")]
 _HEADERS = [os.path.join(_HERE, name) for name in ("fused_ops.h", "kernel_util.h")]
-_FLAGS = ["-O3", "-march=native", "-fopenmp-simd"]
+# -fopenmp: at::parallel_for splits a kernel's rows over torch's intra-op threads only in code built
+# with OpenMP (ATen's header falls back to one thread otherwise); with one thread (small models,
+# tune_for_model) nothing changes.
+_FLAGS = ["-O3", "-march=native", "-fopenmp"]
 _lock = threading.Lock()
 _loaded: bool | None = None  # None: not tried yet
 
@@ -71,7 +74,7 @@ def _try_load(path: str) -> bool:
         print("deepinfer: compiling the cpu backend's C++ kernels (once, ~30 s)...", file=sys.stderr, flush=True)
     try:
         cpp_extension.load(name="deepinfer_cpu_kernels", sources=_SOURCES, extra_cflags=_FLAGS,
-                           build_directory=path, is_python_module=False, verbose=False)
+                           extra_ldflags=["-fopenmp"], build_directory=path, is_python_module=False, verbose=False)
     except Exception as exc:  # no compiler, no ninja, a broken toolchain: the reference ops still work
         warnings.warn(f"deepinfer: the cpu C++ kernels could not be built ({type(exc).__name__}: "
                       f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}); using the reference "

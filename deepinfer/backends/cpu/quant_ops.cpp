@@ -109,11 +109,10 @@ inline V8 decode8(const uint8_t* row, int64_t k) {
   } else if constexpr (F == kF16) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * k)));
   } else if constexpr (F == kFP8) {
-    // e4m3 (s eeee mmm) -> half (s 0eeee mmm0000000): the same number times 2^-8, subnormals included
-    const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + k)));
-    const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8),
-                                   _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7));
-    return _mm256_cvtph_ps(h);
+    // e4m3 (s eeee mmm) -> half (s 0eeee mmm0000000): the same number times 2^-8, subnormals included.
+    // b << 7 puts the sign at bit 14; adding that bit to itself carries it into bit 15.
+    const __m128i b = _mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + k))), 7);
+    return _mm256_cvtph_ps(_mm_add_epi16(b, _mm_and_si128(b, _mm_set1_epi16(0x4000))));
   } else {
     int32_t four;
     std::memcpy(&four, row + (k >> 1), 4);
@@ -123,6 +122,34 @@ inline V8 decode8(const uint8_t* row, int64_t k) {
     const __m128i codes = _mm_unpacklo_epi8(lo, hi);  // element 2i from the low nibble of byte i
     const __m128i lut = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kE2M1x2));
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_shuffle_epi8(lut, codes)));
+  }
+}
+
+// values k..k+8W-1 (k a multiple of 8W) as W vectors of 8: FP8 16 and FP4 32 at a time, sharing the
+// loads and integer work of a whole 128-bit load of bytes between the vectors
+template <int64_t F>
+constexpr int kWide = F == kFP4 ? 4 : F == kFP8 ? 2 : 1;
+
+template <int64_t F>
+inline void decode_wide(const uint8_t* row, int64_t k, V8* out) {
+  if constexpr (F == kFP8) {
+    const __m256i b = _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k))), 7);
+    const __m256i h = _mm256_add_epi16(b, _mm256_and_si256(b, _mm256_set1_epi16(0x4000)));  // as decode8
+    out[0] = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+    out[1] = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+  } else if constexpr (F == kFP4) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + (k >> 1)));
+    const __m128i lo = _mm_and_si128(b, _mm_set1_epi8(0x0F));
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F));
+    const __m128i lut = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kE2M1x2));
+    const __m128i v0 = _mm_shuffle_epi8(lut, _mm_unpacklo_epi8(lo, hi));  // elements 0..15 (2i: low nibble)
+    const __m128i v1 = _mm_shuffle_epi8(lut, _mm_unpackhi_epi8(lo, hi));  // elements 16..31
+    out[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v0));
+    out[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v0, 8)));
+    out[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v1));
+    out[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v1, 8)));
+  } else {
+    out[0] = decode8<F>(row, k);
   }
 }
 #else
@@ -151,6 +178,12 @@ inline V8 decode8(const uint8_t* row, int64_t k) {
   for (int l = 0; l < 8; ++l) o.v[l] = decode1<F>(row, k + l);
   return o;
 }
+template <int64_t F>
+constexpr int kWide = 1;
+template <int64_t F>
+inline void decode_wide(const uint8_t* row, int64_t k, V8* out) {
+  out[0] = decode8<F>(row, k);
+}
 #endif
 
 // One [N, K] matrix as stored: rows of bytes, scales per b0 x b1 tile (float32 or ue8m0 bytes).
@@ -174,15 +207,36 @@ struct Matrix {
 // Both give the same raw values (value / kFold, exact), so both paths compute bit-identical sums.
 template <int64_t F>
 struct Packed {
+  static constexpr int kW = kWide<F>;
   const uint8_t* row;
+  void load_wide(int64_t k, V8* out) const { decode_wide<F>(row, k, out); }
   V8 load8(int64_t k) const { return decode8<F>(row, k); }
   float load1(int64_t k) const { return decode1<F>(row, k); }
 };
 struct Decoded {
+  static constexpr int kW = 1;
   const float* row;
+  void load_wide(int64_t k, V8* out) const { out[0] = v_load(row + k); }
   V8 load8(int64_t k) const { return v_load(row + k); }
   float load1(int64_t k) const { return row[k]; }
 };
+
+// part[r] += x[k..kv) * row r's values, 8 at a time in k order (the order every source keeps),
+// W vectors decoded per step where the source decodes several at once.
+template <int R, class Rows>
+inline void fma_rows(const float* __restrict x, const Rows* rows, int64_t k, int64_t kv, V8* part) {
+  constexpr int W = Rows::kW;
+  for (; k + 8 * W <= kv; k += 8 * W)
+    for (int r = 0; r < R; ++r) {  // row by row: W decoded vectors live at a time, not R x W
+      V8 vals[W];
+      rows[r].load_wide(k, vals);
+      for (int j = 0; j < W; ++j) part[r] = v_fma(v_load(x + k + 8 * j), vals[j], part[r]);
+    }
+  for (; k < kv; k += 8) {
+    const V8 xv = v_load(x + k);
+    for (int r = 0; r < R; ++r) part[r] = v_fma(xv, rows[r].load8(k), part[r]);
+  }
+}
 
 // out[r] = x . row r0 + r of `w` for R rows (the module formula), the rows' values from `rows`.
 template <int64_t F, int R, class Rows>
@@ -192,10 +246,7 @@ inline void dot_rows(const float* __restrict x, const Matrix& w, int64_t r0, con
   for (int r = 0; r < R; ++r) acc[r] = v_zero();
   if constexpr (!scaled(F)) {
     const int64_t body = K & ~int64_t{7};
-    for (int64_t k = 0; k < body; k += 8) {
-      const V8 xv = v_load(x + k);
-      for (int r = 0; r < R; ++r) acc[r] = v_fma(xv, rows[r].load8(k), acc[r]);
-    }
+    fma_rows<R>(x, rows, 0, body, acc);
     for (int r = 0; r < R; ++r) {
       float s = v_sum(acc[r]);
       for (int64_t k = body; k < K; ++k) s += x[k] * rows[r].load1(k);
@@ -208,10 +259,7 @@ inline void dot_rows(const float* __restrict x, const Matrix& w, int64_t r0, con
       const int64_t k1 = std::min(K, k0 + b1), kv = k0 + ((k1 - k0) & ~int64_t{7});
       V8 part[R];
       for (int r = 0; r < R; ++r) part[r] = v_zero();
-      for (int64_t k = k0; k < kv; k += 8) {
-        const V8 xv = v_load(x + k);
-        for (int r = 0; r < R; ++r) part[r] = v_fma(xv, rows[r].load8(k), part[r]);
-      }
+      fma_rows<R>(x, rows, k0, kv, part);
       for (int r = 0; r < R; ++r) {
         const float s = w.scale(r0 + r, kb, fold(F));
         acc[r] = v_fma(part[r], v_set1(s), acc[r]);
@@ -231,12 +279,18 @@ template <int64_t F>
 inline void decode_row(const Matrix& w, int64_t r, float* __restrict buf) {
   const uint8_t* row = w.row(r);
   const int64_t K = w.K, body = K & ~int64_t{7};
-#if defined(DEEPINFER_AVX2)
-  for (int64_t k = 0; k < body; k += 8) _mm256_storeu_ps(buf + k, decode8<F>(row, k));
-#else
-  for (int64_t k = 0; k < body; ++k) buf[k] = decode1<F>(row, k);
-#endif
-  for (int64_t k = body; k < K; ++k) buf[k] = decode1<F>(row, k);
+  constexpr int W = kWide<F>;
+  int64_t k = 0;
+  for (; k + 8 * W <= body; k += 8 * W) {
+    V8 vals[W];
+    decode_wide<F>(row, k, vals);
+    for (int j = 0; j < W; ++j) std::memcpy(buf + k + 8 * j, &vals[j], sizeof(V8));
+  }
+  for (; k < body; k += 8) {
+    const V8 v = decode8<F>(row, k);
+    std::memcpy(buf + k, &v, sizeof(V8));
+  }
+  for (; k < K; ++k) buf[k] = decode1<F>(row, k);
 }
 
 // A group of rows is decoded once into a buffer when this many tokens share the call (the decode
