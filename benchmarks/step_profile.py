@@ -4,10 +4,12 @@ The rest of the step is Python: scheduling, step planning (StepMeta), the graph'
 calls, sampling bookkeeping and post-processing. A composite op that calls other ops is timed once,
 as the outermost call. Timing the ops replaces them, so the model runs its Python graph op by op;
 the same steps are first timed as the engine runs them by default on the cpu (the step program:
-one C++ call per step, and several greedy decode steps per call with DEEPINFER_MULTI_STEP_DECODE).
+one C++ call per step, and several greedy decode steps per call with DEEPINFER_MULTI_STEP_DECODE;
+a model the accelerator has no step program for, such as DeepSeek-V3, runs its Python graph).
 Prints a table and writes JSON.
 
     python benchmarks/step_profile.py [--model DIR | --tiny-config mixed_hc4_yarn [--vocab deepseek]] [--batch 32]
+    DEEPINFER_CPU_THREADS=2 python benchmarks/step_profile.py --tiny-config v3/bench --batch 1   # issue 20's V3
 
 The LM head (the `linear` call on lm_head.weight) is reported as its own row, `linear (LM head)`:
 with a real 129,280-token vocabulary it is a large share of a small model's step.
@@ -25,8 +27,8 @@ import time
 import torch
 
 OPS = ("linear", "grouped_linear", "fp8_block_linear", "embedding", "rms_norm", "rope", "swiglu", "hc_pre", "hc_post",
-       "hc_head", "compress_windows", "indexer_topk", "sparse_attention", "route_topk", "route_hash", "moe_experts",
-       "swiglu_mlp", "sample", "apply_token_bitmask")
+       "hc_head", "compress_windows", "indexer_topk", "sparse_attention", "route_topk", "route_grouped_topk",
+       "route_hash", "moe_experts", "swiglu_mlp", "sample", "apply_token_bitmask")
 
 
 def timed_ops(accel, lm_head: torch.Tensor) -> tuple[collections.Counter, collections.Counter]:
@@ -81,8 +83,11 @@ def profile(model: str, batch: int, prompt_len: int, steps: int) -> dict:
             done += engine.last_step.decode_tokens // batch
         return (time.perf_counter() - start) / done * 1e3
 
-    as_run = {"step program, one step per call": ms_per_decode_step(steps, 1),
-              f"step program, up to {default} steps per call": ms_per_decode_step(steps, default)}
+    if engine.model.step_program(engine.cache) is None:  # a model the accelerator has no program for (V3)
+        as_run = {"Python graph (no step program)": ms_per_decode_step(steps, 1)}
+    else:
+        as_run = {"step program, one step per call": ms_per_decode_step(steps, 1),
+                  f"step program, up to {default} steps per call": ms_per_decode_step(steps, default)}
     engine.multi_step = default
     seconds, calls = timed_ops(llm.accel, engine.model.w["lm_head.weight"])
     engine.timeline.clear()
@@ -129,14 +134,17 @@ def main() -> None:
     print(f"| whole step | {out['step_ms']:.3f} | |")
     print("phases (ms/step): " + ", ".join(f"{k} {v:.3f}" for k, v in out["phases_ms"].items()))
     out["model"] = model_label(args)
+    out.update(threads=torch.get_num_threads(), load_average=os.getloadavg())
     head_ms = out["ops"].get("linear (LM head)", {"ms": 0.0})["ms"]
     as_run = next(iter(out["as_run_ms"].values()))  # one step per call, as the engine runs it
     out["lm_head_ms"] = head_ms
     out["lm_head_share"] = {"op-by-op step": head_ms / out["step_ms"], "step as run": head_ms / as_run}
     print(f"LM head: {head_ms:.3f} ms = {100 * head_ms / out['step_ms']:.0f}% of the op-by-op step, "
           f"{100 * head_ms / as_run:.0f}% of the step as run (one step per call)")
-    path = args.json or ("benchmarks/results/step_profile_" + ("model" if args.model else "tiny_test" if args.vocab == "test"
-                                                               else "tiny_test_deepseek_vocab") + ".json")
+    name = "model" if args.model else \
+        f"{args.tiny_config.replace('/', '_')}_batch{args.batch}" if args.tiny_config.startswith("v3/") else \
+        "tiny_test" if args.vocab == "test" else "tiny_test_deepseek_vocab"
+    path = args.json or f"benchmarks/results/step_profile_{name}.json"
     with open(path, "w") as f:
         json.dump(out, f, indent=1)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -34,6 +35,13 @@ def _model_dir(args) -> str:
         return args.model
     from tiny_models import DEEPSEEK_VOCAB, make_hf_model, write_deepseek_tokenizer
 
+    if args.tiny_config.startswith("v3/"):  # a tiny DeepSeek-V3 (tests/tiny_models_v3.py), e.g. v3/bench
+        import tiny_models_v3
+
+        hf, _ = tiny_models_v3.make_hf_model(args.tiny_config.removeprefix("v3/"), seed=0)
+        path = tempfile.mkdtemp(prefix="deepinfer_bench_")
+        tiny_models_v3.save_hf_layout(hf, path)
+        return path
     real_vocab = getattr(args, "vocab", "test") == "deepseek"
     hf, _ = make_hf_model(args.tiny_config, seed=0, **({"vocab_size": DEEPSEEK_VOCAB} if real_vocab else {}))
     path = tempfile.mkdtemp(prefix="deepinfer_bench_")
@@ -51,7 +59,9 @@ def model_label(args) -> str:
 
 def add_model_args(parser) -> None:
     parser.add_argument("--model", default=None, help="model dir (default: a tiny random V4 of the tests)")
-    parser.add_argument("--tiny-config", default="mixed_hc4_yarn")
+    parser.add_argument("--tiny-config", default="mixed_hc4_yarn",
+                        help="a tiny V4 config of tests/tiny_models.py, or v3/<name> of tests/tiny_models_v3.py "
+                             "(v3/bench: issue 20's peers model)")
     parser.add_argument("--vocab", choices=("test", "deepseek"), default="test",
                         help="the tiny config's vocabulary: its own 512 tokens, or DeepSeek's 129,280")
 
@@ -61,7 +71,18 @@ def _prompts(vocab: int, batch: int, length: int) -> list[list[int]]:
     return torch.randint(2, vocab, (batch, length), generator=gen).tolist()
 
 
-def run_deepinfer(model_dir: str, prompts, new_tokens: int, cores: int = 1) -> dict:
+def timed(fn, repeats: int = 1):
+    """Run fn() `repeats` times: (median seconds, every run's seconds, the last run's result).
+    The median, because other processes share this machine's cores."""
+    runs, out = [], None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = fn()
+        runs.append(time.perf_counter() - start)
+    return statistics.median(runs), runs, out
+
+
+def run_deepinfer(model_dir: str, prompts, new_tokens: int, cores: int = 1, repeats: int = 1) -> dict:
     from deepinfer import LLM, SamplingParams
 
     parallel = dict(data_parallel_size=cores) if cores > 1 else {}  # one single-threaded rank per core
@@ -69,14 +90,13 @@ def run_deepinfer(model_dir: str, prompts, new_tokens: int, cores: int = 1) -> d
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     llm.generate(prompt_token_ids=prompts[:1], sampling_params=SamplingParams(temperature=0.0, max_tokens=2),
                  use_tqdm=False)  # warm-up
-    start = time.perf_counter()
-    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-    seconds = time.perf_counter() - start
+    seconds, runs, outs = timed(lambda: llm.generate(prompt_token_ids=prompts, sampling_params=params,
+                                                     use_tqdm=False), repeats)
     llm.close()
     n = sum(len(o.outputs[0].token_ids) for o in outs)
     ttft = sum(o.time_to_first_token for o in outs) / len(outs)
     tpot = [o.time_per_output_token for o in outs if o.time_per_output_token is not None]
-    return dict(seconds=seconds, output_tokens=n, tok_s=n / seconds, ttft_s=ttft,
+    return dict(seconds=seconds, runs_s=runs, output_tokens=n, tok_s=n / seconds, ttft_s=ttft,
                 tpot_s=sum(tpot) / max(len(tpot), 1), tokens=[o.outputs[0].token_ids for o in outs])
 
 
@@ -85,7 +105,7 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def run_transformers(model_dir: str, prompts, new_tokens: int, cores: int = 1) -> dict:
+def run_transformers(model_dir: str, prompts, new_tokens: int, cores: int = 1, repeats: int = 1) -> dict:
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     torch.set_num_threads(cores)  # intra-op threads: how one transformers process uses several cores
@@ -102,15 +122,19 @@ def run_transformers(model_dir: str, prompts, new_tokens: int, cores: int = 1) -
         model(ids, logits_to_keep=1)  # time to first token ~ one prefill forward (last-position logits, as generate)
         _sync()
         ttft = time.perf_counter() - first
-        start = time.perf_counter()
-        out = model.generate(ids, generation_config=gc)
-        _sync()
-        seconds = time.perf_counter() - start
+
+        def generate():
+            out = model.generate(ids, generation_config=gc)
+            _sync()
+            return out
+
+        seconds, runs, out = timed(generate, repeats)
     gen = out[:, ids.shape[1]:]
     n = gen.numel()
     # a separate prefill forward can take longer than generate's own (long prompts): no TPOT then
     tpot = (seconds - ttft) / max(new_tokens - 1, 1) if seconds > ttft else None
-    return dict(seconds=seconds, output_tokens=n, tok_s=n / seconds, ttft_s=ttft, tpot_s=tpot, tokens=gen.tolist())
+    return dict(seconds=seconds, runs_s=runs, output_tokens=n, tok_s=n / seconds, ttft_s=ttft, tpot_s=tpot,
+                tokens=gen.tolist())
 
 
 def main() -> None:

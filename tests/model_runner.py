@@ -6,15 +6,17 @@ import torch
 
 from deepinfer.backends import get_accelerator
 from deepinfer.core.cache import StateCache
-from deepinfer.models.base import StepInput
-from deepinfer.models.deepseek_v4 import DeepseekV4Config, DeepseekV4Model
+from deepinfer.models.base import CausalLM, StepInput
+from deepinfer.models.registry import family_of
 
 
-def build_model(hf_model, hf_config, accelerator: str = "cpu") -> DeepseekV4Model:
-    cfg = DeepseekV4Config.from_dict(hf_config.to_dict())
+def build_model(hf_model, hf_config, accelerator: str = "cpu") -> CausalLM:
+    """deepinfer's model of the family the registry finds for `hf_config`, on transformers' weights."""
+    data = hf_config.to_dict()
+    config_cls, model_cls = family_of(data).load()
+    cfg = config_cls.from_dict(data)
     state = hf_model.state_dict()
-    return DeepseekV4Model(cfg, {k: state[k] for k in DeepseekV4Model.checkpoint_tensors(cfg)},
-                           get_accelerator(accelerator))
+    return model_cls(cfg, {k: state[k] for k in model_cls.checkpoint_tensors(cfg)}, get_accelerator(accelerator))
 
 
 def new_cache(model, max_seqs: int = 8, max_step_tokens: int = 2048, max_model_len: int = 2048,

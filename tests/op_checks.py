@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from deepinfer.backends import get_accelerator
 from deepinfer.backends import reference as ref
+from deepinfer.backends.base import WeightRole
 
 
 def poisoned(name: str):
@@ -96,3 +99,61 @@ def check_fused(acc, op: str, t: int, tol: float) -> None:
     out, expected = (out, expected) if isinstance(expected, tuple) else ((out,), (expected,))
     for o, e in zip(out, expected, strict=True):
         assert_close(op, o, e, tol)
+
+
+# DeepSeek-V3's router (route_grouped_topk) at its shapes: (E, n_group, topk_group, top_k,
+# normalize, scaling): group-limited with 4 and 3 groups, no groups (n_group 1), V3's own 256/8/4/8.
+GROUPED_ROUTINGS = [(16, 4, 2, 4, True, 2.5), (12, 3, 2, 3, True, 2.0), (8, 1, 1, 3, False, 1.5),
+                    (256, 8, 4, 8, True, 2.5)]
+
+
+def grouped_routing_id(routing) -> str:
+    return "E{}_g{}_kg{}_k{}_norm{}_s{}".format(*routing)
+
+
+def check_route_grouped_topk(acc, t: int, routing, tol: float) -> None:
+    """A backend's route_grouped_topk against the reference: the same experts per token (as a set:
+    the column order is unspecified) and their weights within tol. The bias is on the scale of the
+    scores, so it and the group limit both change which experts win."""
+    e, g, kg, k, norm, scaling = routing
+    gen = seeded(41, t, *routing)
+    args = (randn(gen, t, 64), randn(gen, e, 64, scale=0.3), randn(gen, e, scale=0.1), k, g, kg, norm, scaling)
+    (w, ids), (rw, rids) = run(acc, "route_grouped_topk", *args)
+    assert ids.dtype == torch.int64 and w.dtype == torch.float32 and ids.shape == (t, k)
+    order, rorder = ids.cpu().argsort(-1), rids.argsort(-1)
+    assert torch.equal(ids.cpu().gather(1, order), rids.gather(1, rorder))
+    assert_close("route_grouped_topk", w.cpu().gather(1, order), rw.gather(1, rorder), tol)
+
+
+def check_attention_without_sink(acc, t: int, tol: float) -> None:
+    """sparse_attention with sinks = -inf (DeepSeek-V3's MLA: a plain softmax over the indices), over
+    a latent-shaped pool (head dim c + dr, not a power of two) with index lists whose first blocks are
+    absent for some tokens; a token with no valid index gets zeros."""
+    gen = seeded(42, t)
+    h, d, k, pool = 4, 40, 100, 120
+    idx = indices(gen, t, k, pool)
+    # every key block of 64 (cpu) or 32 (Triton) columns absent for some tokens but not for others
+    idx[:, :70] = torch.where(torch.arange(t)[:, None] % 2 == 0, -1, idx[:, :70])
+    idx[0] = -1
+    args = (randn(gen, t, h, d), randn(gen, pool, d), idx, torch.full((h,), float("-inf")), 0.135)
+    out, expected = run(acc, "sparse_attention", *args)
+    assert_close("sparse_attention", out, expected, tol)
+    assert out.cpu()[0].abs().max() == 0 and not expected.isnan().any()
+
+
+def check_unclamped_experts(acc, t: int, tol: float) -> None:
+    """swiglu, moe_experts and swiglu_mlp with limit = inf (DeepSeek-V3's plain SwiGLU), on inputs
+    large enough that any finite clamp would bite."""
+    gen = seeded(43, t)
+    e, k, d, inter = 8, 2, 40, 24
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
+    x, gate_up, down = randn(gen, t, d, scale=4.0), randn(gen, e, 2 * inter, d, scale=0.5), randn(gen, e, d, inter)
+    weights = torch.rand(t, k, generator=gen)
+    stacks = [acc.prepare_weight(w, WeightRole.EXPERTS) for w in (gate_up, down)]  # the backend's layout
+    assert_close("moe_experts", acc.moe_experts(*to_device(acc, x, weights, ids), *stacks, math.inf),
+                 ref.moe_experts(x, weights, ids, gate_up, down, math.inf), tol)
+    assert_close("swiglu_mlp", *run(acc, "swiglu_mlp", x, gate_up[0], down[0], math.inf), tol)
+    gate, up = randn(gen, t, inter, scale=30.0), randn(gen, t, inter, scale=30.0)
+    out, expected = run(acc, "swiglu", gate, up, math.inf)
+    assert_close("swiglu", out, expected, tol)
+    assert torch.equal(expected, torch.nn.functional.silu(gate) * up)

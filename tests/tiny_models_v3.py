@@ -3,7 +3,8 @@ of a tiny model in the checkpoint layouts a loader meets: the Hugging Face hub l
 deepseek-ai/DeepSeek-V3 (per-expert tensors, FP8 128x128 blocks with `weight_scale_inv`, an MTP
 layer after the last one) and DeepSeek's own inference layout (inference/convert.py's names).
 
-V3_NOTES.md (repository root, temporary) says where each numeric detail comes from.
+deepinfer/models/deepseek_v3/ (config.py, model.py, weights.py) says where each numeric detail and
+checkpoint name comes from.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ CONFIGS = {
 # 128 + 64 -> 8 heads of 64 + 32), V3's routing (4 groups, 2 kept) and V3's YaRN; the same
 # values as the `v3` model of benchmarks/peers.py on the peers branch (8,192-token vocabulary:
 # the shipped model's tokenizer; make_hf_model("bench", vocab_size=DEEPSEEK_VOCAB) for DeepSeek's).
-# It holds what llama.cpp's converter and loader require (V3_NOTES.md, "llama.cpp"):
+# It holds what llama.cpp's converter and loader require (llama-cpp-python 0.3.36's vendored
+# convert_hf_to_gguf.py / conversion/deepseek.py and src/llama-model.cpp, models/deepseek2.cpp):
 # 1 < n_group < n_routed_experts, topk_group < n_group, rope_interleave True,
 # mscale == mscale_all_dim, scoring_func in config.json, num_key_value_heads == heads.
 BENCH = dict(vocab_size=8192, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,

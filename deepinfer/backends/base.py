@@ -106,7 +106,8 @@ class Accelerator(ABC):
 
     @abstractmethod
     def swiglu(self, gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-        """silu(min(gate, limit)) * clamp(up, -limit, limit), elementwise."""
+        """silu(min(gate, limit)) * clamp(up, -limit, limit), elementwise. limit may be inf (no
+        clamp: DeepSeek-V3's plain SwiGLU); so may the limit of every op that takes one."""
 
     # -------------------------------------------------------------- mHC
     @abstractmethod
@@ -156,9 +157,10 @@ class Accelerator(ABC):
                          sinks: torch.Tensor, scale: float) -> torch.Tensor:
         """Shared-KV MQA over an index list (K == V): q [T, H, D], kv [P, D] pool,
         indices [T, K] rows of kv each token attends to (-1 = masked), sinks [H] logits
-        that join every softmax but carry no value.
+        that join every softmax but carry no value; -inf = no sink (a plain softmax over the
+        indices: DeepSeek-V3's MLA).
         out[t, h] = sum_k p[t, h, k] kv[indices[t, k]], p = softmax over (q.kv * scale, sink).
-        A token with no valid index gets zeros. -> [T, H, D]."""
+        A token with no valid index gets zeros (with or without a sink). -> [T, H, D]."""
 
     # -------------------------------------------------------------- MoE
     @abstractmethod
@@ -167,6 +169,22 @@ class Accelerator(ABC):
         """Score-based routing. x [T, D], gate [E, D], bias [E] (selection only).
         s = sqrt(softplus(x @ gate.T)); ids = topk(s + bias); w = s[ids] / sum * scaling.
         Returns (weights [T, k] float32, ids [T, k] int64)."""
+
+    @abstractmethod
+    def route_grouped_topk(self, x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k: int,
+                           n_group: int, topk_group: int, normalize: bool,
+                           scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """DeepSeek-V3 routing (sigmoid scores, group-limited top-k, "noaux_tc").
+        x [T, D], gate [E, D], bias [E] float32 (e_score_correction_bias: chooses, never weighs).
+        s = sigmoid(x @ gate.T) in float32 [T, E]; b = s + bias.
+        The E experts form n_group contiguous groups of E / n_group experts; a group's score is the
+        sum of its two largest b; the topk_group highest-scoring groups are kept (all of them when
+        topk_group == n_group, e.g. n_group 1). ids = the top_k experts by b among the kept groups'
+        experts (top_k <= topk_group * E / n_group). w = s[ids] (unbiased); if normalize:
+        w = w / (sum_k w + 1e-20); w = w * scaling.
+        Returns (weights [T, top_k] float32, ids [T, top_k] int64), columns in any order (only
+        sum_k w_k E_k(x) is used). Exact ties in b or in a group score may go either way
+        (transformers' torch.topk defines no order)."""
 
     @abstractmethod
     def route_hash(self, x: torch.Tensor, gate: torch.Tensor, ids: torch.Tensor,

@@ -195,6 +195,7 @@ def pick_topk(scores: torch.Tensor, cand: torch.Tensor, k: int) -> torch.Tensor:
 def sparse_attention(q, kv, indices, sinks, scale):
     num_tokens, num_heads, head_dim = q.shape
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float32, device=q.device)
+    no_sink = bool(torch.isneginf(sinks).any())
     for start in range(0, num_tokens, _QUERY_BLOCK):
         sl = slice(start, start + _QUERY_BLOCK)
         idx = indices[sl]
@@ -205,6 +206,8 @@ def sparse_attention(q, kv, indices, sinks, scale):
         sink = sinks.float().view(1, -1, 1).expand(logits.shape[0], -1, 1)
         combined = torch.cat([logits, sink], dim=-1)
         probs = torch.softmax(combined, dim=-1)[..., :-1]
+        if no_sink:  # a softmax over nothing (no valid index) is 0/0: such a token gets zeros
+            probs = probs.masked_fill(~valid.any(dim=1)[:, None, None], 0.0)
         out[sl] = torch.einsum("thk,tkd->thd", probs, keys)
     return out
 
@@ -218,6 +221,30 @@ def route_topk(x, gate, bias, top_k, scaling):
     scores = F.softplus(linear(x.float(), gate)).sqrt()
     ids = torch.topk(scores + bias, top_k, dim=-1, sorted=False).indices
     return _normalize_weights(scores, ids, scaling), ids
+
+
+def route_grouped_topk(x, gate, bias, top_k, n_group, topk_group, normalize, scaling):
+    """transformers' DeepseekV3TopkRouter op for op (the same bits, column order included)."""
+    scores = torch.sigmoid(F.linear(x.float(), gate))
+    ids = grouped_topk_ids(scores, bias, top_k, n_group, topk_group)
+    weights = scores.gather(1, ids)
+    if normalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scaling, ids
+
+
+def grouped_topk_ids(scores: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int,
+                     topk_group: int) -> torch.Tensor:
+    """route_grouped_topk's selection from its scores s [T, E] -> ids [T, top_k]: torch.topk as
+    transformers, shared by the backends that compute the scores in kernels."""
+    num_tokens, num_experts = scores.shape
+    biased = scores + bias
+    if topk_group < n_group:  # keep the topk_group groups whose two best biased scores sum highest
+        group_score = biased.view(num_tokens, n_group, -1).topk(2, dim=-1).values.sum(dim=-1)
+        kept = torch.topk(group_score, k=topk_group, dim=-1, sorted=False).indices
+        keep = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, kept, True)
+        biased = biased.masked_fill(~keep.repeat_interleave(num_experts // n_group, dim=1), float("-inf"))
+    return torch.topk(biased, k=top_k, dim=-1, sorted=False).indices
 
 
 def route_hash(x, gate, ids, scaling):

@@ -119,7 +119,8 @@ class LLMEngine:
         if config.available_memory is None and (parallel is None or parallel.expert_parallel is None):
             memory.check_weights_fit(model_dir, accel.memory_info()[0], config.gpu_memory_utilization, accel.name)
         weights, self.extra_weights = load_checkpoint(model_dir, model_cls.checkpoint_tensors(cfg), model_cls,
-                                                      keep_prefixes=model_cls.extra_prefixes)
+                                                      keep_prefixes=model_cls.extra_prefixes,
+                                                      skip_prefixes=model_cls.ignored_prefixes(cfg))
         accel.tune_for_model(cfg.hidden_size)
         self.model = model_cls(cfg, weights, accel, parallel)
         weight_kinds = memory.weights_by_kind(weights, self.extra_weights)

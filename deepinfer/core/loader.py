@@ -199,14 +199,15 @@ def _pair_scales(names, expected, model_names) -> dict[str, str]:
 # ---------------------------------------------------------------------------------- entry
 
 def load_checkpoint(model_dir: str | os.PathLike, expected: dict[str, TensorSpec], names=None, *,
-                    keep_prefixes=()) -> tuple[dict[str, Weight], dict[str, Weight]]:
+                    keep_prefixes=(), skip_prefixes=()) -> tuple[dict[str, Weight], dict[str, Weight]]:
     """Returns (weights, extra). `weights` has exactly the keys of `expected` (the model's names),
     each with the expected shape, in the format the module doc describes; fused expert stacks
     [E, N, K] are assembled from per-expert tensors where the checkpoint has those. `names` (the
     model class) resolves other spellings: `checkpoint_name(name) -> Slot | None` and, for error
     messages, `checkpoint_source(name, part) -> str | None`. `extra` holds the tensors whose names
     start with one of keep_prefixes (e.g. upstream `mtp.*` drafter stages), unrenamed: quantized
-    weights as they are, matrices in their stored dtype, vectors float32, integer tables int64."""
+    weights as they are, matrices in their stored dtype, vectors float32, integer tables int64.
+    Tensors whose names start with one of skip_prefixes (and their scales) are not read."""
     model_dir = Path(model_dir)
     where = _weight_map(model_dir)
     block = _block_size(model_dir)
@@ -225,6 +226,8 @@ def load_checkpoint(model_dir: str | os.PathLike, expected: dict[str, TensorSpec
 
         # File by file, so each shard is read once, front to back.
         for name in sorted(where.keys() - scale_names, key=lambda n: (str(where[n]), n)):
+            if skip_prefixes and name.startswith(tuple(skip_prefixes)):
+                continue
             scale = read(scales[name]) if name in scales else None
             if name.startswith(tuple(keep_prefixes)):
                 extra[name] = _extra(name, read(name), scale, block)

@@ -105,6 +105,23 @@ def sse_error(exc: BaseException) -> str:
     return sse(json.dumps(error.body()))
 
 
+async def event_stream(state: ServerState, group: RequestGroup, events):
+    """Server-sent events around a route's own chunks (`events`, an async generator): [DONE] at the
+    end; the engine stopping under the stream reported as an error event, then [DONE] as usual; the
+    group's engine requests aborted however the stream ends (the client gone included)."""
+    try:
+        async for event in events:
+            yield event
+        yield sse("[DONE]")
+    except EngineDead as exc:
+        yield sse_error(APIError(503, str(exc), None, "unavailable", "server_error"))
+        yield sse("[DONE]")
+    finally:
+        await events.aclose()
+        if not group.finished:
+            state.engine.abort(group.request_ids)
+
+
 class EventStream(StreamingResponse):
     """Server-sent events that stop the moment the client disconnects: starlette otherwise
     notices only at the next write, which for a queued or slow request can be much later. The

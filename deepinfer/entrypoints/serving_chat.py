@@ -10,12 +10,11 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from deepinfer.core.tokenizer import Tokenizer
-from deepinfer.entrypoints.async_llm import EngineDead
 from deepinfer.entrypoints.chat import ChatDelta, ChatFormatError
 from deepinfer.entrypoints.protocol import AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, \
     ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, DeltaMessage, FunctionCall, TokenLogprob, \
     ToolCallDelta, ToolCallOut, TopLogprob, UsageInfo, random_id
-from deepinfer.entrypoints.serving import APIError, EventStream, ServerState, collect, make_params, \
+from deepinfer.entrypoints.serving import APIError, EventStream, ServerState, collect, event_stream, make_params, \
     refuse_unsupported, sse, sse_error, submit, unless_disconnected
 
 
@@ -107,7 +106,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     parsers = [fmt.parser(prompt, tools is not None) for _ in params]
     rid = random_id("chatcmpl")
     if body.stream:
-        return EventStream(_stream(body, state, group, rid, parsers, len(ids), k, so_field))
+        return EventStream(event_stream(state, group, _stream(body, state, group, rid, parsers, len(ids), k, so_field)))
     results = await unless_disconnected(request, collect(state, group, so_field))
     if results is None:
         return JSONResponse({}, status_code=499)  # the client is gone; nobody reads this
@@ -138,34 +137,26 @@ async def _stream(body: ChatCompletionRequest, state: ServerState, group, rid: s
     def chunk(choices, usage=None) -> str:
         return sse(ChatCompletionChunk(id=rid, created=created, model=body.model, choices=choices, usage=usage))
 
-    try:
-        yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
-                     for i in range(len(parsers))])
-        async for index, delta in group.deltas():
-            if delta.error:  # its grammar did not compile in time
-                yield sse_error(APIError(400, delta.error, so_field))
-            parsed: ChatDelta = parsers[index].feed(delta.text)
-            if delta.finished:
-                parsed.extend(parsers[index].finish())
-            out = DeltaMessage(content=parsed.content or None, reasoning_content=parsed.reasoning_content or None)
-            if parsed.tool_calls:
-                out.tool_calls = [ToolCallDelta(index=calls[index] + j, id=c.id,
-                                                function=FunctionCall(name=c.name, arguments=c.arguments))
-                                  for j, c in enumerate(parsed.tool_calls)]
-                calls[index] += len(parsed.tool_calls)
-            counts[index] += len(delta.token_ids)
-            logprobs = ChatLogprobs(content=_logprobs(tokenizer, delta.token_ids, delta.logprobs or [], k)) \
-                if body.logprobs and delta.token_ids else None
-            reason = _finish_reason(delta.finish_reason, calls[index] > 0) if delta.finished else None
-            if parsed or logprobs or reason:
-                yield chunk([ChatChunkChoice(index=index, delta=out, logprobs=logprobs, finish_reason=reason)])
-        if body.stream_options and body.stream_options.include_usage:
-            yield chunk([], UsageInfo(prompt_tokens=num_prompt, completion_tokens=sum(counts),
-                                      total_tokens=num_prompt + sum(counts)))
-        yield sse("[DONE]")
-    except EngineDead as exc:  # the engine stopped under this stream: say why, then end it as usual
-        yield sse_error(APIError(503, str(exc), None, "unavailable", "server_error"))
-        yield sse("[DONE]")
-    finally:
-        if not group.finished:
-            state.engine.abort(group.request_ids)
+    yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+                 for i in range(len(parsers))])
+    async for index, delta in group.deltas():
+        if delta.error:  # its grammar did not compile in time
+            yield sse_error(APIError(400, delta.error, so_field))
+        parsed: ChatDelta = parsers[index].feed(delta.text)
+        if delta.finished:
+            parsed.extend(parsers[index].finish())
+        out = DeltaMessage(content=parsed.content or None, reasoning_content=parsed.reasoning_content or None)
+        if parsed.tool_calls:
+            out.tool_calls = [ToolCallDelta(index=calls[index] + j, id=c.id,
+                                            function=FunctionCall(name=c.name, arguments=c.arguments))
+                              for j, c in enumerate(parsed.tool_calls)]
+            calls[index] += len(parsed.tool_calls)
+        counts[index] += len(delta.token_ids)
+        logprobs = ChatLogprobs(content=_logprobs(tokenizer, delta.token_ids, delta.logprobs or [], k)) \
+            if body.logprobs and delta.token_ids else None
+        reason = _finish_reason(delta.finish_reason, calls[index] > 0) if delta.finished else None
+        if parsed or logprobs or reason:
+            yield chunk([ChatChunkChoice(index=index, delta=out, logprobs=logprobs, finish_reason=reason)])
+    if body.stream_options and body.stream_options.include_usage:
+        yield chunk([], UsageInfo(prompt_tokens=num_prompt, completion_tokens=sum(counts),
+                                  total_tokens=num_prompt + sum(counts)))

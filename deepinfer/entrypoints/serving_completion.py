@@ -9,10 +9,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from deepinfer.core.tokenizer import Tokenizer
-from deepinfer.entrypoints.async_llm import EngineDead
 from deepinfer.entrypoints.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, \
     CompletionResponse, UsageInfo, random_id
-from deepinfer.entrypoints.serving import APIError, EventStream, ServerState, collect, make_params, \
+from deepinfer.entrypoints.serving import APIError, EventStream, ServerState, collect, event_stream, make_params, \
     refuse_unsupported, sse, sse_error, submit, unless_disconnected
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
@@ -81,7 +80,7 @@ async def create_completion(body: CompletionRequest, request: Request, state: Se
     rid = random_id("cmpl")
     writers = [LogprobWriter(tokenizer, k) if k is not None else None for _ in items]
     if body.stream:
-        return EventStream(_stream(body, state, group, rid, items, writers))
+        return EventStream(event_stream(state, group, _stream(body, state, group, rid, items, writers)))
     results = await unless_disconnected(request, collect(state, group))
     if results is None:
         return JSONResponse({}, status_code=499)  # the client is gone; nobody reads this
@@ -112,30 +111,22 @@ async def _stream(body: CompletionRequest, state: ServerState, group, rid: str, 
         return sse(CompletionResponse(id=rid, created=created, model=body.model,
                                       choices=[choice] if choice else [], usage=usage))
 
-    try:
-        async for index, delta in group.deltas():
-            if delta.error:  # its grammar did not compile in time
-                yield sse_error(APIError(400, delta.error, "so_args"))
-            ids, _, prompt_text = items[index]
-            text, logprobs, writer = delta.text, None, writers[index]
-            if not echoed[index]:  # the prompt comes first, with the first delta (which has its logprobs)
-                echoed[index] = True
-                text = prompt_text + text
-                if writer is not None:
-                    logprobs = writer.write(ids, delta.prompt_logprobs or [None] * len(ids))
-            if writer is not None and delta.token_ids:
-                logprobs = writer.write(delta.token_ids, delta.logprobs or [], logprobs)
-            counts[index] += len(delta.token_ids)
-            yield chunk(CompletionChoice(index=index, text=text, logprobs=logprobs,
-                                         finish_reason=delta.finish_reason, stop_reason=delta.stop_reason))
-        if body.stream_options and body.stream_options.include_usage:
-            prompt_tokens = sum(len(ids) for ids, _, _ in items[::body.n])
-            yield chunk(None, UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=sum(counts),
-                                        total_tokens=prompt_tokens + sum(counts)))
-        yield sse("[DONE]")
-    except EngineDead as exc:  # the engine stopped under this stream: say why, then end it as usual
-        yield sse_error(APIError(503, str(exc), None, "unavailable", "server_error"))
-        yield sse("[DONE]")
-    finally:
-        if not group.finished:
-            state.engine.abort(group.request_ids)
+    async for index, delta in group.deltas():
+        if delta.error:  # its grammar did not compile in time
+            yield sse_error(APIError(400, delta.error, "so_args"))
+        ids, _, prompt_text = items[index]
+        text, logprobs, writer = delta.text, None, writers[index]
+        if not echoed[index]:  # the prompt comes first, with the first delta (which has its logprobs)
+            echoed[index] = True
+            text = prompt_text + text
+            if writer is not None:
+                logprobs = writer.write(ids, delta.prompt_logprobs or [None] * len(ids))
+        if writer is not None and delta.token_ids:
+            logprobs = writer.write(delta.token_ids, delta.logprobs or [], logprobs)
+        counts[index] += len(delta.token_ids)
+        yield chunk(CompletionChoice(index=index, text=text, logprobs=logprobs,
+                                     finish_reason=delta.finish_reason, stop_reason=delta.stop_reason))
+    if body.stream_options and body.stream_options.include_usage:
+        prompt_tokens = sum(len(ids) for ids, _, _ in items[::body.n])
+        yield chunk(None, UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=sum(counts),
+                                    total_tokens=prompt_tokens + sum(counts)))

@@ -97,6 +97,12 @@ class CausalLM(ABC):
     # Checkpoint tensors kept aside, unconverted names (e.g. `mtp.` drafter stages), for `make_drafter`.
     extra_prefixes: tuple[str, ...] = ()
 
+    @classmethod
+    def ignored_prefixes(cls, config) -> tuple[str, ...]:
+        """Checkpoint tensors the model never reads, by name prefix (e.g. DeepSeek-V3's
+        multi-token-prediction layer, whose index depends on the config): skipped unread."""
+        return ()
+
     @abstractmethod
     def cache_spec(self, margin: int) -> "CacheSpec":
         """The per-sequence state this model keeps between steps. `margin`: extra ring rows so a
@@ -136,3 +142,4 @@ class Family:
     architectures: tuple[str, ...]
     model_types: tuple[str, ...]
     load: Callable[[], tuple[type, type]] = field(repr=False)  # () -> (config class, model class), imported lazily
+    upstream_keys: tuple[str, ...] = ()  # keys that mark the family's own config format (no architecture)

@@ -1,5 +1,7 @@
 """Which model family a checkpoint is: its config.json's `architectures[0]`, else `model_type`
-(a nested `text_config` counts for both), as vLLM's models/registry.py maps architectures."""
+(a nested `text_config` counts for both), as vLLM's models/registry.py maps architectures; a
+config with neither is the family whose upstream inference config keys it has (DeepSeek's own
+ModelArgs files name no architecture)."""
 
 from __future__ import annotations
 
@@ -15,8 +17,17 @@ def _deepseek_v4():
     return DeepseekV4Config, DeepseekV4Model
 
 
+def _deepseek_v3():
+    from deepinfer.models.deepseek_v3 import DeepseekV3Config, DeepseekV3Model
+
+    return DeepseekV3Config, DeepseekV3Model
+
+
 FAMILIES = (
     Family("deepseek_v4", ("DeepseekV4ForCausalLM",), ("deepseek_v4",), _deepseek_v4),
+    # DeepSeek's own inference config (ModelArgs: dim, n_layers, kv_lora_rank, ...) names no model
+    Family("deepseek_v3", ("DeepseekV3ForCausalLM",), ("deepseek_v3",), _deepseek_v3,
+           upstream_keys=("dim", "n_layers", "kv_lora_rank")),
 )
 
 
@@ -49,6 +60,10 @@ def family_of(data: dict, source: str = "config") -> Family:
     for family in FAMILIES:
         if model_type in family.model_types:
             return family
+    if arch is None and model_type is None:
+        for family in FAMILIES:
+            if family.upstream_keys and all(k in data for k in family.upstream_keys):
+                return family
     supported = ", ".join(f"{a} (model_type {t!r})" for f in FAMILIES for a, t in zip(f.architectures, f.model_types))
     raise ConfigError(f"{source}: architecture {arch!r} / model_type {model_type!r} is not supported; "
                       f"deepinfer runs {supported}")

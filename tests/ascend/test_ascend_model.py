@@ -1,4 +1,4 @@
-"""The whole tiny DeepSeek-V4 graph on the ascend backend (torch_npu shim + Triton interpreter) against
+"""The whole tiny DeepSeek-V4 and DeepSeek-V3 graphs on the ascend backend (torch_npu shim + Triton interpreter) against
 the cpu backend: greedy tokens (argmax of the logits) at every fed position must agree, and the logits
 stay within 1e-4 x max|logit| (the oracle tests' tolerance against transformers)."""
 
@@ -11,13 +11,19 @@ pytest.importorskip("triton", reason="triton is not installed: the ascend backen
 pytest.importorskip("transformers", reason="transformers builds the tiny models")
 
 from model_runner import build_model, new_cache, run_schedule  # noqa: E402
-from tiny_models import make_hf_model  # noqa: E402
+import tiny_models  # noqa: E402
+import tiny_models_v3  # noqa: E402
 
 TOL = 1e-4
 
 
-def test_greedy_tokens_match_cpu():
-    hf, cfg = make_hf_model("mixed_hc4_yarn", seed=5)  # all three layer types, hash + top-k MoE
+# V4: all three layer types, hash + top-k MoE; V3: q LoRA, YaRN, group-limited routing, absorbed MLA
+MODELS = {"v4/mixed_hc4_yarn": tiny_models.make_hf_model, "v3/v3_yarn_groups": tiny_models_v3.make_hf_model}
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_greedy_tokens_match_cpu(name):
+    hf, cfg = MODELS[name](name.split("/")[1], seed=5)
     gen = torch.Generator().manual_seed(6)
     prompts = [torch.randint(2, cfg.vocab_size, (n,), generator=gen) for n in (70, 6, 25)]
     # a mixed batch: prefill chunks beside decodes, crossing compressor windows (rate 4 and 64)

@@ -17,9 +17,13 @@ Tolerance: max |ascend - cpu| <= TOL[op] * max |cpu|; 0.0 = bit-identical; ids/t
 | compress_windows    | Triton, re-tiled (AscendC not built)    | 1e-5            | 1.8e-7                 |
 | sparse_attention    | Triton, re-tiled                        | 1e-5            | 3.4e-7                 |
 | route_topk/hash     | Triton + torch.topk                     | 1e-5, ids equal | 2.1e-7/1.8e-7          |
+| route_grouped_topk  | Triton + torch.topk                     | 1e-5, ids equal | 2.7e-7                 |
 | indexer_topk        | Triton + torch stable sort              | ids equal       | equal                  |
 | apply_token_bitmask | Triton                                  | 0               | 0                      |
 | hc_pre_norm, hc_post_pre_norm, rms_norm_rope, swiglu_mlp, compress_entries | base.py composites of the above | 1e-5 | 2.7e-7, 2.5e-7, 0, 6.4e-8, 1.7e-7 |
+
+DeepSeek-V3's inputs to the existing ops, at the same tolerances: sparse_attention with no sink (-inf)
+(2.7e-7), moe_experts / swiglu_mlp / swiglu with limit inf (1.7e-7 / 3.6e-9 / 1.6e-10).
 
 linear, grouped_linear, embedding, fp8_block_linear and sample are bound to the reference functions
 themselves (plain torch, which runs on the NPU as aclnn ops): comparing them with the reference here
@@ -40,12 +44,13 @@ from deepinfer.backends.base import WeightRole  # noqa: E402
 from deepinfer.backends.quant import QuantizedWeight, quantize_fp4  # noqa: E402
 from deepinfer.backends import reference as ref  # noqa: E402
 from quant_checks import assert_within, dot_bound, weight_kinds, widened  # noqa: E402
-from op_checks import (FUSED_OPS, assert_close, check_fused, indices, poisoned, randn, run,  # noqa: E402
-                       seeded)
+from op_checks import (FUSED_OPS, GROUPED_ROUTINGS, assert_close, check_attention_without_sink,  # noqa: E402
+                       check_fused, check_route_grouped_topk, check_unclamped_experts, grouped_routing_id, indices,
+                       poisoned, randn, run, seeded)
 
 TOL = {"rms_norm": 1e-5, "swiglu": 1e-5, "moe_experts": 1e-5, "rope": 0.0, "hc_pre": 1e-5, "hc_post": 1e-5,
        "hc_head": 1e-5, "compress_windows": 1e-5, "sparse_attention": 1e-5, "route_topk": 1e-5,
-       "route_hash": 1e-5,
+       "route_grouped_topk": 1e-5, "route_hash": 1e-5,
        # composites of the ops above (base.py): each within the sum of its parts' tolerances
        "hc_pre_norm": 1e-5, "hc_post_pre_norm": 1e-5, "rms_norm_rope": 1e-5, "swiglu_mlp": 1e-5, "compress_entries": 1e-5}
 TOKENS = (1, 7, 33)
@@ -239,3 +244,22 @@ def test_fused_composites(t, op, asc):
     """hc_pre_norm, hc_post_pre_norm, rms_norm_rope, swiglu_mlp and compress_entries: this backend
     runs the base-class composite of its own ops; every output within the composite's tolerance."""
     check_fused(asc, op, t, TOL[op])
+
+
+# ------------------------------------------------------------------ DeepSeek-V3
+
+
+@pytest.mark.parametrize("t", TOKENS)
+@pytest.mark.parametrize("routing", GROUPED_ROUTINGS, ids=grouped_routing_id)
+def test_route_grouped_topk(asc, t, routing):
+    check_route_grouped_topk(asc, t, routing, TOL["route_grouped_topk"])
+
+
+@pytest.mark.parametrize("t", TOKENS)
+def test_sparse_attention_without_sink(asc, t):
+    check_attention_without_sink(asc, t, TOL["sparse_attention"])
+
+
+@pytest.mark.parametrize("t", TOKENS)
+def test_unclamped_experts(asc, t):
+    check_unclamped_experts(asc, t, TOL["moe_experts"])

@@ -24,6 +24,7 @@ Exact ops (0.0) must match bit for bit; integer outputs (ids, tokens) must be eq
 | indexer_topk        | ids    | equal (as sets per row)           |
 | route_topk          | 1e-5   | 2.1e-7, ids equal                 |
 | route_hash          | 1e-5   | 2.2e-7                            |
+| route_grouped_topk  | 1e-5   | 2.7e-7, ids equal (DeepSeek-V3)   |
 | moe_experts         | 1e-5   | 3.4e-7                            |
 | sample              | tokens | equal (greedy and sampled rows)   |
 | apply_token_bitmask | 0      | 0                                 |
@@ -32,6 +33,10 @@ Exact ops (0.0) must match bit for bit; integer outputs (ids, tokens) must be eq
 | rms_norm_rope       | 1e-5   | 1.4e-7                            |
 | swiglu_mlp          | 1e-5   | 5.4e-7                            |
 | compress_entries    | 1e-5   | 1.7e-7                            |
+
+DeepSeek-V3's inputs to the existing ops, at the same tolerances: sparse_attention with no sink
+(-inf) over index lists whose first blocks are absent (2.7e-7; a token with no index gets zeros),
+moe_experts / swiglu_mlp / swiglu with limit inf (2.6e-7 / 2.9e-7 / 6.4e-10).
 
 Measured with `pytest -s` (each comparison prints its relative error); interpreted runtime ~25 s.
 """
@@ -45,13 +50,14 @@ pytest.importorskip("triton", reason="triton is not installed: the nvidia backen
 
 from deepinfer.backends import AcceleratorUnavailable, cuda_usable, get_accelerator  # noqa: E402
 from deepinfer.backends import reference as ref  # noqa: E402
-from op_checks import (FUSED_OPS, assert_close, check_fused, indices, poisoned, randn, run,  # noqa: E402
-                       seeded)
+from op_checks import (FUSED_OPS, GROUPED_ROUTINGS, assert_close, check_attention_without_sink,  # noqa: E402
+                       check_fused, check_route_grouped_topk, check_unclamped_experts, grouped_routing_id, indices,
+                       poisoned, randn, run, seeded)
 
 TOL = {
     "rms_norm": 1e-5, "rope": 1e-6, "swiglu": 1e-5, "linear": 1e-5, "grouped_linear": 1e-5,
     "embedding": 0.0, "hc_pre": 1e-5, "hc_post": 1e-5, "hc_head": 1e-5, "compress_windows": 1e-5,
-    "sparse_attention": 1e-5, "route_topk": 1e-5, "route_hash": 1e-5, "moe_experts": 1e-5,
+    "sparse_attention": 1e-5, "route_topk": 1e-5, "route_grouped_topk": 1e-5, "route_hash": 1e-5, "moe_experts": 1e-5,
     "apply_token_bitmask": 0.0,
     # composites of the ops above (base.py): each within the sum of its parts' tolerances
     "hc_pre_norm": 1e-5, "hc_post_pre_norm": 1e-5, "rms_norm_rope": 1e-5, "swiglu_mlp": 1e-5, "compress_entries": 1e-5,
@@ -311,3 +317,22 @@ def test_fused_composites(t, op, nv):
     """hc_pre_norm, hc_post_pre_norm, rms_norm_rope, swiglu_mlp and compress_entries: this backend
     runs the base-class composite of its own ops; every output within the composite's tolerance."""
     check_fused(nv, op, t, TOL[op])
+
+
+# ------------------------------------------------------------------ DeepSeek-V3
+
+
+@pytest.mark.parametrize("t", TOKENS)
+@pytest.mark.parametrize("routing", GROUPED_ROUTINGS, ids=grouped_routing_id)
+def test_route_grouped_topk(nv, t, routing):
+    check_route_grouped_topk(nv, t, routing, TOL["route_grouped_topk"])
+
+
+@pytest.mark.parametrize("t", TOKENS)
+def test_sparse_attention_without_sink(nv, t):
+    check_attention_without_sink(nv, t, TOL["sparse_attention"])
+
+
+@pytest.mark.parametrize("t", TOKENS)
+def test_unclamped_experts(nv, t):
+    check_unclamped_experts(nv, t, TOL["moe_experts"])

@@ -1,9 +1,12 @@
-"""Tiny random V4 models saved as real model directories (config.json, safetensors, tokenizer.json)."""
+"""Tiny random models saved as real model directories (config.json, safetensors, tokenizer.json):
+DeepSeek-V4 (`tiny_model_dir`), DeepSeek-V3 in the hub's layout (`tiny_v3_model_dir`), and
+`family_model_dir`, either of them, for the tests that hold for every family."""
 
 from __future__ import annotations
 
 import pytest
 
+import tiny_models_v3
 from tiny_models import make_hf_model
 
 
@@ -32,3 +35,24 @@ def tiny_model_dir(tmp_path_factory):
     hf.save_pretrained(path, safe_serialization=True)
     _write_tokenizer(path, hf.config.vocab_size)
     return path, hf
+
+
+@pytest.fixture(scope="session")
+def tiny_v3_model_dir(tmp_path_factory):
+    """(model dir, hf model) for the V3 'v3_yarn_groups' config (q LoRA, V3's YaRN, group-limited
+    routing), written as deepseek-ai/DeepSeek-V3 is on the hub (per-expert tensors in two shards,
+    the hub's config.json keys), float32."""
+    hf, _ = tiny_models_v3.make_hf_model("v3_yarn_groups", seed=11)
+    path = tmp_path_factory.mktemp("tiny_v3")
+    tiny_models_v3.save_hf_layout(hf, path)
+    _write_tokenizer(path, hf.config.vocab_size)
+    return path, hf
+
+
+FAMILY_DIRS = {"v4": "tiny_model_dir", "v3": "tiny_v3_model_dir"}
+
+
+@pytest.fixture(scope="session", params=sorted(FAMILY_DIRS))
+def family_model_dir(request):
+    """(model dir, hf model) of each family's tiny model in turn: tests that hold for any family."""
+    return request.getfixturevalue(FAMILY_DIRS[request.param])

@@ -50,8 +50,8 @@ def _run(path, monkeypatch, overlap: bool, abort_every: int):
     return [(r.output_token_ids, r.finish_reason) for r in reqs], preemptions
 
 
-def test_async_equals_sync_on_a_mixed_workload(tiny_model_dir, monkeypatch):
-    path, _ = tiny_model_dir
+def test_async_equals_sync_on_a_mixed_workload(family_model_dir, monkeypatch):
+    path, _ = family_model_dir
     sync, sync_preempt = _run(path, monkeypatch, overlap=False, abort_every=10_000)
     overlapped, async_preempt = _run(path, monkeypatch, overlap=True, abort_every=10_000)
     assert sync_preempt > 0 and async_preempt > 0, "the small cache should force preemption"

@@ -64,8 +64,8 @@ def _mixed(llm: LLM, targets, others, seed: int) -> list[list[int]]:
     return out
 
 
-def test_seeded_sampling_is_identical_in_any_batch_on_cpu(tiny_model_dir, deterministic_env, monkeypatch):
-    path, _ = tiny_model_dir
+def test_seeded_sampling_is_identical_in_any_batch_on_cpu(family_model_dir, deterministic_env, monkeypatch):
+    path, _ = family_model_dir
     targets = _targets(8, [3, 17, 40, 64, 95, 130, 170, 200], max_tokens=12)
     llm = LLM(path, accelerator="cpu", max_num_batched_tokens=2048, num_cache_pages=128)
     assert llm.accel.batch_invariant and llm.accel.deterministic_sampling
@@ -94,9 +94,9 @@ def _require_nvidia() -> None:
         pytest.skip(f"nvidia backend unavailable: {exc}")
 
 
-def test_seeded_sampling_is_identical_in_any_batch_on_nvidia_interpreted(tiny_model_dir, deterministic_env):
+def test_seeded_sampling_is_identical_in_any_batch_on_nvidia_interpreted(family_model_dir, deterministic_env):
     _require_nvidia()
-    path, _ = tiny_model_dir
+    path, _ = family_model_dir
     # interpreted kernels are slow (~1 s a step, mHC's Sinkhorn dominates): 3 short requests, each
     # alone vs together with one more
     targets = _targets(3, [3, 6, 11], max_tokens=4)

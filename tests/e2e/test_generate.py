@@ -1,4 +1,5 @@
-"""End-to-end generation through LLM: equality with transformers, preemption, leaks, bad input."""
+"""End-to-end generation through LLM, on the tiny DeepSeek-V4 and DeepSeek-V3 models: equality with
+transformers, preemption, leaks, bad input."""
 
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ def _prompts(vocab: int, lengths: list[int], seed: int) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_model_dir):
-    path, _ = tiny_model_dir
+def llm(family_model_dir):
+    path, _ = family_model_dir
     return LLM(path, max_num_seqs=8, max_num_batched_tokens=256, num_cache_pages=64)
 
 
@@ -36,9 +37,9 @@ def _assert_matches_hf(hf, prompts, outputs, max_tokens):
             assert gap < 1e-4, f"diverged at token {i}: ours {ours[i]} vs transformers {ref[i]}, logprob gap {gap}"
 
 
-def test_greedy_matches_transformers_mixed_batch(llm, tiny_model_dir):
-    _, hf = tiny_model_dir
-    # past the 32-token window, several CSA windows and the 64-token HCA windows
+def test_greedy_matches_transformers_mixed_batch(llm, family_model_dir):
+    _, hf = family_model_dir
+    # V4: past the 32-token window, several CSA windows and the 64-token HCA windows; V3: past a page
     prompts = _prompts(512, [3, 50, 130, 290], seed=1)
     params = SamplingParams(max_tokens=40, top_logprobs=1, **GREEDY)
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
@@ -47,8 +48,8 @@ def test_greedy_matches_transformers_mixed_batch(llm, tiny_model_dir):
     _assert_matches_hf(hf, prompts, outs, 40)
 
 
-def test_preemption_gives_identical_outputs(tiny_model_dir):
-    path, hf = tiny_model_dir
+def test_preemption_gives_identical_outputs(family_model_dir):
+    path, hf = family_model_dir
     prompts = _prompts(512, [100, 140, 120, 90, 60], seed=2)
     params = SamplingParams(max_tokens=50, top_logprobs=1, **GREEDY)
     roomy = LLM(path, max_num_seqs=8, max_num_batched_tokens=512, num_cache_pages=64)
@@ -56,14 +57,14 @@ def test_preemption_gives_identical_outputs(tiny_model_dir):
     # 5 pages for 5 sequences that each need 2 pages at the end: the scheduler must preempt
     tight = LLM(path, max_num_seqs=8, max_num_batched_tokens=64, num_cache_pages=5)
     outs = tight.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-    assert tight.engine.scheduler.num_preemptions >= 3
+    assert tight.engine.scheduler.num_preemptions >= 2
     assert [o.outputs[0].token_ids for o in outs] == [r.outputs[0].token_ids for r in ref]
     assert tight.engine.cache.num_free_pages == 5
     _assert_matches_hf(hf, prompts[:2], outs[:2], 50)
 
 
-def test_prompt_logprobs_match_transformers(llm, tiny_model_dir):
-    _, hf = tiny_model_dir
+def test_prompt_logprobs_match_transformers(llm, family_model_dir):
+    _, hf = family_model_dir
     # the first prompt takes three prefill chunks under the 256-token budget and shares its last
     # step with the second one, whose rows follow it in the logits
     prompts = _prompts(512, [600, 100], seed=3)
@@ -116,8 +117,8 @@ def test_stops(llm):
         assert out.finish_reason == "stop" and out.text == text[:text.index(needle)]
 
 
-def test_max_model_len_stops_generation(tiny_model_dir):
-    path, _ = tiny_model_dir
+def test_max_model_len_stops_generation(family_model_dir):
+    path, _ = family_model_dir
     small = LLM(path, max_num_seqs=2, max_model_len=64, num_cache_pages=8)
     out = small.generate(prompt_token_ids=[list(range(2, 52))],
                          sampling_params=SamplingParams(max_tokens=100, **GREEDY), use_tqdm=False)[0].outputs[0]
@@ -126,8 +127,8 @@ def test_max_model_len_stops_generation(tiny_model_dir):
 
 @pytest.mark.parametrize("temperatures, requests, max_num_seqs", [((0.0, 0.8), 200, 16), ((0.0,), 48, 64)],
                          ids=["mixed", "greedy, multi-step calls"])
-def test_random_workload_with_aborts_frees_everything(tiny_model_dir, temperatures, requests, max_num_seqs):
-    path, _ = tiny_model_dir
+def test_random_workload_with_aborts_frees_everything(family_model_dir, temperatures, requests, max_num_seqs):
+    path, _ = family_model_dir
     llm = LLM(path, max_num_seqs=max_num_seqs, max_num_batched_tokens=256, num_cache_pages=12)
     engine = llm.engine
     calls = []  # multi-step calls that ran (greedy rows, nobody waiting)
@@ -156,7 +157,8 @@ def test_random_workload_with_aborts_frees_everything(tiny_model_dir, temperatur
         else:
             assert r.finish_reason == "length" and len(r.output_token_ids) == r.params.max_tokens
     assert aborted, "the workload should have aborted some requests"
-    assert calls or len(temperatures) > 1, "the greedy workload should have run multi-step calls"
+    if engine.model.step_program(engine.cache) is not None:  # a model the accelerator runs several steps of
+        assert calls or len(temperatures) > 1, "the greedy workload should have run multi-step calls"
     engine.pop_finished()
     assert engine.cache.num_free_pages == engine.cache.num_pages
     assert engine.cache.num_free_slots == engine.cache.max_seqs
@@ -186,7 +188,7 @@ def test_bad_requests_leave_the_llm_working(llm):
     with pytest.raises(ValueError, match="empty"):
         llm.generate(prompt_token_ids=[[]], sampling_params=good, use_tqdm=False)
     with pytest.raises(ValueError, match="max_model_len"):
-        llm.generate(prompt_token_ids=[[5] * 5000], sampling_params=good, use_tqdm=False)
+        llm.generate(prompt_token_ids=[[5] * (llm.engine.max_model_len + 1)], sampling_params=good, use_tqdm=False)
     with pytest.raises(ValueError, match="vocab_size"):
         llm.generate(prompt_token_ids=[[5, 100000]], sampling_params=good, use_tqdm=False)
     with pytest.raises(ValueError, match="prompts"):

@@ -83,6 +83,28 @@ def test_off_with_a_hit_equals_a_cold_run(tiny_model_dir, monkeypatch):
         assert w.prompt_logprobs == c.prompt_logprobs
 
 
+def test_v3_hits_are_exact(tiny_v3_model_dir, monkeypatch):
+    """DeepSeek-V3's latent pages are its whole decode state: a hit restores it exactly and nothing
+    is replayed, in the default replay mode. With batch-invariant ops (so that computing 40 tokens
+    after a hit and 40 tokens at the end of a whole prompt round alike) the continuation's logprobs
+    are bit-identical to a cold run's."""
+    monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "1")
+    path, _ = tiny_v3_model_dir
+    warm = _llm(path, monkeypatch, "compact")
+    assert warm.engine.model.replay_window == 0
+    outs = _hits_after_priming(warm)
+    stats = warm.stats()
+    assert stats["prefix_cache_hit_tokens"] == sum(HITS) and stats["prefix_cache_replayed_tokens"] == 0
+    doc = _doc(700, seed=1)
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=6, top_logprobs=2, prompt_logprobs=2)
+    cold = _llm(path, monkeypatch, "compact").generate(prompt_token_ids=[doc[:h + 40] for h in HITS],
+                                                       sampling_params=params, use_tqdm=False)
+    for h, w, c in zip(HITS, outs, cold):
+        assert all(lp is None for lp in w.prompt_logprobs[:h + 1]), "restored positions are not computed again"
+        assert w.prompt_logprobs[h + 1:] == c.prompt_logprobs[h + 1:], f"hit at {h}"
+        assert w.outputs[0].token_ids == c.outputs[0].token_ids and w.outputs[0].logprobs == c.outputs[0].logprobs
+
+
 @pytest.mark.parametrize("keep", [WINDOW - 1, KEEP - 1])
 def test_keep_below_window_plus_backtracking_is_rejected(tiny_model_dir, monkeypatch, keep):
     path, _ = tiny_model_dir

@@ -1,10 +1,11 @@
-"""Tiny V4 checkpoint and the single-process reference outputs the parallel layouts must match."""
+"""Tiny V4 and V3 checkpoints and the single-process reference outputs the parallel layouts must match."""
 
 from __future__ import annotations
 
 import pytest
 
 from parallel_helpers import run_llm
+import tiny_models_v3
 from tiny_models import make_hf_model
 
 
@@ -19,3 +20,19 @@ def moe_model_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def reference_outputs(moe_model_dir):
     return run_llm(moe_model_dir)
+
+
+@pytest.fixture(scope="session")
+def v3_model_dir(tmp_path_factory):
+    """DeepSeek-V3: 16 experts top-4 in 4 groups (2 kept), one dense layer first, hub layout."""
+    hf, _ = tiny_models_v3.make_hf_model("v3_yarn_groups", seed=11)
+    path = tmp_path_factory.mktemp("tiny_v3_parallel")
+    tiny_models_v3.save_hf_layout(hf, path)
+    return str(path)
+
+
+@pytest.fixture(scope="session", params=["v4", "v3"])
+def family_case(request):
+    """(model dir, its single-process outputs) of each family's tiny MoE model in turn."""
+    path = request.getfixturevalue("moe_model_dir" if request.param == "v4" else "v3_model_dir")
+    return path, request.getfixturevalue("reference_outputs") if request.param == "v4" else run_llm(path)

@@ -1,5 +1,6 @@
 """Context parallelism: long prefills split over 2 ranks in balanced chunks give the outputs of
-one process, and decode afterwards reads the window and compressed state they built."""
+one process, and decode afterwards reads the window and compressed state (V4) or the latent pages
+(V3) they built."""
 
 from __future__ import annotations
 
@@ -28,17 +29,21 @@ def long_prompts():
             [7, 8, 9]]
 
 
-@pytest.fixture(scope="module")
-def long_reference(moe_model_dir, long_prompts):
-    return run_llm(moe_model_dir, long_prompts, greedy_params(8))
+_REFERENCES: dict[str, list] = {}  # model dir -> its single-process outputs of long_prompts
 
 
-@pytest.mark.parametrize("layout", [dict(context_parallel_size=2),
-                                    dict(context_parallel_size=2, expert_parallel_size=2)], ids=["cp2", "cp2-ep2"])
-def test_cp2_matches_one_process(moe_model_dir, long_prompts, long_reference, layout):
+@pytest.mark.parametrize("family, layout", [
+    ("v4", dict(context_parallel_size=2)), ("v4", dict(context_parallel_size=2, expert_parallel_size=2)),
+    ("v3", dict(context_parallel_size=2)),
+], ids=["v4-cp2", "v4-cp2-ep2", "v3-cp2"])
+def test_cp2_matches_one_process(request, long_prompts, family, layout):
     from deepinfer import LLM
 
-    llm = LLM(moe_model_dir, max_num_seqs=4, max_num_batched_tokens=64, **layout)
+    path = request.getfixturevalue("moe_model_dir" if family == "v4" else "v3_model_dir")
+    if path not in _REFERENCES:
+        _REFERENCES[path] = run_llm(path, long_prompts, greedy_params(8))
+    long_reference = _REFERENCES[path]
+    llm = LLM(path, max_num_seqs=4, max_num_batched_tokens=64, **layout)
     try:
         outputs = llm.generate(prompt_token_ids=long_prompts, sampling_params=greedy_params(8), use_tqdm=False)
         stats = llm.parallel.collective_rpc(worker_stats)

@@ -1,4 +1,5 @@
-"""EP, attention DP and EPLB on gloo: the outputs of one process, from 2 and 4 processes."""
+"""EP, attention DP and EPLB on gloo: the outputs of one process, from 2 and 4 processes (DeepSeek-V4,
+and DeepSeek-V3 for the two-rank layouts)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ from parallel_helpers import assert_same_outputs, greedy_params, run_llm, PROMPT
     dict(expert_parallel_size=2, data_parallel_size=2),
     dict(data_parallel_size=2),
 ], ids=["ep2", "dp2-ep2", "dp2"])
-def test_two_ranks_match_one_process(moe_model_dir, reference_outputs, layout):
-    assert_same_outputs(reference_outputs, run_llm(moe_model_dir, **layout))
+def test_two_ranks_match_one_process(family_case, layout):
+    path, reference = family_case
+    assert_same_outputs(reference, run_llm(path, **layout))
 
 
 @pytest.mark.parametrize("layout", [

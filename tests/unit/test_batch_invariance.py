@@ -14,6 +14,7 @@ from deepinfer.backends.cpu import kernels
 from deepinfer.backends import reference as fast
 from deepinfer.models.deepseek_v4 import fused
 from model_runner import build_model, new_cache, run_schedule
+import tiny_models_v3
 from tiny_models import make_hf_model
 
 
@@ -83,6 +84,7 @@ def _op_cases(acc, seed: int = 0):
     hfn, hbase = rn(N, N * D) * 0.1, rn(N)
     gate, up = rn(T, 24) * 4, rn(T, 24)
     gw, gbias = rn(8, D), rn(8)
+    gw16, gbias16, no_sink = rn(16, D) * 0.3, rn(16) * 0.1, torch.full((H,), float("-inf"))
     h = rn(T, D)
     ids = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(T)])
     mw, gate_up, down = torch.rand(T, 2, generator=g), rn(8, 64, D) * 0.2, rn(8, D, 32) * 0.2
@@ -105,10 +107,13 @@ def _op_cases(acc, seed: int = 0):
         "hc_head": lambda r: acc.hc_head(streams[r], hfn, hbase, scale[:1], 1e-6, 1e-6),
         "route_topk": lambda r: acc.route_topk(h[r], gw, gbias, 2, 1.5),
         "route_hash": lambda r: acc.route_hash(h[r], gw, ids[r], 1.5),
+        "route_grouped_topk": lambda r: acc.route_grouped_topk(h[r], gw16, gbias16, 4, 4, 2, True, 2.5),
         "moe_experts": lambda r: acc.moe_experts(h[r], mw[r], ids[r], gate_up, down, 10.0),
         "swiglu_mlp": lambda r: acc.swiglu_mlp(h[r], gate_up[0], down[0], 10.0),
         # index lists are cut to the sub-batch's widest row, as the model pads them
         "sparse_attention": lambda r: acc.sparse_attention(q[r], kv, idx[r][:, :int(valid[r].max())], sinks, 0.2),
+        "sparse_attention_no_sink": lambda r: acc.sparse_attention(q[r], kv, idx[r][:, :int(valid[r].max())],
+                                                                   no_sink, 0.2),
         "indexer_topk": lambda r: acc.indexer_topk(iq[r], iw[r], ikeys, idx[r][:, :int(valid[r].max())], 24, 0.25),
         "compress_entries": lambda r: fused.compress_entries(acc, ring, wrows[r], wbias, True, wnorm, 1e-6, wcos[r],
                                                              wsin[r]),
@@ -201,14 +206,17 @@ def test_padding_width_does_not_change_attention(invariant):
 
 
 # ---------------------------------------------------------------- model level
-TARGET_LEN = 150  # past the 32-token window, several CSA entries (top-8 of them), two 64-token HCA windows
+TARGET_LEN = 150  # V4: past the 32-token window, several CSA entries (top-8 of them), two 64-token HCA windows
+# V3: past a page of the latent cache (128 positions)
 
 
-@pytest.fixture(scope="module")
-def hf_model():
+@pytest.fixture(scope="module", params=["v4", "v3"])
+def hf_model(request):
+    """Each family's tiny model: V4 (all three attention kinds) and V3 (q LoRA, YaRN, grouped routing)."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)  # as the engine runs small models (and fast when other processes share the cores)
-    yield make_hf_model("mixed_hc4_yarn", seed=3)
+    yield make_hf_model("mixed_hc4_yarn", seed=3) if request.param == "v4" else \
+        tiny_models_v3.make_hf_model("v3_yarn_groups", seed=3)
     torch.set_num_threads(before)
 
 

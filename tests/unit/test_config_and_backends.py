@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -117,6 +119,7 @@ def test_registry_picks_the_family_and_lists_the_supported_ones(tmp_path):
     v4 = next(f for f in FAMILIES if f.name == "deepseek_v4")
     assert family_of({"architectures": ["DeepseekV4ForCausalLM"]}) is v4
     assert family_of({"model_type": "deepseek_v4"}) is v4  # no architectures: the model type decides
+    assert family_of({"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"}).name == "deepseek_v3"
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
     with pytest.raises(ConfigError) as err:
         load_config(tmp_path)
@@ -124,3 +127,65 @@ def test_registry_picks_the_family_and_lists_the_supported_ones(tmp_path):
     assert "'LlamaForCausalLM'" in message and "'llama'" in message
     for family in FAMILIES:  # every supported architecture is named, so the user sees what would work
         assert all(arch in message for arch in family.architectures)
+
+
+# ------------------------------------------------------------------ DeepSeek-V3
+V3_HUB = dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", vocab_size=512, hidden_size=64,
+              intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+              q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24,
+              n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, first_k_dense_replace=1,
+              scoring_func="sigmoid", topk_method="noaux_tc", rope_theta=10000.0,
+              rope_scaling={"type": "yarn", "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                            "original_max_position_embeddings": 128, "beta_fast": 32, "beta_slow": 1})
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(scoring_func="softmax"), "scoring_func"),
+    (dict(topk_method="group_limited_greedy"), "topk_method"),
+    (dict(hidden_act="gelu"), "hidden_act"),
+    (dict(moe_layer_freq=2), "moe_layer_freq"),
+    (dict(n_group=3), "n_group"),
+    (dict(topk_group=5), "topk_group"),
+    (dict(num_experts_per_tok=9), "num_experts_per_tok"),  # > topk_group * experts per group
+    (dict(qk_rope_head_dim=7), "qk_rope_head_dim"),
+    (dict(kv_lora_rank="32"), "kv_lora_rank"),
+    (dict(q_lora_rank=-1), "q_lora_rank"),
+    (dict(rope_scaling={"type": "linear", "factor": 2}), "linear"),
+    (dict(rope_scaling={"type": "yarn", "factor": 4}), "original_max_position_embeddings"),
+    (dict(eos_token_id=9999), "eos_token_id"),
+])
+def test_broken_v3_configs_name_the_key(change, message):
+    from deepinfer.models.deepseek_v3 import DeepseekV3Config
+
+    with pytest.raises(ConfigError, match=message):
+        DeepseekV3Config.from_dict({**V3_HUB, **change})
+
+
+def test_v3_configs_in_every_spelling_parse_alike():
+    """The hub's keys, transformers 5's rope_parameters, and DeepSeek's ModelArgs file give the same
+    model; q_lora_rank null (or upstream's 0) means one q_proj."""
+    import transformers
+
+    from deepinfer.models.deepseek_v3 import DeepseekV3Config
+    from deepinfer.models.registry import family_of
+
+    hub = DeepseekV3Config.from_dict(V3_HUB)
+    hf = DeepseekV3Config.from_dict(transformers.DeepseekV3Config(**{k: v for k, v in V3_HUB.items()
+                                                                     if k != "model_type"}).to_dict())
+    args = dict(vocab_size=512, dim=64, inter_dim=128, moe_inter_dim=32, n_layers=4, n_dense_layers=1, n_heads=4,
+                n_routed_experts=16, n_shared_experts=1, n_activated_experts=4, n_expert_groups=4, n_limited_groups=2,
+                route_scale=2.5, score_func="sigmoid", q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16,
+                qk_rope_head_dim=8, v_head_dim=24, original_seq_len=128, rope_theta=10000.0, rope_factor=40,
+                beta_fast=32, beta_slow=1, mscale=1.0)
+    assert family_of(args).name == "deepseek_v3"  # no architecture, no model_type: DeepSeek's own keys
+    upstream = DeepseekV3Config.from_dict(args)
+    for cfg in (hf, upstream):
+        for key in ("hidden_size", "num_hidden_layers", "first_k_dense_replace", "n_group", "topk_group",
+                    "q_lora_rank", "kv_lora_rank", "softmax_scale", "rope_attention_factor", "norm_topk_prob"):
+            assert getattr(cfg, key) == getattr(hub, key), key
+        assert torch.equal(cfg.rope.inv_freq(), hub.rope.inv_freq())
+    assert hub.softmax_scale == pytest.approx(24 ** -0.5 * (0.1 * math.log(40) + 1) ** 2)
+    assert DeepseekV3Config.from_dict({**V3_HUB, "q_lora_rank": None}).q_lora_rank is None
+    assert DeepseekV3Config.from_dict({**args, "q_lora_rank": 0, "rope_factor": 1}).q_lora_rank is None
+    with pytest.raises(ConfigError, match="score_func"):
+        DeepseekV3Config.from_dict({**args, "score_func": "softmax"})

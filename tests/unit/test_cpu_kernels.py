@@ -317,3 +317,38 @@ def test_moe_experts_off_the_blocked_shapes(T, D, inter, E, k):
     for t in range(T):  # a token alone gives the same bits as in the batch
         assert torch.equal(kernels.moe_experts(x[t:t + 1], w[t:t + 1], ids[t:t + 1], gate_up, down, 3.0),
                            kernels.moe_experts(x, w, ids, gate_up, down, 3.0)[t:t + 1])
+
+
+@pytest.mark.parametrize("t", (1, 7, 33))
+@pytest.mark.parametrize("kernels_on, invariant", [("1", "0"), ("1", "1"), ("0", "1")],
+                         ids=["kernels", "invariant-kernels", "invariant"])
+def test_deepseek_v3_inputs_match_the_reference(t, kernels_on, invariant, monkeypatch):
+    """What DeepSeek-V3 gives the cpu backend's op classes: attention with no sink (-inf) over a
+    latent-shaped pool, SwiGLU without a clamp (limit inf), and its router."""
+    from op_checks import (GROUPED_ROUTINGS, check_attention_without_sink, check_route_grouped_topk,
+                           check_unclamped_experts)
+
+    monkeypatch.setenv("DEEPINFER_CPU_KERNELS", kernels_on)
+    monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", invariant)
+    acc = make()
+    check_attention_without_sink(acc, t, 1e-5)
+    check_unclamped_experts(acc, t, 1e-5)
+    for routing in GROUPED_ROUTINGS:
+        check_route_grouped_topk(acc, t, routing, 1e-5)
+
+
+@pytest.mark.parametrize("t", (1, 7, 33))
+def test_grouped_router_kernel_matches_the_reference(t):
+    """The C++ route_grouped_topk itself (not the reference the wrapper falls back to above its size
+    limit): the same experts per token and their weights, for every routing shape."""
+    from op_checks import GROUPED_ROUTINGS
+
+    for e, g, kg, k, norm, scaling in GROUPED_ROUTINGS:
+        gen = _gen(t * 1000 + e)
+        x, gate, bias = torch.randn(t, 64, generator=gen), torch.randn(e, 64, generator=gen) * 0.3, \
+            torch.randn(e, generator=gen) * 0.1
+        w, ids = torch.ops.deepinfer_cpu.route_grouped_topk(x, gate, bias, k, g, kg, norm, scaling)
+        rw, rids = ref.route_grouped_topk(x, gate, bias, k, g, kg, norm, scaling)
+        order, rorder = ids.argsort(-1), rids.argsort(-1)
+        assert torch.equal(ids.gather(1, order), rids.gather(1, rorder)), (e, g, kg, k)
+        _close(w.gather(1, order), rw.gather(1, rorder))

@@ -12,6 +12,7 @@ from deepinfer.core.loader import CheckpointError, load_checkpoint
 from deepinfer.models.deepseek_v4 import DeepseekV4Model
 from deepinfer.models.deepseek_v4.config import DeepseekV4Config
 from deepinfer.models.deepseek_v4.weights import checkpoint_source as hf_to_upstream
+from tiny_models import FUSED, as_scale, quant_fp4, to_upstream
 
 transformers = pytest.importorskip("transformers")
 
@@ -22,8 +23,6 @@ TINY = dict(num_hidden_layers=4, compress_ratios=[0, 4, 128, 4], num_hash_layers
 # Dims above one 128x128 block and not multiples of it: multiple and partial FP8 blocks
 # (q_b_proj is [288, 136], compressor.kv_proj [144, 160], o_a_proj [32, 144], ...).
 WIDE = TINY | dict(hidden_size=160, head_dim=72, q_lora_rank=136)
-E2M1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6])
-FUSED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
 
 
 @functools.cache
@@ -70,20 +69,6 @@ def stored_alike(sd, dtype=None):
     return out
 
 
-def to_upstream(sd) -> dict[str, torch.Tensor]:
-    """HF state dict -> DeepSeek's original names, fused experts split into per-expert w1/w3/w2."""
-    out = {}
-    for name, t in sd.items():
-        if m := FUSED.fullmatch(name):
-            layer, kind = m.groups()
-            for j, e in enumerate(t):
-                parts = dict(zip(("w1", "w3"), e.chunk(2))) if kind == "gate_up_proj" else {"w2": e}
-                out |= {f"layers.{layer}.ffn.experts.{j}.{w}.weight": p.clone() for w, p in parts.items()}
-        else:
-            out[hf_to_upstream(name)] = t
-    return out
-
-
 def fold(up: dict, sd: dict) -> dict:
     """Upstream-named tensors back into the HF state dict layout (inverse of `to_upstream`)."""
     out = {}
@@ -127,12 +112,6 @@ def assert_same(got: dict, want: dict, quantized=()):
 
 # ------------------------------------------------------------------------------- quantizers
 
-def as_scale(s, fmt):
-    """float32 scales, or ue8m0 ones (powers of two) as float8_e8m0fnu or as their raw exponent bytes."""
-    e8m0 = s.to(torch.float8_e8m0fnu)
-    return {"f32": s.float(), "e8m0": e8m0, "bytes": e8m0.view(torch.uint8)}[fmt]
-
-
 def quant_fp8(w, block, fmt):
     """2-D w -> (e4m3 weight, per-block scale in `fmt`, dequantized reference, scale per element)."""
     (n, k), (b0, b1) = w.shape, block
@@ -144,19 +123,6 @@ def quant_fp8(w, block, fmt):
     full = s[torch.arange(n) // b0][:, torch.arange(k) // b1]
     q = (w / full).to(torch.float8_e4m3fn)
     return q, as_scale(s, fmt), q.float() * full, full
-
-
-def quant_fp4(w, fmt="e8m0"):
-    """[..., K] -> (packed [..., K/2] uint8, power-of-two scale per 32 inputs in `fmt`, reference,
-    scale per element)."""
-    g = w.unflatten(-1, (-1, 32))
-    s = torch.exp2(torch.ceil(torch.log2(g.abs().amax(-1, keepdim=True) / 6)))
-    x = g / s
-    mag = (x.abs().unsqueeze(-1) - E2M1).abs().argmin(-1)
-    ref = (torch.where(x < 0, -E2M1[mag], E2M1[mag]) * s).flatten(-2)
-    code = (mag | ((x < 0).long() << 3)).flatten(-2)
-    packed = (code[..., 0::2] | (code[..., 1::2] << 4)).to(torch.uint8)  # element 2i in the low nibble
-    return packed, as_scale(s.squeeze(-1), fmt), ref, s.expand_as(g).flatten(-2)
 
 
 def quantizable(name, t):
@@ -267,6 +233,29 @@ def test_fp4_experts(tmp_path, naming, fmt, packed_dtype):
         # e2m1 steps are 0.5 up to 2, then 1 up to 4, then 2 up to 6 (in units of the scale): the
         # rounding error is <= max(s/4, |w|/4). Measured: 11.5% relative Frobenius error.
         assert ((r - src[name]).abs() <= torch.maximum(scale[name] / 4, src[name].abs() / 4)).all(), name
+
+
+def test_save_upstream_reads_back(tmp_path):
+    """tiny_models.save_upstream, DeepSeek's own layout (what llama.cpp's converter reads): upstream
+    config keys and names, FP4 experts. It loads as the model it wrote, experts rounded to FP4."""
+    import copy
+
+    from deepinfer.models.deepseek_v4 import DeepseekV4Config
+    from deepinfer.models.registry import load_config
+    from tiny_models import save_upstream
+
+    m = copy.deepcopy(model())  # save_upstream rounds the experts in place
+    save_upstream(m, tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert written["compress_ratios"] == TINY["compress_ratios"] and written["num_hash_layers"] == 2
+    assert not {"layer_types", "mlp_layer_types", "rope_parameters", "compress_rates"} & written.keys()
+    sd, down = m.state_dict(), "model.layers.3.mlp.experts.down_proj"
+    assert not torch.equal(sd[down], model().state_dict()[down])  # rounded: what the FP4 checkpoint holds
+    weights, _ = load(tmp_path, sd)
+    assert_same(weights, sd, quantized={k for k in sd if FUSED.fullmatch(k)})  # the experts stay FP4
+    ours, theirs = load_config(tmp_path)[0], DeepseekV4Config.from_dict(m.config.to_dict())
+    for field in ("layer_types", "mlp_layer_types", "compress_rates", "rope_main", "rope_compress", "head_dim"):
+        assert getattr(ours, field) == getattr(theirs, field), field
 
 
 # ------------------------------------------------------------------------------- errors

@@ -144,7 +144,7 @@ def test_upstream_layout_has_deepseeks_names(name, tmp_path):
 
 def test_bench_config_is_issue_20s_and_llama_cpp_loads_it():
     """The peers benchmark model has issue 20's dimensions, and the values llama.cpp's converter
-    and loader need (V3_NOTES.md, llama.cpp): its loader asserts 1 < n_group < n_expert,
+    and loader need (llama-model.cpp, conversion/deepseek.py): its loader asserts 1 < n_group < n_expert,
     n_expert % n_group == 0 and 0 < topk_group < n_group; the converter reads scoring_func
     (absent: softmax gating) and num_key_value_heads (to split kv_b_proj) from config.json, and
     rotates interleaved pairs with one mscale."""

@@ -19,6 +19,7 @@ Op mapping (a torch_npu operator is used only where its documented semantics equ
 | sparse_attention    | Triton (shared kernel, re-tiled)                                    [c]  |
 | indexer_topk        | Triton scores + torch stable sort                                   [d]  |
 | route_topk          | Triton scores + torch.topk                                          [e]  |
+| route_grouped_topk  | Triton scores + torch.topk                                          [h]  |
 | route_hash          | Triton scores                                                       [a]  |
 | apply_token_bitmask | Triton (shared kernel)                                              [a]  |
 | linear, grouped_linear, embedding | reference: plain torch (aclnn matmul / gather on the NPU)  |
@@ -45,6 +46,8 @@ Why not a fused torch_npu operator:
     per-channel or per-group scales, npu_quant_matmul int8 / int4 operands with 1-D per-channel and
     per-token scales, no block scales (torch_npu 7.0.0 API reference). Weights stay quantized in
     memory and are widened per call, never at load (npu_ops.py).
+[h] npu_moe_gating_top_k with sigmoid is this router's fused operator, with [e]'s size limits and no
+    documented tie order; not checked on hardware yet.
 
 The Triton kernels are the ones nvidia runs (backends/triton), launched with tile sizes that fit Ascend's 192 KB unified
 buffer (triton_ops.py re-tiles sparse_attention and compress_windows; the rest fit as they are); none
@@ -118,6 +121,7 @@ class AscendAccelerator(Accelerator):
     sparse_attention = _kernel("triton_ops", "sparse_attention")
     indexer_topk = _kernel("attention", "indexer_topk")
     route_topk = _kernel("sampling", "route_topk")
+    route_grouped_topk = _kernel("sampling", "route_grouped_topk")
     route_hash = _kernel("sampling", "route_hash")
     apply_token_bitmask = _kernel("sampling", "apply_token_bitmask")
     # the reference's plain torch (aclnn matmul / gather / sort on the NPU)

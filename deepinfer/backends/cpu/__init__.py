@@ -52,6 +52,7 @@ class CpuAccelerator(Accelerator):
     indexer_topk = staticmethod(reference.indexer_topk)
     sparse_attention = staticmethod(reference.sparse_attention)
     route_topk = staticmethod(reference.route_topk)
+    route_grouped_topk = staticmethod(reference.route_grouped_topk)
     route_hash = staticmethod(reference.route_hash)
     moe_experts = staticmethod(reference.moe_experts)
     sample = staticmethod(reference.sample)

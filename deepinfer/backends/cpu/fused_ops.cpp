@@ -690,6 +690,82 @@ at::Tensor route_hash(const at::Tensor& x_in, const at::Tensor& gate_in, const a
   return weights;
 }
 
+// route_grouped_topk (DeepSeek-V3): sigmoid scores; the topk_group groups (of E / n_group experts) whose
+// two best biased scores sum highest are kept; the top_k experts by biased score among them, weighted by
+// their unbiased scores (normalised if asked), times scaling. Ties go to the lower index (the contract
+// leaves them open). One token at a time, so a row never depends on its batch.
+std::tuple<at::Tensor, at::Tensor> route_grouped_topk(const at::Tensor& x_in, const at::Tensor& gate_in,
+                                                      const at::Tensor& bias_in, int64_t top_k, int64_t n_group,
+                                                      int64_t topk_group, bool normalize, double scaling) {
+  check_float(x_in, "x");
+  check_float(gate_in, "gate");
+  const at::Tensor x = x_in.contiguous(), gate = gate_in.contiguous(), bias = bias_in.contiguous().to(at::kFloat);
+  const int64_t T = x.size(0), D = x.size(1), E = gate.size(0);
+  TORCH_CHECK(gate.size(1) == D && bias.numel() == E, "gate must be [E, D] and bias [E] for x [T, D]");
+  TORCH_CHECK(n_group > 0 && E % n_group == 0 && topk_group > 0 && topk_group <= n_group,
+              "n_group must divide the experts and 0 < topk_group <= n_group");
+  const int64_t per_group = E / n_group;
+  TORCH_CHECK(top_k > 0 && top_k <= topk_group * per_group && (topk_group == n_group || per_group >= 2),
+              "top_k must be in [1, topk_group * E / n_group], and a limited group needs >= 2 experts");
+  at::Tensor weights = at::empty({T, top_k}, x.options()), ids = at::empty({T, top_k}, x.options().dtype(at::kLong));
+  const float *X = x.data_ptr<float>(), *Gt = gate.data_ptr<float>(), *Bs = bias.data_ptr<float>();
+  float* Wo = weights.data_ptr<float>();
+  int64_t* Io = ids.data_ptr<int64_t>();
+  const float sc = static_cast<float>(scaling);
+  at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
+    Scratch<float, 1024> score_buf(E), biased_buf(E), group_buf(n_group);
+    Scratch<int64_t, 1024> order_buf(E), group_order_buf(n_group);
+    float *score = score_buf.data(), *biased = biased_buf.data(), *group_score = group_buf.data();
+    int64_t *order = order_buf.data(), *groups = group_order_buf.data();
+    auto better = [&](const float* v) {
+      return [v](int64_t a, int64_t b) { return v[a] > v[b] || (v[a] == v[b] && a < b); };
+    };
+    for (int64_t t = begin; t < end; ++t) {
+      gemv(X + t * D, Gt, D, D, E, score);
+      for (int64_t e = 0; e < E; ++e) {
+        score[e] = 1.0f / (1.0f + std::exp(-score[e]));
+        biased[e] = score[e] + Bs[e];
+      }
+      int64_t n_candidates = E;
+      if (topk_group < n_group) {
+        for (int64_t g = 0; g < n_group; ++g) {  // the sum of the group's two best biased scores
+          const float* b = biased + g * per_group;
+          float first = -std::numeric_limits<float>::infinity(), second = first;
+          for (int64_t j = 0; j < per_group; ++j) {
+            if (b[j] > first) {
+              second = first;
+              first = b[j];
+            } else if (b[j] > second) {
+              second = b[j];
+            }
+          }
+          group_score[g] = first + second;
+        }
+        std::iota(groups, groups + n_group, 0);
+        std::partial_sort(groups, groups + topk_group, groups + n_group, better(group_score));
+        std::sort(groups, groups + topk_group);
+        n_candidates = 0;
+        for (int64_t i = 0; i < topk_group; ++i)
+          for (int64_t j = 0; j < per_group; ++j) order[n_candidates++] = groups[i] * per_group + j;
+      } else {
+        std::iota(order, order + E, 0);
+      }
+      std::partial_sort(order, order + top_k, order + n_candidates, better(biased));
+      float* w = Wo + t * top_k;
+      for (int64_t j = 0; j < top_k; ++j) {
+        Io[t * top_k + j] = order[j];
+        w[j] = score[order[j]];
+      }
+      if (normalize) {
+        normalize_route(w, top_k, sc);
+      } else {
+        for (int64_t j = 0; j < top_k; ++j) w[j] *= sc;
+      }
+    }
+  });
+  return {weights, ids};
+}
+
 // ---------------------------------------------------------------- MoE (small batches)
 // out_of(t) = down @ (silu(min(g, limit)) * clamp(u, -limit, limit)), (g, u) = gate_up @ x_of(t), for
 // T rows with the same weights: gate_up [2I, D] (gate rows 0..I-1, up rows I..2I-1), down [D, I];
@@ -901,6 +977,8 @@ TORCH_LIBRARY(deepinfer_cpu, m) {
   m.def("grouped_linear(Tensor x, Tensor weight) -> Tensor");
   m.def("route_topk(Tensor x, Tensor gate, Tensor bias, int top_k, float scaling) -> (Tensor, Tensor)");
   m.def("route_hash(Tensor x, Tensor gate, Tensor ids, float scaling) -> Tensor");
+  m.def("route_grouped_topk(Tensor x, Tensor gate, Tensor bias, int top_k, int n_group, int topk_group, "
+        "bool normalize, float scaling) -> (Tensor, Tensor)");
   m.def("moe_experts(Tensor x, Tensor weights, Tensor ids, Tensor gate_up, Tensor down, float limit) -> Tensor");
   m.def("indexer_topk(Tensor q, Tensor weights, Tensor keys, Tensor candidates, int topk, float scale) -> Tensor");
   m.def("swiglu_mlp(Tensor x, Tensor gate_up, Tensor down, float limit) -> Tensor");
@@ -927,6 +1005,7 @@ TORCH_LIBRARY_IMPL(deepinfer_cpu, CPU, m) {
   m.impl("grouped_linear", &grouped_linear);
   m.impl("route_topk", &route_topk);
   m.impl("route_hash", &route_hash);
+  m.impl("route_grouped_topk", &route_grouped_topk);
   m.impl("swiglu_mlp", &swiglu_mlp);
   m.impl("linear", &linear);
   m.impl("hc_head", &hc_head);

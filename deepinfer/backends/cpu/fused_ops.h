@@ -27,6 +27,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight);
 std::tuple<at::Tensor, at::Tensor> route_topk(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& bias,
                                               int64_t top_k, double scaling);
 at::Tensor route_hash(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& ids, double scaling);
+std::tuple<at::Tensor, at::Tensor> route_grouped_topk(const at::Tensor& x, const at::Tensor& gate,
+                                                      const at::Tensor& bias, int64_t top_k, int64_t n_group,
+                                                      int64_t topk_group, bool normalize, double scaling);
 at::Tensor swiglu_mlp(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down, double limit);
 at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& ids,
                        const at::Tensor& gate_up, const at::Tensor& down, double limit);

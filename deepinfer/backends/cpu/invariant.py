@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer.backends.reference import _QUERY_BLOCK, rms_norm, topk_by_query_blocks
+from deepinfer.backends.reference import _QUERY_BLOCK, grouped_topk_ids, rms_norm, topk_by_query_blocks
 
 ROW_BLOCK = 16
 KEY_BLOCK = 64
@@ -143,27 +143,41 @@ def sparse_attention(q, kv, indices, sinks, scale):
             logits = torch.bmm(qs, keys.transpose(1, 2)) * scale  # [t, H, KB]
             logits = logits.masked_fill(~valid.unsqueeze(1), float("-inf"))
             new_max = torch.maximum(run_max, logits.amax(dim=-1, keepdim=True))
-            rescale = torch.exp(run_max - new_max)
-            p = torch.exp(logits - new_max)
+            # no sink (-inf) and no valid key yet in a row: nothing to rescale, weights 0 (not NaN)
+            safe_max = new_max.masked_fill(torch.isneginf(new_max), 0.0)
+            rescale = torch.exp(run_max - safe_max)
+            p = torch.exp(logits - safe_max)
             denom = denom * rescale + p.sum(dim=-1, keepdim=True)
             acc = acc * rescale + torch.bmm(p, keys)
             run_max = new_max
-        out[sl] = acc / denom
+        # denom is 0 only without a sink and without a valid index: such a token gets zeros
+        out[sl] = torch.where(denom > 0, acc / denom, 0.0)
     return out
 
 
-def _normalize_weights(scores: torch.Tensor, ids: torch.Tensor, scaling: float) -> torch.Tensor:
-    weights = scores.gather(1, ids)
+def _normalized(weights: torch.Tensor) -> torch.Tensor:
+    """weights / (their sum over k + 1e-20), the sum in k order (ATen may split it by batch)."""
     total = weights[:, 0]
     for j in range(1, weights.shape[1]):
         total = total + weights[:, j]
-    return weights / (total.unsqueeze(1) + 1e-20) * scaling
+    return weights / (total.unsqueeze(1) + 1e-20)
+
+
+def _normalize_weights(scores: torch.Tensor, ids: torch.Tensor, scaling: float) -> torch.Tensor:
+    return _normalized(scores.gather(1, ids)) * scaling
 
 
 def route_topk(x, gate, bias, top_k, scaling):
     scores = _softplus(linear(x.float(), gate)).sqrt()
     ids = torch.topk(scores + bias, top_k, dim=-1, sorted=False).indices
     return _normalize_weights(scores, ids, scaling), ids
+
+
+def route_grouped_topk(x, gate, bias, top_k, n_group, topk_group, normalize, scaling):
+    scores = _sigmoid(linear(x.float(), gate))
+    ids = grouped_topk_ids(scores, bias, top_k, n_group, topk_group)
+    weights = scores.gather(1, ids)
+    return (_normalized(weights) if normalize else weights) * scaling, ids
 
 
 def route_hash(x, gate, ids, scaling):
@@ -203,4 +217,4 @@ def compress_windows(kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
 
 
 OPS = ("linear", "grouped_linear", "swiglu", "swiglu_mlp", "hc_pre", "hc_head", "indexer_topk", "sparse_attention",
-       "route_topk", "route_hash", "moe_experts", "compress_windows")
+       "route_topk", "route_grouped_topk", "route_hash", "moe_experts", "compress_windows")

@@ -2,9 +2,9 @@
 
 The reference ops (backends/reference.py) are plain torch: dozens of small ops per call, which is what a
 decode step of a small model spends its time on (the mHC mix alone is ~80 ops, 8 calls a step).
-`fused_ops.cpp` does fourteen of them in one pass each: hc_pre, hc_post, hc_head, rms_norm,
+`fused_ops.cpp` does fifteen of them in one pass each: hc_pre, hc_post, hc_head, rms_norm,
 rope, compress_entries, sparse_attention and indexer_topk always; linear, moe_experts, swiglu_mlp
-(the shared expert), grouped_linear and the two routers for decode-sized batches (larger ones go to
+(the shared expert), grouped_linear and the three routers for decode-sized batches (larger ones go to
 the reference, whose GEMMs win there). The fused sequences hc_pre_norm, hc_post_pre_norm and
 rms_norm_rope chain those kernels in one call. `step_program.cpp`, in the same library, chains the
 whole forward (step_program.py). It is built with torch's C++ extension loader on the machine
@@ -188,6 +188,14 @@ def route_topk(x, gate, bias, top_k, scaling, *, reference=ops.route_topk, max_m
     return tuple(torch.ops.deepinfer_cpu.route_topk(x, gate, bias, top_k, scaling))
 
 
+def route_grouped_topk(x, gate, bias, top_k, n_group, topk_group, normalize, scaling, *,
+                       reference=ops.route_grouped_topk, max_macs=_ROUTER_MAX_MACS):
+    if x.shape[0] * gate.numel() > max_macs or x.dtype != _F32 or gate.dtype != _F32:
+        return reference(x, gate, bias, top_k, n_group, topk_group, normalize, scaling)
+    return tuple(torch.ops.deepinfer_cpu.route_grouped_topk(x, gate, bias, top_k, n_group, topk_group, normalize,
+                                                            scaling))
+
+
 def route_hash(x, gate, ids, scaling, *, reference=ops.route_hash, max_macs=_ROUTER_MAX_MACS):
     if not quant.is_plain_f32(gate):
         out = quant.route_hash(x, gate, ids, scaling)
@@ -241,7 +249,7 @@ FUSED = {"compress_entries": compress_entries, "hc_pre_norm": hc_pre_norm, "hc_p
 
 
 OPS = ("hc_pre", "hc_post", "hc_head", "rms_norm", "rope", "sparse_attention", "indexer_topk", "moe_experts",
-       "grouped_linear", "route_topk", "route_hash", "swiglu_mlp", "linear")
+       "grouped_linear", "route_topk", "route_grouped_topk", "route_hash", "swiglu_mlp", "linear")
 
 
 def batch_invariant_ops() -> dict:
@@ -261,7 +269,7 @@ def batch_invariant_ops() -> dict:
         # prefills of narrow matrices (1.5x at 64 x 512, 256 rows; it wins at every size at 256 wide;
         # `python benchmarks/cpu_kernels.py --invariant-linear`).
         limits = {"max_macs_per_expert": math.inf} if name == "moe_experts" else \
-            {"max_macs": math.inf} if name in ("route_topk", "route_hash") else \
+            {"max_macs": math.inf} if name in ("route_topk", "route_grouped_topk", "route_hash") else \
             {"max_macs": math.inf, "max_qtokens": math.inf} if name in ("grouped_linear", "swiglu_mlp") else \
             {"max_tokens": math.inf, "max_qtokens": math.inf} if name == "linear" else {}
         out[name] = functools.partial(globals()[name], reference=reference, **limits)

@@ -93,6 +93,7 @@ class NvidiaAccelerator(Accelerator):
     compress_windows = staticmethod(attention.compress_windows)
     indexer_topk = staticmethod(attention.indexer_topk)
     route_topk = staticmethod(sampling.route_topk)
+    route_grouped_topk = staticmethod(sampling.route_grouped_topk)
     route_hash = staticmethod(sampling.route_hash)
     sample = staticmethod(sampling.sample)
     apply_token_bitmask = staticmethod(sampling.apply_token_bitmask)

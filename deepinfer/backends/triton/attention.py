@@ -46,7 +46,8 @@ def compress_windows(kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
 def _sparse_attention_kernel(q_ptr, kv_ptr, idx_ptr, sinks_ptr, out_ptr, H, D, K, scale,
                              BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
     """One program per (token, head group): online softmax over the index list in fixed BLOCK_K
-    chunks, seeded with the sink (max = sink, denominator = 1, no value)."""
+    chunks, seeded with the sink (max = sink, denominator = 1, no value; a -inf sink drops out at
+    the first valid key, whose rescale factor exp(-inf) is 0)."""
     t, hg = tl.program_id(0), tl.program_id(1)
     h = hg * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = h < H
@@ -66,12 +67,15 @@ def _sparse_attention_kernel(q_ptr, kv_ptr, idx_ptr, sinks_ptr, out_ptr, H, D, K
         s = tl.dot(q, tl.trans(kv), input_precision="ieee") * scale
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
+        # no sink (-inf) and no valid key yet: nothing to rescale and weights 0, not exp(-inf + inf)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)
+        p = tl.exp(s - m_safe[:, None])
         denom = denom * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p, kv, input_precision="ieee")
         m = m_new
-    out = acc / denom[:, None]
+    # denom is 0 only without a sink and without a valid index: such a token gets zeros
+    out = tl.where(denom[:, None] > 0, acc / denom[:, None], 0.0)
     tl.store(out_ptr + (t * H + h[:, None]) * D + d[None, :], out, mask=hmask[:, None] & dmask[None, :])
 
 

@@ -8,7 +8,7 @@ import triton.language as tl
 
 from deepinfer.backends.triton import alloc
 
-from deepinfer.backends.reference import filter_logits
+from deepinfer.backends.reference import filter_logits, grouped_topk_ids
 from deepinfer.backends.triton.gemm import linear
 
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -32,30 +32,42 @@ def _sqrt_softplus_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _route_weights_kernel(scores_ptr, ids_ptr, out_ptr, E, scaling, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr):
+def _sigmoid_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < n
+    x = tl.load(x_ptr + i, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + i, 1.0 / (1.0 + tl.exp(-x)), mask=mask)
+
+
+@triton.jit
+def _route_weights_kernel(scores_ptr, ids_ptr, out_ptr, E, scaling, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr,
+                          NORMALIZE: tl.constexpr):
     t = tl.program_id(0)
     j = tl.arange(0, BLOCK_K)
     mask = j < TOP_K
     ids = tl.load(ids_ptr + t * TOP_K + j, mask=mask, other=0)
     w = tl.load(scores_ptr + t * E + ids, mask=mask, other=0.0)
-    tl.store(out_ptr + t * TOP_K + j, w / (tl.sum(w, axis=0) + 1e-20) * scaling, mask=mask)
+    if NORMALIZE:
+        w = w / (tl.sum(w, axis=0) + 1e-20)
+    tl.store(out_ptr + t * TOP_K + j, w * scaling, mask=mask)
 
 
-def route_scores(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+def route_scores(x: torch.Tensor, gate: torch.Tensor, kernel=_sqrt_softplus_kernel) -> torch.Tensor:
+    """kernel(logits): sqrt(softplus) (V4's routers) or sigmoid (route_grouped_topk), elementwise."""
     logits = linear(x.float(), gate)
     scores = alloc.empty(*logits.shape, device=logits.device)
     n = logits.numel()
     if n:
-        _sqrt_softplus_kernel[(triton.cdiv(n, 1024),)](logits, scores, n, BLOCK=1024)
+        kernel[(triton.cdiv(n, 1024),)](logits, scores, n, BLOCK=1024)
     return scores
 
 
-def _normalize(scores: torch.Tensor, ids: torch.Tensor, scaling: float) -> torch.Tensor:
+def _normalize(scores: torch.Tensor, ids: torch.Tensor, scaling: float, normalize: bool = True) -> torch.Tensor:
     t, k = ids.shape
     out = alloc.empty(t, k, dtype=torch.float32, device=scores.device)
     if t and k:
         _route_weights_kernel[(t,)](scores, ids.contiguous(), out, scores.shape[1], float(scaling),
-                                    TOP_K=k, BLOCK_K=triton.next_power_of_2(k))
+                                    TOP_K=k, BLOCK_K=triton.next_power_of_2(k), NORMALIZE=bool(normalize))
     return out
 
 
@@ -63,6 +75,12 @@ def route_topk(x, gate, bias, top_k, scaling):
     scores = route_scores(x, gate)
     ids = torch.topk(scores + bias, top_k, dim=-1, sorted=False).indices  # the reference's selection
     return _normalize(scores, ids, scaling), ids
+
+
+def route_grouped_topk(x, gate, bias, top_k, n_group, topk_group, normalize, scaling):
+    scores = route_scores(x, gate, _sigmoid_kernel)
+    ids = grouped_topk_ids(scores, bias, top_k, n_group, topk_group)  # the reference's selection (torch.topk)
+    return _normalize(scores, ids, scaling, normalize), ids
 
 
 def route_hash(x, gate, ids, scaling):
