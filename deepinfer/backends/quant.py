@@ -203,6 +203,19 @@ class QuantizedWeight:
         return self._with(self.data[..., start:stop, :], w.scale[..., start // b0:_cdiv(stop, b0), :].contiguous(),
                           w.block)
 
+    def reorder_rows(self, index: torch.Tensor) -> "QuantizedWeight":
+        """Rows in the order `index` (a permutation of N), exact: the row block becomes the largest
+        divisor b of block[0] such that each new b-row block comes from one old block, whose scales
+        it takes along."""
+        n = self.shape[-2]
+        for b in (b for b in range(self.block[0], 0, -1) if self.block[0] % b == 0):
+            src = index // b
+            first = src[::b]  # the old block of each new one
+            if torch.equal(src, first.repeat_interleave(b)[:n]):
+                w = self.refine(b)
+                return self._with(self.data[..., index, :], w.scale[..., first, :].contiguous(), w.block)
+        raise AssertionError("unreachable: b = 1 always holds")
+
     def refine(self, b0: int) -> "QuantizedWeight":
         """The same values on a row block b0 that divides block[0] (each row of scales repeated)."""
         if self.block[0] % b0:
@@ -318,6 +331,11 @@ def stack(parts: list[Weight]) -> Weight:
         return QuantizedWeight(torch.stack([p.data for p in parts]), torch.stack([p.scale for p in parts]),
                                first.format, first.block, first.act)
     return torch.stack(parts)
+
+
+def reorder_rows(w: Weight, index: torch.Tensor) -> Weight:
+    """w's rows in the order `index` (a permutation), in w's own storage."""
+    return w.reorder_rows(index) if isinstance(w, QuantizedWeight) else w[..., index, :]
 
 
 def widen(w: Weight) -> torch.Tensor:

@@ -224,8 +224,9 @@ def route_topk(x, gate, bias, top_k, scaling):
 
 
 def route_grouped_topk(x, gate, bias, top_k, n_group, topk_group, normalize, scaling):
-    """transformers' DeepseekV3TopkRouter op for op (the same bits, column order included)."""
-    scores = torch.sigmoid(F.linear(x.float(), gate))
+    """transformers' DeepseekV3TopkRouter op for op (the same bits on a float32 gate, column order
+    included); a bf16 gate is widened as `linear` widens it."""
+    scores = torch.sigmoid(linear(x.float(), gate))
     ids = grouped_topk_ids(scores, bias, top_k, n_group, topk_group)
     weights = scores.gather(1, ids)
     if normalize:

@@ -62,6 +62,21 @@ def test_cat_and_rows_are_exact_off_the_block_edges():
         QuantizedWeight.cat([parts[0], quantize_fp8(torch.randn(8, 300), ue8m0=True)])
 
 
+@pytest.mark.parametrize("ue8m0", [False, True])
+def test_reorder_rows_is_exact_and_keeps_what_blocks_it_can(ue8m0):
+    """Rows reordered (V3's rotate_half rope rows): the same values in the new order; a permutation
+    inside the row blocks keeps the block, one across them refines it only as far as it must."""
+    w = quantize_fp8(torch.randn(256, 96, generator=torch.Generator().manual_seed(3)), (128, 32), ue8m0=ue8m0)
+    inside = torch.cat([torch.arange(128).flip(0), torch.arange(128, 256)])  # within each 128-row block
+    swapped = torch.cat([torch.arange(128, 256), torch.arange(128)])  # whole blocks trade places
+    shifted = (torch.arange(256) + 16) % 256  # every 128, 64 or 32-row block straddles two: 16
+    for index, block in ((inside, 128), (swapped, 128), (shifted, 16)):
+        r = w.reorder_rows(index)
+        assert torch.equal(r.dequantize(), w.dequantize()[index])
+        assert r.block == (block, 32)
+        assert r.data.dtype == torch.float8_e4m3fn
+
+
 def test_scaled_by_a_power_of_two_changes_only_scales():
     gen = torch.Generator().manual_seed(3)
     for q in (quantize_fp8(torch.randn(50, 60, generator=gen)), quantize_fp8(torch.randn(50, 60, generator=gen), ue8m0=True)):
