@@ -44,7 +44,8 @@ def deterministic_sampling_gaps(accel, drafting: bool) -> list[str]:
 class LLM:
     def __init__(self, model: str | os.PathLike | None = None, tokenizer: str | os.PathLike | None = None, *,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
-                 dtype: str = "auto", cache_bytes: int | None = None, num_cache_pages: int | None = None,
+                 dtype: str = "auto", gpu_memory_utilization: float = 0.9, cache_bytes: int | None = None,
+                 num_cache_pages: int | None = None,
                  seed: int = 0, accelerator: str | None = None, expert_parallel_size: int = 1,
                  data_parallel_size: int = 1, context_parallel_size: int = 1, num_redundant_experts: int = 0,
                  eplb_window_size: int = 0, eplb_step_interval: int = 0):
@@ -54,7 +55,16 @@ class LLM:
         ranks that share requests. One worker process per rank is spawned, or, under torchrun,
         this process is a rank. EPLB: num_redundant_experts extra expert slots hold copies of hot
         experts; every eplb_step_interval steps the experts are re-placed from the load measured
-        over the last eplb_window_size steps."""
+        over the last eplb_window_size steps.
+
+        dtype: the compute dtype, "auto" (float32 on cpu, bfloat16 on nvidia and ascend), "float32"
+        or "bfloat16": the inputs of the weight ops (projections, experts, head) are rounded to it
+        and the decode state is stored in it; weights always stay in the checkpoint's format
+        (bf16, FP8, FP4, widened in registers), and accumulation, norms, softmax, the mHC mixing,
+        routing and sampling are float32. gpu_memory_utilization: the share of (memory free once
+        the weights are loaded + the weights) the engine may fill; the cache gets what is left after
+        an activation headroom (core/memory.py). On cpu the memory is the available RAM.
+        cache_bytes / num_cache_pages set the cache size instead."""
         model = os.fspath(model) if model is not None else default_model()
         self.accel = get_accelerator(accelerator)
         self.parallel = None  # deepinfer.parallel.ParallelExecutor when any parallel size exceeds 1
@@ -69,6 +79,7 @@ class LLM:
         torch.manual_seed(seed)
         config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                               max_model_len=max_model_len, cache_bytes=cache_bytes,
+                              gpu_memory_utilization=gpu_memory_utilization,
                               num_cache_pages=num_cache_pages, dtype=dtype, seed=seed)
         from deepinfer.parallel import ParallelConfig, start_parallel
 
@@ -116,6 +127,14 @@ class LLM:
             raise
         self.engine.pop_finished()
         return [req.to_output() for req in requests]
+
+    def memory_report(self):
+        """Where memory went (deepinfer.core.memory.MemoryReport): weights by storage kind against
+        the checkpoint's bytes, the cache pools and how they were sized, the activation headroom and
+        what is free. `print(llm.memory_report())` for the table, `.as_dict()` for the numbers."""
+        if self.engine is None:
+            raise NotImplementedError("memory_report: a parallel LLM's ranks log their own reports at start")
+        return self.engine.memory
 
     def close(self) -> None:
         """Stop the worker thread, and the worker processes of a parallel LLM (also done at exit)."""

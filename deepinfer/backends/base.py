@@ -75,6 +75,10 @@ class Accelerator(ABC):
     # has nothing to switch.
     batch_invariant_mode: bool = False
     fp8_weights: bool = False  # can run FP8 block-scaled GEMMs natively
+    # LLM(dtype="auto")'s compute dtype on this backend, and the one in use (set_compute_dtype): the
+    # dtype a model rounds the inputs of its weight ops to, and the decode state's storage dtype
+    preferred_dtype: torch.dtype = torch.float32
+    compute_dtype: torch.dtype = torch.float32
     # Plan step N+1 on the host while step N runs (DEEPINFER_ZERO_OVERHEAD_SCHEDULING's default):
     # pays where the device runs asynchronously to the Python thread that launches its work.
     overlap_scheduling: bool = True
@@ -301,6 +305,13 @@ class Accelerator(ABC):
 
         return f"{self.name} deepinfer {deepinfer.__version__} torch {torch.__version__} invariant {self.batch_invariant}"
 
-    def memory_available(self) -> int:
-        """Bytes this backend may use for the state cache."""
+    def memory_info(self) -> tuple[int, int]:
+        """(free, total) bytes of the memory this backend allocates weights and cache from: the
+        device's, or the host's on cpu (free = available RAM). core/memory.py plans with it."""
         raise NotImplementedError
+
+    def set_compute_dtype(self, dtype: torch.dtype) -> None:
+        """The dtype GEMM inputs are rounded to (LLM(dtype=...); the engine calls this once)."""
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"compute dtype must be float32 or bfloat16, got {dtype}")
+        self.compute_dtype = dtype

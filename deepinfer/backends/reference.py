@@ -2,7 +2,9 @@
 
 These define the numerics the other backends are tested against. They are
 also the cpu backend's hot path, so they are batched: no Python loop over
-tokens, and MoE loops only over the experts that were hit.
+tokens, and MoE loops only over the experts that were hit. Weight ops take
+float32, bf16 / f16 or quantized weights (backends/quant.py): the reference
+widens them to float32 (in bounded row chunks) and multiplies in float32.
 """
 
 from __future__ import annotations
@@ -11,19 +13,53 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from deepinfer.backends.quant import QuantizedWeight, Weight, act_quant, widen
+
 # Queries per block in sparse_attention / indexer_topk: bounds the gathered
 # [block, K, D] tensor so long prefills do not allocate T*K*D at once.
 _QUERY_BLOCK = 256
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return F.linear(x, weight)
+# Weights stored narrower than float32 (bf16, FP8, FP4: backends/quant.py) are widened this many
+# bytes of float32 rows at a time: a 129,280-row bf16 LM head never exists as one float32 copy.
+_WIDEN_BYTES = 32 << 20
 
 
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _rows(weight: Weight, start: int, stop: int) -> torch.Tensor:
+    """float32 rows [start, stop) of a [N, K] weight of either kind."""
+    if isinstance(weight, QuantizedWeight):
+        return weight.rows(start, stop).dequantize()
+    return weight[start:stop].float()
+
+
+def linear(x: torch.Tensor, weight: Weight) -> torch.Tensor:
+    """y = x @ widen(weight).T in float32; a QuantizedWeight's `act` quantizes x first."""
+    if isinstance(weight, torch.Tensor) and weight.dtype == torch.float32:
+        return F.linear(x.float(), weight)
+    if isinstance(weight, QuantizedWeight) and weight.act is not None:
+        x = act_quant(x, weight.act)
+    x = x.float()
+    n, k = weight.shape
+    step = _WIDEN_BYTES // (4 * max(k, 1))
+    if isinstance(weight, QuantizedWeight):  # whole row blocks: no refined scale grids
+        step = max(weight.block[0], step - step % weight.block[0])
+    if step >= n:
+        return F.linear(x, widen(weight))
+    out = x.new_empty(*x.shape[:-1], n)
+    for start in range(0, n, step):
+        out[..., start:start + step] = F.linear(x, _rows(weight, start, min(n, start + step)))
+    return out
+
+
+def grouped_linear(x: torch.Tensor, weight: Weight) -> torch.Tensor:
     groups, k = x.shape[-2], x.shape[-1]
-    w = weight.view(groups, -1, k)  # [G, N, K]
-    return torch.einsum("tgk,gnk->tgn", x, w)
+    if isinstance(weight, torch.Tensor) and weight.dtype == torch.float32:
+        w = weight.view(groups, -1, k)  # [G, N, K]
+        return torch.einsum("tgk,gnk->tgn", x.float(), w)
+    n = weight.shape[0] // groups
+    if isinstance(weight, QuantizedWeight) and weight.act is not None:
+        x = act_quant(x, weight.act)
+    return torch.stack([F.linear(x[:, g].float(), _rows(weight, g * n, (g + 1) * n)) for g in range(groups)], dim=1)
 
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -56,7 +92,9 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
     return F.linear(fp8_block_dequant(x_q, x_s, (1, block)), w).view(*lead, weight.shape[0])
 
 
-def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def embedding(ids: torch.Tensor, weight: Weight) -> torch.Tensor:
+    if isinstance(weight, QuantizedWeight):
+        return weight.gather_rows(ids).dequantize()
     return F.embedding(ids, weight).float()
 
 
@@ -82,9 +120,9 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
-def swiglu_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, limit: float) -> torch.Tensor:
-    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
-    return F.linear(swiglu(gate, up, limit), down)
+def swiglu_mlp(x: torch.Tensor, gate_up: Weight, down: Weight, limit: float) -> torch.Tensor:
+    gate, up = linear(x, gate_up).chunk(2, dim=-1)
+    return linear(swiglu(gate, up, limit), down)
 
 
 def _hc_mix(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
@@ -180,14 +218,15 @@ def _normalize_weights(scores: torch.Tensor, ids: torch.Tensor, scaling: float) 
 
 
 def route_topk(x, gate, bias, top_k, scaling):
-    scores = F.softplus(F.linear(x.float(), gate)).sqrt()
+    scores = F.softplus(linear(x.float(), gate)).sqrt()
     ids = torch.topk(scores + bias, top_k, dim=-1, sorted=False).indices
     return _normalize_weights(scores, ids, scaling), ids
 
 
 def route_grouped_topk(x, gate, bias, top_k, n_group, topk_group, normalize, scaling):
-    """transformers' DeepseekV3TopkRouter op for op (the same bits, column order included)."""
-    scores = torch.sigmoid(F.linear(x.float(), gate))
+    """transformers' DeepseekV3TopkRouter op for op (the same bits on a float32 gate, column order
+    included); a bf16 gate is widened as `linear` widens it."""
+    scores = torch.sigmoid(linear(x.float(), gate))
     ids = grouped_topk_ids(scores, bias, top_k, n_group, topk_group)
     weights = scores.gather(1, ids)
     if normalize:
@@ -210,7 +249,7 @@ def grouped_topk_ids(scores: torch.Tensor, bias: torch.Tensor, top_k: int, n_gro
 
 
 def route_hash(x, gate, ids, scaling):
-    scores = F.softplus(F.linear(x.float(), gate)).sqrt()
+    scores = F.softplus(linear(x.float(), gate)).sqrt()
     return _normalize_weights(scores, ids, scaling)
 
 
@@ -224,8 +263,8 @@ def moe_experts(x, weights, ids, gate_up, down, limit):
     begin = 0
     for expert, count in zip(hit.tolist(), counts.tolist()):  # only experts that were hit
         sel = token_of[begin:begin + count]
-        g, u = F.linear(x[sel], gate_up[expert]).chunk(2, dim=-1)
-        rows[begin:begin + count] = F.linear(swiglu(g, u, limit), down[expert])
+        g, u = linear(x[sel], gate_up[expert]).chunk(2, dim=-1)
+        rows[begin:begin + count] = linear(swiglu(g, u, limit), down[expert])
         begin += count
     # back to token-major order, then a fixed-order sum over each token's k experts
     # (deterministic, unlike scattered index_add_ accumulation)

@@ -60,6 +60,9 @@ class CacheSpec:
     def bytes_per_slot(self, element_size: int) -> int:
         return sum(p.ring * p.width for p in self.pools) * element_size
 
+    def bytes_scratch(self, step_tokens: int, element_size: int) -> int:
+        return sum(p.width for p in self.pools if p.scratch) * step_tokens * element_size
+
 
 @dataclass(slots=True)
 class Pool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -13,6 +14,7 @@ import numpy as np
 import torch
 
 from deepinfer.backends.base import Accelerator
+from deepinfer.core import memory
 from deepinfer.core.cache import StateCache
 from deepinfer.core.graphs import StepGraphs, step_inputs, with_step_tensors
 from deepinfer.core.loader import load_checkpoint
@@ -26,6 +28,7 @@ from deepinfer.core.tokenizer import IncrementalDetokenizer, Tokenizer
 from deepinfer.models.base import ParallelContext, StepInput
 from deepinfer.models.registry import load_config
 
+logger = logging.getLogger("deepinfer")
 PAGE_TOKENS = 128  # positions per page: a multiple of every pool's stride (DeepSeek-V4's compress rates)
 
 
@@ -34,15 +37,19 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # default: min(max_position_embeddings, 8192)
-    cache_bytes: int | None = None  # budget for the decode state (slots + pages)
+    cache_bytes: int | None = None  # budget for the decode state (slots + pages); overrides the next
+    gpu_memory_utilization: float = 0.9  # share of (free after weights + weights) the engine fills (core/memory.py)
     num_cache_pages: int | None = None  # or an explicit page count
-    dtype: str = "auto"  # storage dtype of the decode state: auto | float32 | bfloat16
+    # compute dtype: the inputs of weight ops and the decode state; weights keep their stored format.
+    # auto = the accelerator's preferred_dtype (float32 on cpu, bfloat16 on nvidia and ascend)
+    dtype: str = "auto"
     seed: int = 0
     # DSpark drafting when the checkpoint has a drafter and DEEPINFER_USE_NEXTN_DECODE > 0; parallel
     # ranks turn it off (their verify lengths come from per-rank timings and would diverge)
     speculative: bool = True
-    # bytes the cache is planned from; None: what the accelerator reports free (parallel ranks that
-    # must plan identical caches pass the smallest value any of them sees)
+    # bytes free before the weights were loaded, to plan the cache from; None: what the accelerator
+    # reports free once they are (parallel ranks that must plan identical caches pass the smallest
+    # value any of them sees)
     available_memory: int | None = None
     # engine processes sharing this machine's cores (parallel ranks): each uses its share
     processes_per_host: int = 1
@@ -58,6 +65,11 @@ class EngineConfig:
                 raise ValueError(f"{name} must be None or an int >= 1, got {value!r}")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16', got {self.dtype!r}")
+        if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+
+    def compute_dtype(self, accel: Accelerator) -> torch.dtype:
+        return accel.preferred_dtype if self.dtype == "auto" else getattr(torch, self.dtype)
 
 
 class _Done:
@@ -105,11 +117,16 @@ class LLMEngine:
         self.engine_config = config
         self.model_config, model_cls = load_config(model_dir)  # the family's config and model class
         cfg = self.model_config
+        dtype = config.compute_dtype(accel)
+        accel.set_compute_dtype(dtype)
+        if config.available_memory is None and (parallel is None or parallel.expert_parallel is None):
+            memory.check_weights_fit(model_dir, accel.memory_info()[0], config.gpu_memory_utilization, accel.name)
         weights, self.extra_weights = load_checkpoint(model_dir, model_cls.checkpoint_tensors(cfg), model_cls,
                                                       keep_prefixes=model_cls.extra_prefixes,
                                                       skip_prefixes=model_cls.ignored_prefixes(cfg))
         accel.tune_for_model(cfg.hidden_size, config.processes_per_host)
         self.model = model_cls(cfg, weights, accel, parallel)
+        weight_kinds = memory.weights_by_kind(weights, self.extra_weights)
         del weights
         # DSpark speculative decoding, when the checkpoint has a drafter and DEEPINFER_USE_NEXTN_DECODE > 0
         # (unset: the accelerator's `speculative_decoding` choice)
@@ -119,8 +136,10 @@ class LLMEngine:
             if tokenizer is not None or os.path.isfile(os.path.join(model_dir, "tokenizer.json")) else None
         self.max_model_len = min(config.max_model_len or min(cfg.max_position_embeddings, 8192),
                                  cfg.max_position_embeddings)
-        dtype = torch.bfloat16 if config.dtype == "bfloat16" else torch.float32
-        self.cache = self._make_cache(dtype)
+        self.cache, plan = self._make_cache(dtype, sum(weight_kinds.values()))
+        self.memory = memory.MemoryReport(accel.name, weight_kinds, memory.checkpoint_bytes(model_dir),
+                                          self._cache_bytes(), plan, accel.memory_info()[0])
+        logger.info("%s", self.memory)
         if self.spec is not None:
             self.spec.start(self.cache, config.max_num_batched_tokens)
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens,
@@ -143,7 +162,8 @@ class LLMEngine:
         self.num_forwards = 0  # model calls (parallel ranks keep their collectives in lockstep by it)
         self.timeline: collections.defaultdict[str, float] = collections.defaultdict(float)  # seconds per phase
 
-    def _make_cache(self, dtype: torch.dtype) -> StateCache:
+    def _make_cache(self, dtype: torch.dtype, weight_bytes: int) -> tuple[StateCache, memory.CachePlan]:
+        """The cache, as many pages as core/memory.py's plan allows (at most every slot at max length)."""
         ec = self.engine_config
         spec = self.model.cache_spec(margin=self.spec.margin if self.spec is not None else 0)
 
@@ -151,22 +171,35 @@ class LLMEngine:
             return StateCache(spec, max_seqs=ec.max_num_seqs, num_pages=pages,
                               max_step_tokens=ec.max_num_batched_tokens, max_model_len=self.max_model_len,
                               page_tokens=PAGE_TOKENS, dtype=dtype, device=self.accel.device)
-        if ec.num_cache_pages is not None:
-            return build(ec.num_cache_pages)
         element = torch.tensor([], dtype=dtype).element_size()
-        per_page = spec.bytes_per_page(PAGE_TOKENS, element)
-        full = ec.max_num_seqs * -(-self.max_model_len // PAGE_TOKENS)  # every slot at max length
-        if per_page == 0:
-            return build(0)
-        available = ec.available_memory if ec.available_memory is not None else self.accel.memory_available()
-        budget = ec.cache_bytes if ec.cache_bytes is not None else min(2 << 30, int(0.3 * available))
         per_slot = spec.bytes_per_slot(element)
-        pages = (budget - per_slot * (ec.max_num_seqs + 1)) // per_page - 1  # + the trash slot and page
-        if pages < 1:
-            raise ValueError(f"cache_bytes={budget} cannot hold {ec.max_num_seqs} sequence slots "
-                             f"({per_slot} bytes each) and one page ({per_page} bytes); "
-                             "raise cache_bytes or lower max_num_seqs")
-        return build(int(min(pages, full)))
+        per_page = spec.bytes_per_page(PAGE_TOKENS, element)
+        scratch = spec.bytes_scratch(ec.max_num_batched_tokens, element)
+        # + the trash slot and page that padded steps write to (core/cache.py)
+        fixed = per_slot * (ec.max_num_seqs + 1) + per_page + scratch
+        if ec.num_cache_pages is not None:
+            plan = memory.CachePlan(ec.gpu_memory_utilization, 0, weight_bytes, 0, 0, fixed, per_page,
+                                    ec.num_cache_pages, "num_cache_pages")
+            return build(ec.num_cache_pages), plan
+        cfg = self.model_config
+        # parallel ranks agree on the memory free before loading (EngineConfig.available_memory)
+        free = ec.available_memory - weight_bytes if ec.available_memory is not None else self.accel.memory_info()[0]
+        plan = memory.plan_pages(
+            utilization=ec.gpu_memory_utilization, free_after_weights=free, weight_bytes=weight_bytes,
+            headroom=memory.activation_headroom(cfg.hidden_size, cfg.vocab_size, ec.max_num_batched_tokens,
+                                                ec.max_num_seqs),
+            fixed=fixed, per_page=per_page, max_pages=ec.max_num_seqs * -(-self.max_model_len // PAGE_TOKENS),
+            cache_bytes=ec.cache_bytes, device=self.accel.name,
+            what=f"{ec.max_num_seqs} sequence slots (+1 for padding) of {per_slot} bytes, the step scratch of "
+                 f"{scratch} bytes, the padding page")
+        return build(plan.pages), plan
+
+    def _cache_bytes(self) -> dict[str, int]:
+        c = self.cache
+        element = c.element_size
+        return {"total": sum(p.data.numel() for p in c.pools.values()) * element, "pages": c.num_pages,
+                "per_page": c.bytes_per_page(), "slots": c.max_seqs, "slot_bytes": c.bytes_per_slot() * c.max_seqs,
+                "scratch_bytes": c.spec.bytes_scratch(c.max_step_tokens, element)}
 
     # ------------------------------------------------------------ requests
     def validate_request(self, prompt_token_ids: list[int], params, what: str = "prompt") -> None:

@@ -1,13 +1,20 @@
-"""Safetensors checkpoint loading: the tensors a model names, FP8/FP4 dequantized to float32.
+"""Safetensors checkpoint loading: the tensors a model names, in the formats the checkpoint stores.
 
-The model says which tensors it reads (`checkpoint_tensors`: its own names, shapes, dtypes) and
-where a checkpoint tensor named otherwise goes (`checkpoint_name`: upstream names, per-expert
-tensors that fill one expert's slice of a fused stack). Each name is resolved on its own, so one
-checkpoint may mix spellings.
+The model says which tensors it reads (`checkpoint_tensors`: its own names, shapes, dtypes, and
+which are weights kept as stored) and where a checkpoint tensor named otherwise goes
+(`checkpoint_name`: upstream names, per-expert tensors that fill one expert's slice of a fused
+stack). Each name is resolved on its own, so one checkpoint may mix spellings.
+
+Formats. A weight the model keeps as stored (TensorSpec.stored) stays what the file holds: bf16
+stays bf16, an FP8 e4m3 weight with block scales or a packed FP4 e2m1 weight with per-32 scales
+becomes a backends.quant.QuantizedWeight (nothing is widened at load). Every other tensor is
+converted to its spec's dtype (dequantized if the file stores it quantized). FP8 block size:
+config.json's quantization_config.weight_block_size, default 128x128.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 from contextlib import ExitStack
 from pathlib import Path
@@ -15,6 +22,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from deepinfer.backends.quant import FP4, FP4_GROUP, FP8, QuantizedWeight
 from deepinfer.models.base import Slot, TensorSpec
 
 __all__ = ["CheckpointError", "load_checkpoint"]
@@ -24,81 +32,110 @@ class CheckpointError(ValueError):
     """A checkpoint that does not match the model: names the tensor, expected vs found."""
 
 
-# ---------------------------------------------------------------------------------- dequant
+# ---------------------------------------------------------------------------------- formats
 
-# E2M1: bit 3 is the sign, bits 0-2 index the magnitude.
-_E2M1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
-_FP4_GROUP = 32  # one scale per 32 consecutive input elements
-_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-_FP4 = tuple(d for d in (torch.int8, torch.uint8, getattr(torch, "float4_e2m1fn_x2", None)) if d)
+_FP4_DTYPES = tuple(d for d in (torch.int8, torch.uint8, getattr(torch, "float4_e2m1fn_x2", None)) if d)
+Weight = torch.Tensor | QuantizedWeight
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+def _quantized(name: str, t: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> QuantizedWeight:
+    """A weight with a scale tensor as the QuantizedWeight it is; CheckpointError naming it if the
+    pair is not a format deepinfer runs."""
+    if t.dtype == torch.float8_e4m3fn:
+        fmt, blk = FP8, block
+    elif t.dtype in _FP4_DTYPES:
+        fmt, blk = FP4, (1, FP4_GROUP)
+    else:
+        raise CheckpointError(f"{name}: has a scale tensor but dtype {t.dtype} (expected float8_e4m3fn, or packed "
+                              "fp4 e2m1 as int8 / uint8 / float4_e2m1fn_x2)")
+    try:
+        return QuantizedWeight(t, scale, fmt, blk)
+    except ValueError as e:
+        *lead, n, k = t.shape
+        # A fused gate_up_proj whose halves were quantized separately (w1, w3 upstream) has one
+        # tile grid per half: transformers allocates these with `min_sf_out=2`.
+        half = (*lead, 2 * -(-(n // 2) // blk[0]), -(-k // blk[1]))
+        if fmt == FP8 and n % 2 == 0 and tuple(scale.shape) == half:
+            return QuantizedWeight.cat([QuantizedWeight(th, sh, fmt, blk)
+                                        for th, sh in zip(t.chunk(2, -2), scale.chunk(2, -2))])
+        raise CheckpointError(f"{name}: {e}") from None
 
 
-def _scale_f32(s: torch.Tensor) -> torch.Tensor:
-    # ue8m0 holds only an exponent: 2^(e-127). Some checkpoints store those bytes as raw uint8.
-    if s.dtype == torch.uint8:
-        return torch.exp2(s.float() - 127)
-    return s.float()
-
-
-def _expand(s: torch.Tensor, block: tuple[int, int], rows: int, cols: int) -> torch.Tensor:
-    return s.repeat_interleave(block[0], -2)[..., :rows, :].repeat_interleave(block[1], -1)[..., :cols]
-
-
-def dequant_fp8(w: torch.Tensor, s: torch.Tensor, block: tuple[int, int], name: str) -> torch.Tensor:
-    """[..., N, K] fp8 * scales over block[0] x block[1] tiles (last tiles may be partial)."""
-    *lead, n, k = w.shape
-    grid = (*lead, _cdiv(n, block[0]), _cdiv(k, block[1]))
-    if tuple(s.shape) == grid:
-        return w.float() * _expand(_scale_f32(s), block, n, k)
-    # A fused gate_up_proj whose halves were quantized separately (w1, w3 upstream) has one
-    # tile grid per half: transformers allocates these with `min_sf_out=2`.
-    half = (*lead, 2 * _cdiv(n // 2, block[0]), grid[-1])
-    if n % 2 == 0 and tuple(s.shape) == half:
-        return torch.cat([dequant_fp8(wh, sh, block, name) for wh, sh in zip(w.chunk(2, -2), s.chunk(2, -2))], -2)
-    raise CheckpointError(f"{name}: fp8 weight {tuple(w.shape)} with {block[0]}x{block[1]} blocks expects "
-                          f"scale shape {grid}, found {tuple(s.shape)}")
-
-
-def dequant_fp4(w: torch.Tensor, s: torch.Tensor, name: str) -> torch.Tensor:
-    """[..., N, K/2] packed e2m1 -> [..., N, K] float32, times one scale per 32 inputs.
-
-    Element 2i is the low nibble of byte i and 2i+1 the high nibble, as in DeepSeek's
-    V4 checkpoints and transformers' `Fp8Dequantize._unpack_fp4` (integrations/finegrained_fp8.py)."""
-    *lead, n, k2 = w.shape
-    k = 2 * k2
-    if tuple(s.shape) != (*lead, n, _cdiv(k, _FP4_GROUP)):
-        raise CheckpointError(f"{name}: fp4 weight {tuple(w.shape)} (packed, {k} inputs) expects scale shape "
-                              f"{(*lead, n, _cdiv(k, _FP4_GROUP))}, found {tuple(s.shape)}")
-    u = w.view(torch.uint8).long()
-    vals = torch.stack([_E2M1[u & 0xF], _E2M1[u >> 4]], -1).flatten(-2)
-    return vals * _scale_f32(s).repeat_interleave(_FP4_GROUP, -1)[..., :k]
-
-
-def _to_float32(name: str, t: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int]) -> torch.Tensor:
+def _convert(name: str, t: torch.Tensor, scale: torch.Tensor | None, spec: TensorSpec,
+             block: tuple[int, int]) -> Weight:
+    """The checkpoint tensor as the model holds it (module doc)."""
+    if not spec.dtype.is_floating_point:  # an integer table
+        if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool or scale is not None:
+            raise CheckpointError(f"{name}: expected an integer table ({spec.dtype}), found dtype {t.dtype}")
+        return t.to(spec.dtype)
     if scale is not None:
-        if t.dtype in _FP8:
-            return dequant_fp8(t, scale, block, name)
-        if t.dtype in _FP4:
-            return dequant_fp4(t, scale, name)
-        raise CheckpointError(f"{name}: has a scale tensor but dtype {t.dtype} (expected float8_e4m3fn or packed fp4)")
-    if t.dtype in _FP8:
+        q = _quantized(name, t, scale, block)
+        return q if spec.stored or spec.experts else q.dequantize(spec.dtype)
+    if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         raise CheckpointError(f"{name}: quantized {t.dtype} weight found without its scale tensor")
     if not t.is_floating_point():
-        raise CheckpointError(f"{name}: expected a floating-point tensor, found dtype {t.dtype}")
-    return t.float()
+        packed = " (packed FP4 needs its scale tensor: .scale or _scale_inv)" if t.dtype in _FP4_DTYPES else ""
+        raise CheckpointError(f"{name}: expected a floating-point tensor, found dtype {t.dtype}{packed}")
+    if (spec.stored or spec.experts) and t.dtype in (torch.float32, torch.bfloat16, torch.float16):
+        return t
+    return t.to(spec.dtype if not (spec.stored or spec.experts) else torch.float32)
 
 
-def _convert(name: str, t: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype,
-             block: tuple[int, int]) -> torch.Tensor:
-    if dtype.is_floating_point:
-        return _to_float32(name, t, scale, block).to(dtype)
-    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool or scale is not None:
-        raise CheckpointError(f"{name}: expected an integer table ({dtype}), found dtype {t.dtype}")
-    return t.to(dtype)
+def _extra(name: str, t: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int]) -> Weight:
+    """A kept-aside tensor (no spec): integer tables as int64, quantized weights as they are,
+    matrices in their stored float dtype, vectors in float32."""
+    if not t.is_floating_point() and scale is None:
+        return _convert(name, t, None, TensorSpec((), torch.int64), block)
+    return _convert(name, t, scale, TensorSpec((), stored=t.dim() >= 2), block)
+
+
+class _ExpertStack:
+    """An [E, N, K] stack filled one expert's slice at a time from per-expert tensors (upstream
+    w1 / w3 / w2), plain or quantized: every slice must be stored alike. Gate/up halves of an FP8
+    stack whose half is off the block edge get a refined row block (QuantizedWeight.cat)."""
+
+    def __init__(self, name: str, shape: tuple[int, ...], first: Weight, halves: bool):
+        self.shape, self.rows = shape, shape[1] // 2 if halves else shape[1]
+        self.kind = self._kind(first)
+        if isinstance(first, QuantizedWeight):
+            b0 = math.gcd(first.block[0], self.rows) if halves else first.block[0]
+            self.block = (b0, first.block[1])
+            kbytes = first.data.shape[-1]
+            self.data = torch.empty(shape[0], shape[1], kbytes, dtype=first.data.dtype)
+            grid = (shape[0], -(-shape[1] // b0), -(-shape[2] // self.block[1]))
+            self.scale = torch.empty(grid, dtype=first.scale.dtype)
+        else:
+            self.data = torch.empty(shape, dtype=first.dtype)
+
+    @staticmethod
+    def _kind(t: Weight) -> tuple:
+        if isinstance(t, QuantizedWeight):
+            return t.format, t.block, t.scale.dtype
+        return ("plain", t.dtype)
+
+    @staticmethod
+    def _describe(kind: tuple) -> str:
+        if kind[0] == "plain":
+            return str(kind[1]).removeprefix("torch.")
+        return f"{kind[0]} {kind[1][0]}x{kind[1][1]} with {str(kind[2]).removeprefix('torch.')} scales"
+
+    def put(self, name: str, j: int, half: int | None, t: Weight) -> None:
+        if self._kind(t) != self.kind:
+            raise CheckpointError(f"{name}: stored as {self._describe(self._kind(t))}, the stack's other experts "
+                                  f"as {self._describe(self.kind)}: one stack needs one format")
+        lo = (half or 0) * self.rows
+        if isinstance(t, QuantizedWeight):
+            b0 = self.block[0]
+            t = t.refine(b0)
+            self.data[j, lo:lo + self.rows] = t.data
+            self.scale[j, lo // b0:lo // b0 + t.scale.shape[0]] = t.scale
+        else:
+            self.data[j, lo:lo + self.rows] = t
+
+    def result(self) -> Weight:
+        if self.kind[0] == "plain":
+            return self.data
+        return QuantizedWeight(self.data, self.scale, self.kind[0], self.block)
 
 
 # ---------------------------------------------------------------------------------- files
@@ -162,13 +199,14 @@ def _pair_scales(names, expected, model_names) -> dict[str, str]:
 # ---------------------------------------------------------------------------------- entry
 
 def load_checkpoint(model_dir: str | os.PathLike, expected: dict[str, TensorSpec], names=None, *,
-                    keep_prefixes=(), skip_prefixes=()) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+                    keep_prefixes=(), skip_prefixes=()) -> tuple[dict[str, Weight], dict[str, Weight]]:
     """Returns (weights, extra). `weights` has exactly the keys of `expected` (the model's names),
-    each float32 (int64 for integer tables) with the expected shape; fused expert stacks [E, N, K]
-    are assembled from per-expert tensors where the checkpoint has those. `names` (the model class)
-    resolves other spellings: `checkpoint_name(name) -> Slot | None` and, for error messages,
-    `checkpoint_source(name, part) -> str | None`. `extra` holds the tensors whose names start with
-    one of keep_prefixes (e.g. upstream `mtp.*` drafter stages), dequantized to float32, unrenamed.
+    each with the expected shape, in the format the module doc describes; fused expert stacks
+    [E, N, K] are assembled from per-expert tensors where the checkpoint has those. `names` (the
+    model class) resolves other spellings: `checkpoint_name(name) -> Slot | None` and, for error
+    messages, `checkpoint_source(name, part) -> str | None`. `extra` holds the tensors whose names
+    start with one of keep_prefixes (e.g. upstream `mtp.*` drafter stages), unrenamed: quantized
+    weights as they are, matrices in their stored dtype, vectors float32, integer tables int64.
     Tensors whose names start with one of skip_prefixes (and their scales) are not read."""
     model_dir = Path(model_dir)
     where = _weight_map(model_dir)
@@ -176,8 +214,9 @@ def load_checkpoint(model_dir: str | os.PathLike, expected: dict[str, TensorSpec
     scales = _pair_scales(where.keys(), expected, names)
     scale_names = set(scales.values())
 
-    weights: dict[str, torch.Tensor] = {}
-    extra: dict[str, torch.Tensor] = {}
+    weights: dict[str, Weight] = {}
+    stacks: dict[str, _ExpertStack] = {}
+    extra: dict[str, Weight] = {}
     source: dict[tuple[str, int | None, int | None], str] = {}  # (model name, expert, half) -> checkpoint name
     with ExitStack() as stack:
         handles = {p: stack.enter_context(safe_open(p, framework="pt")) for p in dict.fromkeys(where.values())}
@@ -191,35 +230,32 @@ def load_checkpoint(model_dir: str | os.PathLike, expected: dict[str, TensorSpec
                 continue
             scale = read(scales[name]) if name in scales else None
             if name.startswith(tuple(keep_prefixes)):
-                t = read(name)
-                int_table = not t.is_floating_point() and scale is None
-                extra[name] = _convert(name, t, scale, torch.int64 if int_table else torch.float32, block)
+                extra[name] = _extra(name, read(name), scale, block)
                 continue
             slot = _resolve(name, expected, names)
             if slot is None or slot[0] not in expected:
                 raise CheckpointError(f"unexpected tensor {name} in {where[name].name}: not part of the model")
             hf, part = slot
             key = (hf, *(part or (None, None)))
-            if key in source or (hf, None, None) in source or (part is None and hf in weights):
+            if key in source or (hf, None, None) in source or (part is None and (hf in weights or hf in stacks)):
                 raise CheckpointError(f"{name}: {hf} is also loaded from {source.get(key, 'another tensor')}")
             source[key] = name
-            shape, dtype = expected[hf].shape, expected[hf].dtype
-            t = _convert(name, read(name), scale, dtype, block)
+            spec = expected[hf]
+            t = _convert(name, read(name), scale, spec, block)
             if part is None:
-                _check_shape(name, tuple(t.shape), shape)
+                _check_shape(name, tuple(t.shape), spec.shape)
                 weights[hf] = t
                 continue
             # One expert's slice of the fused [E, 2I, D] / [E, D, I] tensor, filled in place.
             j, half = part
-            if j >= shape[0]:
-                raise CheckpointError(f"unexpected tensor {name}: expert {j}, but the model has {shape[0]} experts")
-            rows = shape[1] // 2 if half is not None else shape[1]
-            _check_shape(name, tuple(t.shape), (rows, shape[2]))
-            if hf not in weights:
-                weights[hf] = torch.empty(shape, dtype=dtype)
-            lo = (half or 0) * rows
-            weights[hf][j, lo: lo + rows] = t
-
+            if j >= spec.shape[0]:
+                raise CheckpointError(f"unexpected tensor {name}: expert {j}, but the model has {spec.shape[0]} experts")
+            rows = spec.shape[1] // 2 if half is not None else spec.shape[1]
+            _check_shape(name, tuple(t.shape), (rows, spec.shape[2]))
+            if hf not in stacks:
+                stacks[hf] = _ExpertStack(name, spec.shape, t, half is not None)
+            stacks[hf].put(name, j, half, t)
+    weights.update({hf: s.result() for hf, s in stacks.items()})
     _check_complete(expected, weights, source, names)
     return weights, extra
 

@@ -39,11 +39,17 @@ class StepInput:
 
 @dataclass(frozen=True, slots=True)
 class TensorSpec:
-    """A checkpoint tensor as the model holds it: shape, dtype, and which op reads it."""
+    """A checkpoint tensor as the model holds it: shape, dtype, and which op reads it.
+
+    `stored`: a weight a weight op reads (linear, grouped_linear, swiglu_mlp, moe_experts, the
+    routers, embedding): kept in the checkpoint's format (bf16 stays bf16, FP8 / FP4 stay a
+    backends.quant.QuantizedWeight) and widened by the ops in registers. Otherwise the loader
+    converts it to `dtype` (norm weights, biases, mixing matrices: a negligible share of the bytes)."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype = torch.float32
-    experts: bool = False  # an [E, N, K] stack of routed experts (WeightRole.EXPERTS)
+    experts: bool = False  # an [E, N, K] stack of routed experts (WeightRole.EXPERTS); implies stored
+    stored: bool = False
 
 
 # A checkpoint name's destination: (model name, None) for a whole tensor, (model name, (expert,

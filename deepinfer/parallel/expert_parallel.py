@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from deepinfer.backends.quant import QuantizedWeight
 from deepinfer.parallel import group
 from deepinfer.parallel.config import ParallelConfig
 from deepinfer.parallel.eplb import LoadRecorder, Placement, contiguous_placement, plan_placement
@@ -151,14 +152,30 @@ class ExpertParallelMoE:
                        for d in range(self.world)]
         my_slots = range(me * per_rank, (me + 1) * per_rank)
         recv_counts = [sum(src_rank[s] == r for s in my_slots) for r in range(self.world)]
-        gate_up, down = self.local[i]
-        packed = torch.cat([gate_up.reshape(per_rank, -1).view(torch.uint8),
-                            down.reshape(per_rank, -1).view(torch.uint8)], dim=1)
+        stacks = self.local[i]
+        parts = [t for w in stacks for t in _tensors_of(w)]  # a quantized stack moves its scales along
+        packed = torch.cat([t.reshape(per_rank, -1).view(torch.uint8) for t in parts], dim=1)
         got = group.all_to_all_rows(packed[torch.tensor(send_rows, dtype=torch.int64, device=packed.device)],
                                     send_counts, recv_counts)
         arrival = sorted(range(per_rank), key=lambda j: (src_rank[me * per_rank + j], j))  # rank order, then slot
         placed = torch.empty_like(got)
         placed[torch.tensor(arrival, dtype=torch.int64, device=got.device)] = got
-        split = gate_up[0].numel() * gate_up.element_size()
-        self.local[i] = (placed[:, :split].contiguous().view(gate_up.dtype).view(gate_up.shape),
-                         placed[:, split:].contiguous().view(down.dtype).view(down.shape))
+        moved, start = [], 0
+        for t in parts:
+            width = t[0].numel() * t.element_size()
+            moved.append(placed[:, start:start + width].contiguous().view(t.dtype).view(t.shape))
+            start += width
+        gate_up = _with_tensors(stacks[0], moved[:len(_tensors_of(stacks[0]))])
+        self.local[i] = (gate_up, _with_tensors(stacks[1], moved[len(_tensors_of(stacks[0])):]))
+
+
+def _tensors_of(stack) -> list[torch.Tensor]:
+    """The tensors an expert stack is stored in, each with the experts as dim 0."""
+    return [stack.data, stack.scale] if isinstance(stack, QuantizedWeight) else [stack]
+
+
+def _with_tensors(stack, tensors: list[torch.Tensor]):
+    """`stack` rebuilt from moved tensors (the inverse of _tensors_of)."""
+    if isinstance(stack, QuantizedWeight):
+        return QuantizedWeight(tensors[0], tensors[1], stack.format, stack.block, stack.act)
+    return tensors[0]

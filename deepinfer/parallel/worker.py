@@ -146,7 +146,7 @@ def _agreed_free_memory(accel) -> int:
     """Ranks that serve the same requests must schedule (and preempt) identically, so their
     caches must hold the same number of pages; each would size its cache from the memory it
     sees free at its own moment. Every rank uses the smallest value instead."""
-    free = torch.tensor([accel.memory_available()], dtype=torch.int64, device=accel.device)
+    free = torch.tensor([accel.memory_info()[0]], dtype=torch.int64, device=accel.device)
     torch.distributed.all_reduce(free, op=torch.distributed.ReduceOp.MIN)
     return int(free.item())
 

@@ -87,7 +87,9 @@ def test_llm_generates_on_ascend_like_cpu(monkeypatch, model_dir):
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     out = {}
     for acc in ("cpu", "ascend"):
-        llm = LLM(path, accelerator=acc, max_num_seqs=4, max_num_batched_tokens=64, num_cache_pages=16)
+        # float32 compute on both (ascend's auto is bf16): the same numerics, so the same tokens
+        llm = LLM(path, accelerator=acc, max_num_seqs=4, max_num_batched_tokens=64, num_cache_pages=16,
+                  dtype="float32")
         out[acc] = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params,
                                                                  use_tqdm=False)]
     assert out["ascend"] == out["cpu"] and all(len(t) == 4 for t in out["cpu"])
@@ -104,7 +106,7 @@ def test_shipped_model_drafts_on_ascend_like_cpu(monkeypatch):
     monkeypatch.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "0")  # fixed length: no start-up profile under the interpreter
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     prompts = ["def fib(n):"]
-    asc = LLM(accelerator="ascend", max_num_seqs=2, max_num_batched_tokens=128, num_cache_pages=4)
+    asc = LLM(accelerator="ascend", max_num_seqs=2, max_num_batched_tokens=128, num_cache_pages=4, dtype="float32")
     assert asc.engine.spec is not None  # the backend's default: draft
     drafted = [o.outputs[0].token_ids for o in asc.generate(prompts, params, use_tqdm=False)]
     assert asc.engine.spec.stats["verified"] > 0

@@ -41,7 +41,9 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed: the ascend backend's Triton kernels cannot run")
 
 from deepinfer.backends.base import WeightRole  # noqa: E402
+from deepinfer.backends.quant import QuantizedWeight, quantize_fp4  # noqa: E402
 from deepinfer.backends import reference as ref  # noqa: E402
+from quant_checks import assert_within, dot_bound, weight_kinds, widened  # noqa: E402
 from op_checks import (FUSED_OPS, GROUPED_ROUTINGS, assert_close, check_attention_without_sink,  # noqa: E402
                        check_fused, check_route_grouped_topk, check_unclamped_experts, grouped_routing_id, indices,
                        poisoned, randn, run, seeded)
@@ -100,18 +102,53 @@ def test_moe_experts(asc, t, e, k, d, inter):
 
 
 def test_prepare_weight_layouts_and_dtypes(asc):
-    """What the backend stores: expert stacks transposed to [E, K, N] (npu_grouped_matmul's layout),
-    everything else as loaded; floating weights widened to float32, integer tables kept."""
+    """What the backend stores: float expert stacks transposed to [E, K, N] (npu_grouped_matmul's
+    layout), everything else as loaded; dtypes kept (bf16 stays bf16, quantized stays quantized)."""
     gen = seeded(19)
     stack = randn(gen, 3, 8, 5).to(torch.bfloat16)
     experts = asc.prepare_weight(stack, WeightRole.EXPERTS)
-    assert experts.shape == (3, 5, 8) and experts.dtype == torch.float32 and experts.is_contiguous()
-    assert torch.equal(experts, stack.float().transpose(1, 2))
+    assert experts.shape == (3, 5, 8) and experts.dtype == torch.bfloat16 and experts.is_contiguous()
+    assert torch.equal(experts, stack.transpose(1, 2))
     plain = asc.prepare_weight(stack[0].t(), WeightRole.PLAIN)  # a non-contiguous view comes back contiguous
-    assert plain.shape == (5, 8) and plain.dtype == torch.float32 and plain.is_contiguous()
-    assert torch.equal(plain, stack[0].t().float())
+    assert plain.shape == (5, 8) and plain.dtype == torch.bfloat16 and plain.is_contiguous()
+    assert torch.equal(plain, stack[0].t())
+    fp4 = quantize_fp4(randn(gen, 3, 8, 64))
+    kept = asc.prepare_weight(fp4, WeightRole.EXPERTS)
+    assert isinstance(kept, QuantizedWeight) and kept.shape == (3, 8, 64) and torch.equal(kept.data, fp4.data)
     table = torch.randint(0, 8, (10, 2), generator=gen)
     assert asc.prepare_weight(table).dtype == torch.int64
+
+
+@pytest.mark.parametrize("kind", ["fp4_ue8m0", "fp8_128_f32", "fp8_32_ue8m0", "bf16"])
+@pytest.mark.parametrize("t", [1, 9])
+def test_moe_experts_on_stored_stacks(asc, kind, t):
+    """FP4 / FP8 / bf16 expert stacks stay as loaded and are widened per call, only the experts hit."""
+    e, d, i, k = 6, 64, 48, 2
+    gen = seeded(21, t)
+    gu = weight_kinds(torch.randn(e, 2 * i, d, generator=gen) * 0.1)[kind]
+    dn = weight_kinds(torch.randn(e, d, i, generator=gen) * 0.1)[kind]
+    x = torch.randn(t, d, generator=gen)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
+    weights = torch.rand(t, k, generator=gen)
+    out = asc.moe_experts(x, weights, ids, asc.prepare_weight(gu, WeightRole.EXPERTS),
+                          asc.prepare_weight(dn, WeightRole.EXPERTS), 7.0)
+    _close("moe_experts", out, ref.moe_experts(x, weights, ids, widened(gu), widened(dn), 7.0))
+
+
+@pytest.mark.parametrize("kind", ["fp8_128_f32", "fp8_32_ue8m0", "fp8_fused_rows", "fp4_ue8m0", "bf16"])
+def test_dense_ops_on_stored_weights(asc, kind):
+    """linear / grouped_linear / swiglu_mlp widen stored weights per call (row chunks): float32 math on
+    the dequantized weight, K and N off the block edges."""
+    gen = seeded(22)
+    w = weight_kinds(torch.randn(96, 130, generator=gen) * 0.1)[kind]
+    x = torch.randn(5, 130, generator=gen)
+    wd = widened(w)
+    assert_within(f"linear {kind}", asc.linear(x, w), x @ wd.T, dot_bound(x, wd))
+    xg = torch.randn(5, 4, 130, generator=gen)
+    out = asc.grouped_linear(xg, w)
+    for g in range(4):
+        wg = wd[24 * g:24 * (g + 1)]
+        assert_within(f"grouped_linear {kind} group {g}", out[:, g], xg[:, g] @ wg.T, dot_bound(xg[:, g], wg))
 
 
 # ------------------------------------------------------------------ Triton kernels

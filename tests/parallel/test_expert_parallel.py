@@ -77,3 +77,20 @@ def test_seeded_sampling_matches_one_process(moe_model_dir):
     outputs = run_llm(moe_model_dir, PROMPTS[:2], params, expert_parallel_size=2)
     assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in reference]
 
+
+
+def test_quantized_experts_shard_and_move_as_stored(tmp_path):
+    """A checkpoint stored as V4-Flash stores it (FP4 experts, FP8 dense): EP2 x DP2 with EPLB moving
+    the packed FP4 bytes and their scales between ranks mid-run gives one process's outputs."""
+    from deepinfer.models.deepseek_v4 import DeepseekV4Config, DeepseekV4Model
+    from deepinfer.models.deepseek_v4.weights import checkpoint_source
+    from quant_checks import flash_layout, save_upstream
+    from tiny_models import make_hf_model
+
+    hf, hfc = make_hf_model("mixed_hc4_yarn", seed=11)
+    cfg = DeepseekV4Config.from_dict(hfc.to_dict())
+    hfc.save_pretrained(tmp_path)
+    save_upstream(flash_layout(hf.state_dict(), DeepseekV4Model.checkpoint_tensors(cfg)), tmp_path, checkpoint_source)
+    reference = run_llm(str(tmp_path))
+    assert_same_outputs(reference, run_llm(str(tmp_path), expert_parallel_size=2, data_parallel_size=2,
+                                           num_redundant_experts=2, eplb_window_size=3, eplb_step_interval=2))

@@ -7,9 +7,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from deepinfer.backends.quant import QuantizedWeight
 from deepinfer.core.loader import CheckpointError, load_checkpoint
-from deepinfer.models.base import TensorSpec
 from deepinfer.models.deepseek_v4 import DeepseekV4Model
+from deepinfer.models.deepseek_v4.config import DeepseekV4Config
 from deepinfer.models.deepseek_v4.weights import checkpoint_source as hf_to_upstream
 from tiny_models import FUSED, as_scale, quant_fp4, to_upstream
 
@@ -42,12 +43,30 @@ def state(wide=False) -> dict[str, torch.Tensor]:
 
 
 def expected_of(sd):
-    return {k: TensorSpec(tuple(v.shape), v.dtype) for k, v in sd.items()}
+    """The model's own specs (which tensors stay as stored), checked against the state dict's shapes."""
+    wide = sd["model.layers.0.self_attn.q_a_proj.weight"].shape[1] == WIDE["hidden_size"]
+    specs = DeepseekV4Model.checkpoint_tensors(DeepseekV4Config.from_dict(model(wide).config.to_dict()))
+    assert {k: s.shape for k, s in specs.items()} == {k: tuple(v.shape) for k, v in sd.items()}
+    return specs
 
 
 def load(path, sd):
     """Load as the engine does for DeepSeek-V4: its names resolve upstream spellings, `mtp.*` kept aside."""
     return load_checkpoint(path, expected_of(sd), DeepseekV4Model, keep_prefixes=DeepseekV4Model.extra_prefixes)
+
+
+def stored_alike(sd, dtype=None):
+    """What the loader returns for a plain checkpoint of `sd` (optionally saved in `dtype`): weights
+    the model keeps as stored in the file's dtype, the rest float32, integer tables int64."""
+    specs = expected_of(sd)
+    out = {}
+    for k, v in sd.items():
+        if v.dtype == torch.int64:
+            out[k] = v
+        else:
+            v = v.to(dtype) if dtype is not None else v
+            out[k] = v if specs[k].stored or specs[k].experts else v.float()
+    return out
 
 
 def fold(up: dict, sd: dict) -> dict:
@@ -80,10 +99,15 @@ def write(path, tensors, shards=1, config=None):
     return path
 
 
-def assert_same(got: dict, want: dict):
+def assert_same(got: dict, want: dict, quantized=()):
+    """Equal tensors of equal dtype; the names in `quantized` must be QuantizedWeights that
+    dequantize to the expected values (nothing was widened at load)."""
     assert got.keys() == want.keys()
     for k in want:
-        assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k
+        if k in quantized:
+            assert isinstance(got[k], QuantizedWeight) and torch.equal(got[k].dequantize(), want[k]), k
+        else:
+            assert isinstance(got[k], torch.Tensor) and got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k
 
 
 # ------------------------------------------------------------------------------- quantizers
@@ -146,10 +170,11 @@ def test_upstream_bf16_int32_sharded_with_mtp(tmp_path):
            "mtp.0.attn.wq_a.scale": s, "mtp.0.ffn.experts.0.w1.weight": packed.view(torch.int8),
            "mtp.0.ffn.experts.0.w1.scale": s4, "mtp.0.hc_head_scale": torch.randn(1)}
     weights, extra = load(write(tmp_path, up | mtp, shards=3), sd)
-    assert_same(weights, {k: v if v.dtype == torch.int64 else v.bfloat16().float() for k, v in sd.items()})
-    assert_same(extra, {"mtp.0.main_proj.weight": mtp["mtp.0.main_proj.weight"].float(),
+    assert_same(weights, stored_alike(sd, torch.bfloat16))  # bf16 weights stay bf16, norms etc. float32
+    assert_same(extra, {"mtp.0.main_proj.weight": mtp["mtp.0.main_proj.weight"],
                         "mtp.0.attn.wq_a.weight": ref_fp8, "mtp.0.ffn.experts.0.w1.weight": ref_fp4,
-                        "mtp.0.hc_head_scale": mtp["mtp.0.hc_head_scale"]})
+                        "mtp.0.hc_head_scale": mtp["mtp.0.hc_head_scale"]},
+                quantized={"mtp.0.attn.wq_a.weight", "mtp.0.ffn.experts.0.w1.weight"})
 
 
 @pytest.mark.parametrize("naming,fmt,block", [("hf", "f32", None), ("hf", "e8m0", None), ("upstream", "e8m0", None),
@@ -182,7 +207,11 @@ def test_fp8_block_scales(tmp_path, naming, fmt, block):
         # subnormal step (2^-10 * scale) below 2^-6 * scale. Measured on these randn weights: 2.6%
         # relative Frobenius error for either scale format or block size; 5.9% max per element.
         assert (err <= (src[name].abs() * 2**-4 + bound[name] * 2**-10) * (1 + 1e-6)).all(), name
-    assert_same(weights, fold(src | ref, sd) if naming == "upstream" else sd | ref)
+    want = fold(src | ref, sd) if naming == "upstream" else sd | ref
+    quantized = {k for k in want if k in ref or hf_to_upstream(k) in ref or FUSED.fullmatch(k)}
+    assert_same(weights, want, quantized)
+    for k in quantized:  # kept quantized, in the checkpoint's block size (a gate/up half off the edge: refined)
+        assert weights[k].format == "fp8_e4m3" and weights[k].block[1] == b[1], k
 
 
 @pytest.mark.parametrize("naming,fmt,packed_dtype", [("upstream", "e8m0", torch.int8), ("hf", "f32", torch.uint8),
@@ -197,7 +226,9 @@ def test_fp4_experts(tmp_path, naming, fmt, packed_dtype):
         scale_name = name.removesuffix(".weight") + ".scale" if naming == "upstream" else name + "_scale_inv"
         out |= {name: packed.view(packed_dtype), scale_name: s}
     weights, _ = load(write(tmp_path, out), sd)
-    assert_same(weights, fold(src | ref, sd) if naming == "upstream" else sd | ref)
+    experts = {k for k in sd if FUSED.fullmatch(k)}
+    assert_same(weights, fold(src | ref, sd) if naming == "upstream" else sd | ref, quantized=experts)
+    assert all(weights[k].format == "fp4_e2m1" and weights[k].data.dtype == torch.uint8 for k in experts)
     for name, r in ref.items():
         # e2m1 steps are 0.5 up to 2, then 1 up to 4, then 2 up to 6 (in units of the scale): the
         # rounding error is <= max(s/4, |w|/4). Measured: 11.5% relative Frobenius error.
@@ -221,7 +252,7 @@ def test_save_upstream_reads_back(tmp_path):
     sd, down = m.state_dict(), "model.layers.3.mlp.experts.down_proj"
     assert not torch.equal(sd[down], model().state_dict()[down])  # rounded: what the FP4 checkpoint holds
     weights, _ = load(tmp_path, sd)
-    assert_same(weights, sd)
+    assert_same(weights, sd, quantized={k for k in sd if FUSED.fullmatch(k)})  # the experts stay FP4
     ours, theirs = load_config(tmp_path)[0], DeepseekV4Config.from_dict(m.config.to_dict())
     for field in ("layer_types", "mlp_layer_types", "compress_rates", "rope_main", "rope_compress", "head_dim"):
         assert getattr(ours, field) == getattr(theirs, field), field
@@ -243,6 +274,27 @@ def _bad_scale(d):
     d[QA], d[QA + "_scale_inv"] = d[QA].to(torch.float8_e4m3fn), torch.ones(3, 3)
 
 
+def _scale_dtype(d):
+    d[QA], d[QA + "_scale_inv"] = d[QA].to(torch.float8_e4m3fn), torch.ones(1, 1, dtype=torch.float16)
+
+
+def _e5m2(d):
+    d[QA], d[QA + "_scale_inv"] = d[QA].to(torch.float8_e5m2), torch.ones(1, 1)
+
+
+def _fp4_no_scale(d):
+    d[W3] = quant_fp4(d[W3])[0].view(torch.int8)
+
+
+def _fp4_scale_shape(d):
+    packed, s, _, _ = quant_fp4(d[W3])
+    d[W3], d[W3.removesuffix(".weight") + ".scale"] = packed.view(torch.int8), s[:, :1]
+
+
+def _expert_unlike(d):
+    d[W3] = d[W3].bfloat16()  # the other experts of the stack are float32
+
+
 BROKEN = {  # case: (upstream naming?, mutation, tensor name the error must mention)
     "missing": (False, lambda d: d.pop(SINK), SINK),
     "missing_upstream_expert": (True, lambda d: d.pop(W3), W3),
@@ -258,6 +310,11 @@ BROKEN = {  # case: (upstream naming?, mutation, tensor name the error must ment
     "int_weight": (False, lambda d: d.update({QA: d[QA].long()}), QA),
     "fp8_without_scale": (False, _fp8_no_scale, QA),
     "scale_shape": (False, _bad_scale, QA),
+    "scale_dtype": (False, _scale_dtype, QA),
+    "e5m2_weight": (False, _e5m2, QA),
+    "fp4_without_scale": (True, _fp4_no_scale, W3),
+    "fp4_scale_shape": (True, _fp4_scale_shape, W3),
+    "expert_stored_unlike": (True, _expert_unlike, W3),
     "orphan_scale_hf": (False, lambda d: d.update({"model.layers.0.self_attn.x.weight_scale_inv": torch.ones(1)}),
                         "model.layers.0.self_attn.x.weight_scale_inv"),
     "orphan_scale_upstream": (True, lambda d: d.update({"layers.0.attn.wx.scale": torch.ones(1)}),

@@ -24,6 +24,7 @@ Op mapping (a torch_npu operator is used only where its documented semantics equ
 | apply_token_bitmask | Triton (shared kernel)                                              [a]  |
 | linear, grouped_linear, embedding | reference: plain torch (aclnn matmul / gather on the NPU)  |
 | fp8_block_linear    | reference: plain torch (dequantize, then aclnn matmul)              [g]  |
+| FP8 / FP4 weights   | widened per call (row chunks; only the experts a call hits)         [g]  |
 | sample              | reference: plain torch                                              [f]  |
 
 Why not a fused torch_npu operator:
@@ -40,8 +41,11 @@ Why not a fused torch_npu operator:
 [f] npu_top_k_top_p (aclnnApplyTopKTopP) keeps every tie at the k-th value (ours: exactly k) and cuts
     top-p on the ascending cumsum <= 1-p; the nvidia Triton argmax needs uint64, which triton-ascend
     does not support.
-[g] no torch_npu quantized matmul has been checked against DeepSeek's 1 x 128 activation / 128 x 128
-    weight block scaling yet; the reference quantizes the activations and dequantizes both.
+[g] no torch_npu quantized matmul documents DeepSeek's formats (e4m3 / e2m1 values with 128 x 128,
+    32 x 32 or 1 x 32 block scales): npu_weight_quant_batchmatmul takes int8 / int4 weights with
+    per-channel or per-group scales, npu_quant_matmul int8 / int4 operands with 1-D per-channel and
+    per-token scales, no block scales (torch_npu 7.0.0 API reference). Weights stay quantized in
+    memory and are widened per call, never at load (npu_ops.py).
 [h] npu_moe_gating_top_k with sigmoid is this router's fused operator, with [e]'s size limits and no
     documented tie order; not checked on hardware yet.
 
@@ -104,6 +108,7 @@ class AscendAccelerator(Accelerator):
     batch_invariant = False
     deterministic_sampling = False  # seq_seed still seeds sampling; identical reruns are not guaranteed
     fp8_weights = False
+    preferred_dtype = torch.bfloat16
 
     # torch_npu fused operators
     rms_norm = staticmethod(npu_ops.rms_norm)
@@ -157,11 +162,10 @@ class AscendAccelerator(Accelerator):
                                   sinkhorn_iters)
         return elementwise.hc_pre(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters)
 
-    def prepare_weight(self, tensor: torch.Tensor, role: WeightRole = WeightRole.PLAIN) -> torch.Tensor:
-        # float32 storage keeps the ops comparable to the cpu reference (bf16 is a later, measured step)
-        if tensor.is_floating_point():
-            tensor = tensor.float()
-        if role is WeightRole.EXPERTS:
+    def prepare_weight(self, tensor, role: WeightRole = WeightRole.PLAIN):
+        # Kept as loaded (bf16, FP8, FP4 are widened per call: npu_ops' doc); float expert stacks
+        # transposed for npu_grouped_matmul.
+        if role is WeightRole.EXPERTS and isinstance(tensor, torch.Tensor):
             tensor = npu_ops.prepare_expert_weight(tensor)
         return tensor.to(self.device).contiguous()
 
@@ -169,8 +173,8 @@ class AscendAccelerator(Accelerator):
         if self.device.type == "npu":
             torch.npu.synchronize()
 
-    def memory_available(self) -> int:
+    def memory_info(self) -> tuple[int, int]:
         if self.device.type == "npu":
-            free, _ = torch.npu.mem_get_info()
-            return int(free * 0.9)
-        return 4 << 30
+            free, total = torch.npu.mem_get_info()
+            return int(free), int(total)
+        return 4 << 30, 8 << 30  # the shim on CPU tensors: a nominal device

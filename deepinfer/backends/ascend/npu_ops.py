@@ -10,11 +10,20 @@ Signatures followed (Ascend PyTorch API reference, torch_npu 7.0.0):
 
 The expert permutation is a stable torch argsort + gather (the reference's grouping), not
 npu_moe_init_routing_v2: that fusion is the next step once it can be checked on hardware.
+
+Quantized weights. No torch_npu matmul documents DeepSeek's formats: npu_weight_quant_batchmatmul
+(torch_npu 7.0.0 API reference) takes int8 / int4 weights with per-channel or per-group
+antiquant scales, not float8_e4m3fn or e2m1 values; npu_quant_matmul multiplies int8 / int4
+operands with 1-D per-channel weight scales and per-token activation scales, no 2-D block scales;
+npu_grouped_matmul is used here unquantized. So FP8 / FP4 weights stay in memory as loaded and are widened per call:
+a dense weight by the reference (row chunks), routed experts only where the call hits them.
 """
 
 from __future__ import annotations
 
 import torch
+
+from deepinfer.backends.quant import QuantizedWeight
 
 _npu = None  # the torch_npu module, set by bind()
 
@@ -49,12 +58,30 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     return _swiglu_clamped(gate, up, limit)
 
 
+def _experts_for_call(stack, hit: torch.Tensor | None) -> torch.Tensor:
+    """The [E', K, N] float32 stack npu_grouped_matmul multiplies: as prepared (float32, transposed at
+    load), or, for narrower storage, only the experts `hit` widened for this call (a QuantizedWeight
+    in the checkpoint's [E, N, K] layout is transposed too)."""
+    if hit is None:
+        return stack
+    if isinstance(stack, QuantizedWeight):
+        return stack[hit].dequantize().transpose(1, 2).contiguous()
+    return stack[hit].float()
+
+
 def moe_experts(x, weights, ids, gate_up, down, limit):
-    """gate_up [E, D, 2I], down [E, I, D]: the layouts prepare_weight stored (role EXPERTS)."""
+    """gate_up [E, D, 2I], down [E, I, D]: the layouts prepare_weight stored (role EXPERTS), float32;
+    bf16 stacks (same layout) and QuantizedWeight stacks ([E, 2I, D] / [E, D, I]) are widened per call,
+    only the experts the call hits (npu_grouped_matmul takes no FP8 / FP4 weights: npu_ops' doc)."""
     num_tokens, top_k = ids.shape
-    num_experts, inter = gate_up.shape[0], gate_up.shape[2] // 2
     if num_tokens == 0:
         return torch.zeros(0, x.shape[-1], dtype=torch.float32, device=x.device)
+    narrow = isinstance(gate_up, QuantizedWeight) or gate_up.dtype != torch.float32
+    hit = None
+    if narrow:
+        hit, ids = torch.unique(ids, return_inverse=True)
+    gate_up, down = _experts_for_call(gate_up, hit), _experts_for_call(down, hit)
+    num_experts, inter = gate_up.shape[0], gate_up.shape[2] // 2
     flat_ids = ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)  # the reference's grouping by expert
     counts = torch.bincount(flat_ids, minlength=num_experts).to(torch.int64)

@@ -11,6 +11,7 @@ import torch
 
 from deepinfer.backends import reference
 from deepinfer.backends.base import Accelerator, WeightRole
+from deepinfer.backends.quant import Weight
 from deepinfer.backends.cpu import invariant, kernels
 
 
@@ -61,10 +62,9 @@ class CpuAccelerator(Accelerator):
     sample = staticmethod(reference.sample)
     apply_token_bitmask = staticmethod(reference.apply_token_bitmask)
 
-    def prepare_weight(self, tensor: torch.Tensor, role: WeightRole = WeightRole.PLAIN) -> torch.Tensor:
-        # bf16 matmuls run ~100x slower than fp32 on these CPUs: compute in float32.
-        if tensor.is_floating_point():
-            tensor = tensor.float()
+    def prepare_weight(self, tensor: Weight, role: WeightRole = WeightRole.PLAIN) -> Weight:
+        # Kept as loaded: bf16 and quantized weights are widened by the ops, a block at a time (bf16
+        # matmuls run ~100x slower than fp32 on these CPUs, so nothing computes in bf16).
         return tensor.contiguous()
 
     def tune_for_model(self, hidden_size: int, processes: int = 1) -> None:
@@ -93,12 +93,18 @@ class CpuAccelerator(Accelerator):
 
         return replay.compile_recording(recording, self.step_threads)
 
-    def memory_available(self) -> int:
+    def memory_info(self) -> tuple[int, int]:
+        # MemAvailable (free + reclaimable page cache): what this process can still allocate
         try:
-            pages = os.sysconf("SC_AVPHYS_PAGES")
-            return int(pages * os.sysconf("SC_PAGE_SIZE"))
-        except (ValueError, OSError):
-            return 4 << 30
+            with open("/proc/meminfo") as f:
+                info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+            return info["MemAvailable"], info["MemTotal"]
+        except (OSError, KeyError, ValueError, IndexError):
+            try:
+                page = os.sysconf("SC_PAGE_SIZE")
+                return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+            except (ValueError, OSError):
+                return 4 << 30, 8 << 30
 
 
 class CpuInvariantAccelerator(CpuAccelerator):

@@ -10,6 +10,7 @@
 // result never depends on which other tokens share the batch (batch-invariant by construction).
 
 #include "fused_ops.h"
+#include "kernel_util.h"
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -28,42 +29,6 @@
 #endif
 
 namespace deepinfer_cpu {
-
-// exp(x) for float32 in straight-line code GCC can vectorise (std::exp is a scalar libm call,
-// ~20 cycles: the attention softmax and the MoE SiLU were spending most of their time in it).
-// Cody-Waite reduction x = n*ln2 + r, |r| <= ln2/2, then a degree-7 Taylor polynomial of e^r
-// (truncation error < 2e-9 there, so the result is within ~2 ulp of libm) and 2^n from the exponent
-// bits. Inputs below -87.3 (incl. -inf) give 0, above 88 give inf; NaN stays NaN.
-inline float fast_exp(float x) {
-  const float xc = std::min(std::max(x, -87.3f), 88.0f);
-  const float n = std::nearbyint(xc * 1.44269504088896341f);
-  float r = xc - n * 0.693145751953125f;  // ln2 split in two: the product above is exact
-  r = r - n * 1.42860682030941723212e-6f;
-  float p = 1.0f / 5040.0f;
-  p = p * r + 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  int32_t bits;
-  const int32_t e = (static_cast<int32_t>(n) + 127) << 23;
-  std::memcpy(&bits, &p, 4);
-  bits += e - (127 << 23);
-  float out;
-  std::memcpy(&out, &bits, 4);
-  out = x < -87.3f ? 0.0f : out;
-  out = x > 88.0f ? std::numeric_limits<float>::infinity() : out;
-  return x != x ? x : out;
-}
-
-// std::min / std::max by value: the std ones return a reference, which keeps GCC from vectorising
-// the loops they sit in. Same results, NaN included (a NaN first argument is returned).
-inline float min_of(float a, float b) { return b < a ? b : a; }
-inline float max_of(float a, float b) { return a < b ? b : a; }
-
-inline float sigmoid(float x) { return 1.0f / (1.0f + fast_exp(-x)); }
 
 // Every dot product here sums in one fixed order that depends only on its length n: kLanes
 // lane-wise partial sums over the full chunks of kLanes, the fixed tree of sum_lanes over the lanes,
@@ -192,29 +157,6 @@ inline void gemm_rows(XOf x_of, OutOf out_of, int64_t T, const float* w, int64_t
     for (int64_t t = 0; t < T; ++t) dot_rows<1>(x_of(t), [&](int) { return w + r * ldw; }, n, out_of(t) + r);
 }
 
-// Calls go through gemm_rows in groups of this many rows (bounds the scratch; a weight matrix is
-// read once per group).
-constexpr int64_t kRowGroup = 64;
-
-// Scratch memory for one parallel_for chunk: on the stack up to N elements (decode sizes: no
-// allocation per call), on the heap beyond. Uninitialised.
-template <class T, size_t N>
-class Scratch {
- public:
-  explicit Scratch(int64_t n) : ptr_(stack_) {
-    if (n > static_cast<int64_t>(N)) {
-      heap_.resize(n);
-      ptr_ = heap_.data();
-    }
-  }
-  T* data() { return ptr_; }
-  T& operator[](int64_t i) { return ptr_[i]; }
-
- private:
-  T stack_[N];
-  std::vector<T> heap_;
-  T* ptr_;
-};
 
 // out[d] += p * row[d]
 inline void axpy(float p, const float* __restrict row, float* __restrict out, int64_t D) {
@@ -698,15 +640,6 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w_in) {
   return out;
 }
 
-// sqrt(softplus(z)) of z = x . gate_e, softplus with torch's threshold (z > 20: z)
-inline float router_score(float z) { return std::sqrt(z > 20.0f ? z : std::log1p(std::exp(z))); }
-
-inline void normalize_route(float* w, int64_t k, float scaling) {
-  float sum = 0.0f;
-  for (int64_t j = 0; j < k; ++j) sum += w[j];
-  for (int64_t j = 0; j < k; ++j) w[j] = w[j] / (sum + 1e-20f) * scaling;
-}
-
 // route_topk: the top_k experts by score + bias (best first), weighted by their scores normalised.
 std::tuple<at::Tensor, at::Tensor> route_topk(const at::Tensor& x_in, const at::Tensor& gate_in,
                                               const at::Tensor& bias_in, int64_t top_k, double scaling) {
@@ -727,19 +660,7 @@ std::tuple<at::Tensor, at::Tensor> route_topk(const at::Tensor& x_in, const at::
     int64_t* order = order_buf.data();
     for (int64_t t = begin; t < end; ++t) {
       gemv(X + t * D, Gt, D, D, E, score);
-      for (int64_t e = 0; e < E; ++e) {
-        score[e] = router_score(score[e]);
-        biased[e] = score[e] + Bs[e];
-      }
-      std::iota(order, order + E, 0);
-      std::partial_sort(order, order + top_k, order + E, [&](int64_t a, int64_t b) {
-        return biased[a] > biased[b] || (biased[a] == biased[b] && a < b);
-      });
-      for (int64_t j = 0; j < top_k; ++j) {
-        Io[t * top_k + j] = order[j];
-        Wo[t * top_k + j] = score[order[j]];
-      }
-      normalize_route(Wo + t * top_k, top_k, sc);
+      pick_route(score, biased, order, Bs, E, top_k, sc, Io + t * top_k, Wo + t * top_k);
     }
   });
   return {weights, ids};

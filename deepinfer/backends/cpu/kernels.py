@@ -28,11 +28,15 @@ import warnings
 import torch
 
 from deepinfer.backends import reference as ops
+from deepinfer.backends.cpu import quant_kernels as quant
 
 _HERE = os.path.dirname(__file__)
-_SOURCES = [os.path.join(_HERE, name) for name in ("fused_ops.cpp", "sampling_ops.cpp", "pool_ops.cpp")]
-_HEADERS = [os.path.join(_HERE, "fused_ops.h")]
-_FLAGS = ["-O3", "-march=native", "-fopenmp-simd"]
+_SOURCES = [os.path.join(_HERE, name) for name in ("fused_ops.cpp", "quant_ops.cpp", "sampling_ops.cpp", "pool_ops.cpp")]
+_HEADERS = [os.path.join(_HERE, name) for name in ("fused_ops.h", "kernel_util.h")]
+# -fopenmp: at::parallel_for splits a kernel's rows over torch's intra-op threads only in code built
+# with OpenMP (ATen's header falls back to one thread otherwise); with one thread (small models,
+# tune_for_model) nothing changes.
+_FLAGS = ["-O3", "-march=native", "-fopenmp"]
 _lock = threading.Lock()
 _loaded: bool | None = None  # None: not tried yet
 
@@ -75,7 +79,7 @@ def _try_load(path: str) -> bool:
         print("deepinfer: compiling the cpu backend's C++ kernels (once, ~30 s)...", file=sys.stderr, flush=True)
     try:
         cpp_extension.load(name="deepinfer_cpu_kernels", sources=_SOURCES, extra_cflags=_FLAGS,
-                           build_directory=path, is_python_module=False, verbose=False)
+                           extra_ldflags=["-fopenmp"], build_directory=path, is_python_module=False, verbose=False)
     except Exception as exc:  # no compiler, no ninja, a broken toolchain: the reference ops still work
         warnings.warn(f"deepinfer: the cpu C++ kernels could not be built ({type(exc).__name__}: "
                       f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}); using the reference "
@@ -141,7 +145,10 @@ def indexer_topk(q, weights, keys, candidates, topk, scale, *, reference=ops.ind
     return torch.ops.deepinfer_cpu.indexer_topk(q, weights, keys, candidates, topk, scale)
 
 
-def linear(x, weight, *, reference=ops.linear, max_tokens=_LINEAR_MAX_TOKENS):
+def linear(x, weight, *, reference=ops.linear, max_tokens=_LINEAR_MAX_TOKENS, max_qtokens=quant.MAX_TOKENS):
+    if not quant.is_plain_f32(weight):
+        out = quant.linear(x, weight, max_qtokens)
+        return out if out is not None else reference(x, weight)
     if x.dim() == 0 or x.numel() > max_tokens * x.shape[-1] or x.dtype != _F32 or weight.dtype != _F32:
         return reference(x, weight)
     if x.dim() == 2:
@@ -156,13 +163,21 @@ def hc_head(streams, fn, base, scale, norm_eps, hc_eps, *, reference=ops.hc_head
     return torch.ops.deepinfer_cpu.hc_head(streams, fn, base, scale, norm_eps, hc_eps)
 
 
-def grouped_linear(x, weight, *, reference=ops.grouped_linear, max_macs=_GEMV_MAX_MACS):
+def grouped_linear(x, weight, *, reference=ops.grouped_linear, max_macs=_GEMV_MAX_MACS,
+                   max_qtokens=quant.MAX_TOKENS):
+    if not quant.is_plain_f32(weight):
+        out = quant.grouped_linear(x, weight, max_qtokens)
+        return out if out is not None else reference(x, weight)
     if x.shape[0] * weight.numel() > max_macs or x.dtype != _F32 or weight.dtype != _F32:
         return reference(x, weight)
     return torch.ops.deepinfer_cpu.grouped_linear(x, weight)
 
 
-def swiglu_mlp(x, gate_up, down, limit, *, reference=ops.swiglu_mlp, max_macs=_GEMV_MAX_MACS):
+def swiglu_mlp(x, gate_up, down, limit, *, reference=ops.swiglu_mlp, max_macs=_GEMV_MAX_MACS,
+               max_qtokens=quant.MAX_TOKENS):
+    if not (quant.is_plain_f32(gate_up) and quant.is_plain_f32(down)):
+        out = quant.swiglu_mlp(x, gate_up, down, limit, max_qtokens)
+        return out if out is not None else reference(x, gate_up, down, limit)
     if (x.shape[0] * (gate_up.numel() + down.numel()) > max_macs or x.dtype != _F32 or gate_up.dtype != _F32
             or down.dtype != _F32 or x.dim() != 2):
         return reference(x, gate_up, down, limit)
@@ -170,6 +185,9 @@ def swiglu_mlp(x, gate_up, down, limit, *, reference=ops.swiglu_mlp, max_macs=_G
 
 
 def route_topk(x, gate, bias, top_k, scaling, *, reference=ops.route_topk, max_macs=_ROUTER_MAX_MACS):
+    if not quant.is_plain_f32(gate):
+        out = quant.route_topk(x, gate, bias, top_k, scaling)
+        return out if out is not None else reference(x, gate, bias, top_k, scaling)
     if x.shape[0] * gate.numel() > max_macs or x.dtype != _F32 or gate.dtype != _F32:
         return reference(x, gate, bias, top_k, scaling)
     return tuple(torch.ops.deepinfer_cpu.route_topk(x, gate, bias, top_k, scaling))
@@ -184,6 +202,9 @@ def route_grouped_topk(x, gate, bias, top_k, n_group, topk_group, normalize, sca
 
 
 def route_hash(x, gate, ids, scaling, *, reference=ops.route_hash, max_macs=_ROUTER_MAX_MACS):
+    if not quant.is_plain_f32(gate):
+        out = quant.route_hash(x, gate, ids, scaling)
+        return out if out is not None else reference(x, gate, ids, scaling)
     if x.shape[0] * gate.numel() > max_macs or x.dtype != _F32 or gate.dtype != _F32:
         return reference(x, gate, ids, scaling)
     return torch.ops.deepinfer_cpu.route_hash(x, gate, ids, scaling)
@@ -191,6 +212,9 @@ def route_hash(x, gate, ids, scaling, *, reference=ops.route_hash, max_macs=_ROU
 
 def moe_experts(x, weights, ids, gate_up, down, limit, *, reference=ops.moe_experts,
                 max_macs_per_expert=_MOE_MAX_MACS_PER_EXPERT):
+    if not (quant.is_plain_f32(gate_up) and quant.is_plain_f32(down)):
+        out = quant.moe_experts(x, weights, ids, gate_up, down, limit)
+        return out if out is not None else reference(x, weights, ids, gate_up, down, limit)
     per_row = gate_up[0].numel() + down[0].numel() if gate_up.shape[0] else 0
     if (ids.numel() * per_row > max_macs_per_expert * gate_up.shape[0] or x.dtype != _F32
             or gate_up.dtype != _F32 or down.dtype != _F32 or x.shape[0] == 0):
@@ -269,8 +293,8 @@ def batch_invariant_ops() -> dict:
         # prefills of narrow matrices (1.5x at 64 x 512, 256 rows; it wins at every size at 256 wide;
         # `python benchmarks/cpu_kernels.py --invariant-linear`).
         limits = {"max_macs_per_expert": math.inf} if name == "moe_experts" else \
-            {"max_macs": math.inf} if name in ("grouped_linear", "swiglu_mlp", "route_topk", "route_grouped_topk",
-                                               "route_hash") else \
-            {"max_tokens": math.inf} if name == "linear" else {}
+            {"max_macs": math.inf} if name in ("route_topk", "route_grouped_topk", "route_hash") else \
+            {"max_macs": math.inf, "max_qtokens": math.inf} if name in ("grouped_linear", "swiglu_mlp") else \
+            {"max_tokens": math.inf, "max_qtokens": math.inf} if name == "linear" else {}
         out[name] = functools.partial(globals()[name], reference=reference, **limits)
     return out

@@ -1,5 +1,11 @@
 """NVIDIA backend: Triton kernels, and the csrc/cuda sparse attention where it is built.
 
+Weights stay as loaded: bf16 and float32 matrices through the tiled GEMMs (bf16 x bf16 on tensor
+cores when the compute dtype is bf16), FP8 dense weights through DeepSeek's FP8 block GEMM
+(triton/fp8.py: activations quantized per 1 x 128 group, the error stated there), routed experts
+in FP4 or FP8 through the MoE GEMMs, which widen the weight in registers (weight-only: the
+activations are used as given).
+
 Not everything is a Triton kernel: indexer_topk and route_topk compute scores in Triton and select
 with torch's (stable) sort/topk exactly as the reference; sample's top-k/top-p mask is the
 reference's sort-based filter (temperature, the SplitMix64 Gumbel noise and argmax are Triton);
@@ -17,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from deepinfer.backends.base import Accelerator, WeightRole
+from deepinfer.backends.quant import QuantizedWeight, Weight
 
 try:
     import triton  # noqa: F401
@@ -38,7 +45,8 @@ class NvidiaAccelerator(Accelerator):
     # by the token count, so DEEPINFER_BATCH_INVARIANT has nothing to switch here.
     batch_invariant = True
     deterministic_sampling = True
-    fp8_weights = False  # FP8 block-scaled GEMMs land with csrc/cuda; weights are dequantized at load
+    fp8_weights = True  # linear on an FP8 QuantizedWeight runs the Triton FP8 block GEMM
+    preferred_dtype = torch.bfloat16
 
     def __init__(self) -> None:
         self.device = _device()
@@ -54,15 +62,28 @@ class NvidiaAccelerator(Accelerator):
             return cuda_ext.sparse_decode_attention(q, kv, indices, sinks, scale)
         return attention.sparse_attention(q, kv, indices, sinks, scale)
 
-    def prepare_weight(self, tensor: torch.Tensor, role: WeightRole = WeightRole.PLAIN) -> torch.Tensor:
-        # float32 storage keeps the kernels comparable to the cpu reference; bf16 storage is a
-        # later, measured step (every kernel already casts loads to fp32).
-        if tensor.is_floating_point():
-            tensor = tensor.float()
+    def prepare_weight(self, tensor: Weight, role: WeightRole = WeightRole.PLAIN) -> Weight:
+        # Kept as loaded (bf16, FP8, FP4): every kernel widens its loads in registers.
         return tensor.to(self.device).contiguous()
 
-    linear = staticmethod(gemm.linear)
-    grouped_linear = staticmethod(gemm.grouped_linear)
+    @staticmethod
+    def linear(x, weight):
+        if isinstance(weight, QuantizedWeight):
+            if fp8.takes(weight):  # DeepSeek's FP8 GEMM: activations quantized per 1 x 128 (fp8.py)
+                return fp8.quantized_linear(x, weight)
+            weight = weight.dequantize()  # no dense kernel for this format: widened for the call
+        return gemm.linear(x, weight)
+
+    @staticmethod
+    def grouped_linear(x, weight):
+        if isinstance(weight, QuantizedWeight):
+            n = weight.shape[0] // x.shape[1]
+            if fp8.takes(weight):
+                return torch.stack([fp8.quantized_linear(x[:, g], weight.rows(g * n, (g + 1) * n))
+                                    for g in range(x.shape[1])], dim=1)
+            weight = weight.dequantize()
+        return gemm.grouped_linear(x, weight)
+
     fp8_block_linear = staticmethod(fp8.fp8_block_linear)
     moe_experts = staticmethod(gemm.moe_experts)
     embedding = staticmethod(elementwise.embedding)
@@ -93,8 +114,8 @@ class NvidiaAccelerator(Accelerator):
         if self.device.type == "cuda":
             torch.cuda.synchronize()
 
-    def memory_available(self) -> int:
+    def memory_info(self) -> tuple[int, int]:
         if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info()
-            return int(free * 0.9)
-        return 4 << 30
+            free, total = torch.cuda.mem_get_info()
+            return int(free), int(total)
+        return 4 << 30, 8 << 30  # the interpreter on CPU tensors: a nominal device

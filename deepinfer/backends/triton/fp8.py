@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.backends.quant import FP8, QuantizedWeight
 from deepinfer.backends.triton import alloc
 
 FP8_MAX = 448.0
@@ -66,14 +67,20 @@ def _e4m3_bits(v):
 
 @triton.jit
 def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, KB, stride_x, amax_floor,
-                      BLOCK: tl.constexpr, NATIVE_CVT: tl.constexpr):
-    """One (token, K group) per program: s = max(amax, floor) / 448, q = e4m3(x / s)."""
+                      BLOCK: tl.constexpr, NATIVE_CVT: tl.constexpr, POW2: tl.constexpr):
+    """One (token, K group) per program: s = max(amax, floor) / 448, q = e4m3(x / s). POW2: s rounded
+    up to a power of two from the bits of amax * float32(1/448) (DeepSeek's fast_round_scale)."""
     t, kb = tl.program_id(0), tl.program_id(1)
     k = kb * BLOCK + tl.arange(0, BLOCK)
     mask = k < K
     x = tl.load(x_ptr + t * stride_x + k, mask=mask, other=0.0).to(tl.float32)
     amax = tl.maximum(tl.max(tl.abs(x), axis=0), amax_floor)
-    s = tl.div_rn(amax, 448.0)  # IEEE division, as torch's (Triton's `/` may be approximate)
+    if POW2:
+        bits = (amax * (1.0 / 448.0)).to(tl.int32, bitcast=True)
+        exp = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+        s = (exp << 23).to(tl.float32, bitcast=True)
+    else:
+        s = tl.div_rn(amax, 448.0)  # IEEE division, as torch's (Triton's `/` may be approximate)
     y = tl.div_rn(x, s)
     if NATIVE_CVT:
         q = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
@@ -84,11 +91,12 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, KB, stride_x, amax_floor,
 
 
 @triton.jit
-def _fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, KB,
+def _fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, KB, SCALE_ROWS,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     FP8_DOT: tl.constexpr):
-    """c = sum_kb (a[:, kb] @ b[:, kb].T) * as[:, kb] * bs[n // BLOCK_K, kb]; a [M, K], b [N, K] fp8
-    row-major, as [M, KB], bs [cdiv(N, BLOCK_K), KB] float32. grid (m tiles, n tiles)."""
+                     FP8_DOT: tl.constexpr, E8M0: tl.constexpr):
+    """c = sum_kb (a[:, kb] @ b[:, kb].T) * as[:, kb] * bs[n // SCALE_ROWS, kb]; a [M, K], b [N, K] fp8
+    row-major, as [M, KB] float32, bs [cdiv(N, SCALE_ROWS), KB] float32 or ue8m0 bytes (E8M0).
+    grid (m tiles, n tiles)."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -105,14 +113,23 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, KB,
         else:
             part = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
         a_s = tl.load(as_ptr + rm * KB + kb, mask=mmask, other=0.0)
-        b_s = tl.load(bs_ptr + (rn // BLOCK_K) * KB + kb, mask=nmask, other=0.0)
+        b_s = tl.load(bs_ptr + (rn // SCALE_ROWS) * KB + kb, mask=nmask, other=0)
+        if E8M0:
+            b_s = e8m0_float(b_s)
         acc += part * a_s[:, None] * b_s[None, :]
     tl.store(c_ptr + rm[:, None] * N + rn[None, :], acc, mask=mmask[:, None] & nmask[None, :])
 
 
-def act_quant(x: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+@triton.jit
+def e8m0_float(e):
+    """ue8m0 exponent bytes -> float32 2^(e - 127), exactly (from the bits; 2^-127 for byte 0)."""
+    e = e.to(tl.int32)
+    return tl.where(e == 0, 5.877471754111438e-39, (e << 23).to(tl.float32, bitcast=True))
+
+
+def act_quant(x: torch.Tensor, block: int = 128, pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, K] -> (float8_e4m3fn [T, K], float32 scales [T, cdiv(K, block)]), as the cpu
-    reference's fp8_block_quant(x, (1, block))."""
+    reference's fp8_block_quant(x, (1, block)) (pow2: quant.act_quant's power-of-two scales)."""
     t, k = x.shape
     kb = triton.cdiv(k, block)
     x = x.contiguous()
@@ -120,7 +137,7 @@ def act_quant(x: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Te
     s = alloc.empty(t, kb, dtype=torch.float32, device=x.device)
     if t and k:
         _act_quant_kernel[(t, kb)](x, q, s, k, kb, x.stride(0), AMAX_FLOOR, BLOCK=block,
-                                   NATIVE_CVT=x.device.type == "cuda")
+                                   NATIVE_CVT=x.device.type == "cuda", POW2=pow2)
     return q.view(torch.float8_e4m3fn), s
 
 
@@ -132,26 +149,49 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
                      fp8_dot: bool | None = None) -> torch.Tensor:
     """Accelerator.fp8_block_linear. fp8_dot: tl.dot on fp8 operands (default where the GPU has fp8
     tensor cores, and under the interpreter) instead of upcasting to fp32."""
-    if block < 16 or block & (block - 1):
-        raise ValueError(f"fp8_block_linear: block {block} must be a power of two >= 16")
-    lead, k = x.shape[:-1], x.shape[-1]
-    n = weight.shape[0]
+    k, n = x.shape[-1], weight.shape[0]
     if weight.dtype != torch.float8_e4m3fn or weight.shape[1] != k:
         raise ValueError(f"fp8_block_linear: weight must be float8_e4m3fn [N, {k}], got {weight.dtype} "
                          f"{tuple(weight.shape)}")
-    kb = triton.cdiv(k, block)
-    if tuple(weight_scale.shape) != (triton.cdiv(n, block), kb):
+    if tuple(weight_scale.shape) != (triton.cdiv(n, block), triton.cdiv(k, block)):
         raise ValueError(f"fp8_block_linear: weight_scale {tuple(weight_scale.shape)} != "
-                         f"{(triton.cdiv(n, block), kb)} for weight {tuple(weight.shape)}, block {block}")
+                         f"{(triton.cdiv(n, block), triton.cdiv(k, block))} for weight {tuple(weight.shape)}, "
+                         f"block {block}")
+    return _gemm(x, weight, weight_scale.float(), (block, block), False, fp8_dot)
+
+
+def takes(weight: QuantizedWeight) -> bool:
+    """Whether `quantized_linear` runs this weight: FP8 whose K block is a power of two >= 16 and,
+    when the model quantizes activations itself (weight.act), in groups of that same K block."""
+    b1 = weight.block[1]
+    return (weight.format == FP8 and weight.dim() == 2 and b1 >= 16 and not b1 & (b1 - 1)
+            and (weight.act is None or weight.act.block == b1))
+
+
+def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, fp8_dot: bool | None = None) -> torch.Tensor:
+    """linear on an FP8 QuantizedWeight: activations quantized per token per 1 x block[1] group
+    (DeepSeek's act_quant; power-of-two scales where weight.act asks for them), then the block
+    GEMM. The reference: quant.act_quant then float32 math on the dequantized weight."""
+    pow2 = weight.act.pow2 if weight.act is not None else False
+    return _gemm(x, weight.data, weight.scale, weight.block, pow2, fp8_dot)
+
+
+def _gemm(x, weight, scale, block: tuple[int, int], pow2: bool, fp8_dot: bool | None) -> torch.Tensor:
+    b0, b1 = block
+    if b1 < 16 or b1 & (b1 - 1):
+        raise ValueError(f"fp8_block_linear: block {b1} must be a power of two >= 16")
+    lead, k = x.shape[:-1], x.shape[-1]
+    n = weight.shape[0]
+    kb = triton.cdiv(k, b1)
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
     out = alloc.empty(m, n, dtype=torch.float32, device=x.device)
     if m == 0 or n == 0:
         return out.view(*lead, n)
-    x_q, x_s = act_quant(x2, block)
+    x_q, x_s = act_quant(x2, b1, pow2)
     bm, bn = tiles(n, k)
     fp8_dot = _fp8_dot_default(x.device) if fp8_dot is None else fp8_dot
     _fp8_gemm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
-        x_q, x_s, weight.contiguous(), weight_scale.float().contiguous(), out, m, n, k, kb,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=block, FP8_DOT=fp8_dot)
+        x_q, x_s, weight.contiguous(), scale.contiguous(), out, m, n, k, kb, b0,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=b1, FP8_DOT=fp8_dot, E8M0=scale.dtype == torch.uint8)
     return out.view(*lead, n)

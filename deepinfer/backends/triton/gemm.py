@@ -11,7 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.backends.quant import FP8, QuantizedWeight
 from deepinfer.backends.triton import alloc
+from deepinfer.backends.triton.fp8 import e8m0_float
 
 
 def tiles(n: int, k: int) -> tuple[int, int, int]:
@@ -26,8 +28,9 @@ def _matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K,
                    stride_ag, stride_am, stride_ak,
                    stride_bg, stride_bn, stride_bk,
                    stride_cg, stride_cm, stride_cn,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """c[g] = a[g] @ b[g].T; grid (m tiles, n tiles, groups)."""
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BF16_DOT: tl.constexpr):
+    """c[g] = a[g] @ b[g].T; grid (m tiles, n tiles, groups). BF16_DOT: both operands bf16, multiplied
+    as such (tensor cores; each product exact in the float32 accumulator)."""
     pid_m, pid_n, g = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -39,7 +42,10 @@ def _matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K,
         kk = k0 + rk
         a = tl.load(a_base + kk[None, :] * stride_ak, mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
         b = tl.load(b_base + kk[:, None] * stride_bk, mask=(kk[:, None] < K) & (rn[None, :] < N), other=0.0)
-        acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        if BF16_DOT:
+            acc += tl.dot(a, b)
+        else:
+            acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     c = c_ptr + g * stride_cg + rm[:, None] * stride_cm + rn[None, :] * stride_cn
     tl.store(c, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
@@ -52,8 +58,10 @@ def _batched(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tenso
         return out
     bm, bn, bk = tiles(n, k)
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), groups)
+    # the interpreter has no bf16 dot; its float32 upcast gives the same products
+    bf16 = a.dtype == b.dtype == torch.bfloat16 and a.device.type == "cuda"
     _matmul_kernel[grid](a, b, out, m, n, k, *a.stride(), *b.stride(), *out.stride(),
-                         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+                         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BF16_DOT=bf16)
     return out
 
 
@@ -77,11 +85,41 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _moe_gate_up_kernel(x_ptr, w_ptr, act_ptr, rows_ptr, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
-                        I, K, limit, stride_xm, stride_we, stride_wn, stride_am,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _e2m1(code):
+    """e2m1 codes (bit 3 the sign) -> float32 values, exactly."""
+    mag = code & 7
+    m = (mag & 1).to(tl.float32)
+    e = mag >> 1
+    v = tl.where(e == 0, 0.5 * m, tl.where(e == 1, 1.0 + 0.5 * m, tl.where(e == 2, 2.0 + m, 4.0 + 2.0 * m)))
+    return tl.where(code >= 8, -v, v)
+
+
+@triton.jit
+def _weight_tile(w_ptr, s_ptr, rn, kk, mask, stride_wn, stride_sn, b0, b1,
+                 W_FMT: tl.constexpr, E8M0: tl.constexpr):
+    """[BLOCK_K, BLOCK_N] float32 tile of weight rows rn, inputs kk, widened in registers. W_FMT 0: a
+    float tensor; 1: FP8 e4m3 and 2: FP4 e2m1 (two a byte, element 2i in the low nibble), each times
+    its scale s[rn // b0, kk // b1] (float32 or ue8m0 bytes, E8M0)."""
+    if W_FMT == 0:
+        return tl.load(w_ptr + rn[None, :] * stride_wn + kk[:, None], mask=mask, other=0.0).to(tl.float32)
+    if W_FMT == 1:
+        v = tl.load(w_ptr + rn[None, :] * stride_wn + kk[:, None], mask=mask, other=0.0).to(tl.float32)
+    else:
+        byte = tl.load(w_ptr + rn[None, :] * stride_wn + kk[:, None] // 2, mask=mask, other=0).to(tl.int32)
+        v = _e2m1((byte >> ((kk[:, None] % 2) * 4)) & 0xF)
+    sc = tl.load(s_ptr + (rn[None, :] // b0) * stride_sn + kk[:, None] // b1, mask=mask, other=0)
+    if E8M0:
+        sc = e8m0_float(sc)
+    return v * sc
+
+
+@triton.jit
+def _moe_gate_up_kernel(x_ptr, w_ptr, s_ptr, act_ptr, rows_ptr, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
+                        I, K, limit, stride_xm, stride_we, stride_wn, stride_se, stride_sn, b0, b1, stride_am,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        W_FMT: tl.constexpr, E8M0: tl.constexpr):
     """act[p] = swiglu(x[rows[p]] @ w[e, :I].T, x[rows[p]] @ w[e, I:].T) for the sorted slots p of
-    one (expert, row tile); grid (row tiles, I tiles)."""
+    one (expert, row tile); grid (row tiles, I tiles). Weights as _weight_tile reads them."""
     tile, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(tile_expert_ptr + tile)
     start = tl.load(tile_start_ptr + tile)
@@ -93,6 +131,7 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, act_ptr, rows_ptr, tile_expert_ptr, tile_s
     nmask = rn < I
     rk = tl.arange(0, BLOCK_K)
     w_base = w_ptr + e * stride_we
+    s_base = s_ptr + e * stride_se
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -101,10 +140,10 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, act_ptr, rows_ptr, tile_expert_ptr, tile_s
         a = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
         a = a.to(tl.float32)
         wmask = kmask[:, None] & nmask[None, :]
-        wg = tl.load(w_base + rn[None, :] * stride_wn + kk[:, None], mask=wmask, other=0.0)
-        wu = tl.load(w_base + (rn[None, :] + I) * stride_wn + kk[:, None], mask=wmask, other=0.0)
-        acc_g += tl.dot(a, wg.to(tl.float32), input_precision="ieee")
-        acc_u += tl.dot(a, wu.to(tl.float32), input_precision="ieee")
+        wg = _weight_tile(w_base, s_base, rn, kk, wmask, stride_wn, stride_sn, b0, b1, W_FMT, E8M0)
+        wu = _weight_tile(w_base, s_base, rn + I, kk, wmask, stride_wn, stride_sn, b0, b1, W_FMT, E8M0)
+        acc_g += tl.dot(a, wg, input_precision="ieee")
+        acc_u += tl.dot(a, wu, input_precision="ieee")
     g = tl.minimum(acc_g, limit)
     u = tl.minimum(tl.maximum(acc_u, -limit), limit)
     act = g / (1.0 + tl.exp(-g)) * u
@@ -112,9 +151,10 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, act_ptr, rows_ptr, tile_expert_ptr, tile_s
 
 
 @triton.jit
-def _moe_down_kernel(act_ptr, w_ptr, out_ptr, scale_ptr, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
-                     N, K, stride_am, stride_we, stride_wn, stride_om,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _moe_down_kernel(act_ptr, w_ptr, s_ptr, out_ptr, scale_ptr, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
+                     N, K, stride_am, stride_we, stride_wn, stride_se, stride_sn, b0, b1, stride_om,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     W_FMT: tl.constexpr, E8M0: tl.constexpr):
     """out[p] = scale[p] * (act[p] @ w[e].T) for the sorted slots p of one (expert, row tile)."""
     tile, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(tile_expert_ptr + tile)
@@ -126,13 +166,15 @@ def _moe_down_kernel(act_ptr, w_ptr, out_ptr, scale_ptr, tile_expert_ptr, tile_s
     nmask = rn < N
     rk = tl.arange(0, BLOCK_K)
     w_base = w_ptr + e * stride_we
+    s_base = s_ptr + e * stride_se
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + rk
         kmask = kk < K
         a = tl.load(act_ptr + rp[:, None] * stride_am + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-        w = tl.load(w_base + rn[None, :] * stride_wn + kk[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
-        acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+        w = _weight_tile(w_base, s_base, rn, kk, kmask[:, None] & nmask[None, :], stride_wn, stride_sn, b0, b1,
+                         W_FMT, E8M0)
+        acc += tl.dot(a.to(tl.float32), w, input_precision="ieee")
     scale = tl.load(scale_ptr + rp, mask=rmask, other=0.0)
     tl.store(out_ptr + rp[:, None] * stride_om + rn[None, :], acc * scale[:, None],
              mask=rmask[:, None] & nmask[None, :])
@@ -164,7 +206,20 @@ def _tile_schedule(sorted_ids: torch.Tensor, block_m: int):
     return tile_expert, tile_start, ends.repeat_interleave(per)
 
 
+def _expert_args(w) -> tuple:
+    """(data, scales, expert stride of the scales, row stride of the scales, b0, b1, W_FMT, E8M0) of
+    an [E, N, K] expert stack for the MoE kernels (strides in elements; data strides from .stride())."""
+    if isinstance(w, QuantizedWeight):
+        sc = w.scale.contiguous()
+        return (w.data.contiguous(), sc, sc.stride(0), sc.stride(1), w.block[0], w.block[1],
+                1 if w.format == FP8 else 2, sc.dtype == torch.uint8)
+    w = w.contiguous()
+    return w, w, 0, 0, 1, 1, 0, False
+
+
 def moe_experts(x, weights, ids, gate_up, down, limit):
+    """Routed experts (base.py). Expert stacks may be float (any dtype) or QuantizedWeight (FP8
+    block-scaled, FP4 e2m1): widened in registers, activations as given, float32 accumulation."""
     num_tokens, top_k = ids.shape
     d = x.shape[-1]
     num_experts, two_i, _ = gate_up.shape
@@ -179,24 +234,28 @@ def moe_experts(x, weights, ids, gate_up, down, limit):
     slot_of = torch.empty_like(order)
     slot_of[order] = torch.arange(order.numel(), device=x.device)
     scale = weights.reshape(-1)[order].float().contiguous()
-    gate_up, down = gate_up.contiguous(), down.contiguous()
+    gu, gu_s, gu_se, gu_sn, gu_b0, gu_b1, gu_fmt, gu_e8 = _expert_args(gate_up)
+    dn, dn_s, dn_se, dn_sn, dn_b0, dn_b1, dn_fmt, dn_e8 = _expert_args(down)
+    # strides of the packed rows (an FP4 row holds K/2 bytes)
+    gu_we, gu_wn = gu.stride(0), gu.stride(1)
+    dn_we, dn_wn = dn.stride(0), dn.stride(1)
 
     bm, bn, bk = tiles(inter, d)  # keyed on the expert weight shape, like linear
     tile_expert, tile_start, tile_end = _tile_schedule(flat_ids[order], bm)
     act = alloc.empty(order.numel(), inter, dtype=torch.float32, device=x.device)
     _moe_gate_up_kernel[(tile_expert.numel(), triton.cdiv(inter, bn))](
-        x, gate_up, act, rows, tile_expert, tile_start, tile_end, inter, d, float(limit),
-        x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+        x, gu, gu_s, act, rows, tile_expert, tile_start, tile_end, inter, d, float(limit),
+        x.stride(0), gu_we, gu_wn, gu_se, gu_sn, gu_b0, gu_b1, act.stride(0),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, W_FMT=gu_fmt, E8M0=gu_e8)
 
     bm2, bn2, bk2 = tiles(d, inter)
     if bm2 != bm:
         tile_expert, tile_start, tile_end = _tile_schedule(flat_ids[order], bm2)
     expert_rows = alloc.empty(order.numel(), d, dtype=torch.float32, device=x.device)
     _moe_down_kernel[(tile_expert.numel(), triton.cdiv(d, bn2))](
-        act, down, expert_rows, scale, tile_expert, tile_start, tile_end, d, inter,
-        act.stride(0), down.stride(0), down.stride(1), expert_rows.stride(0),
-        BLOCK_M=bm2, BLOCK_N=bn2, BLOCK_K=bk2)
+        act, dn, dn_s, expert_rows, scale, tile_expert, tile_start, tile_end, d, inter,
+        act.stride(0), dn_we, dn_wn, dn_se, dn_sn, dn_b0, dn_b1, expert_rows.stride(0),
+        BLOCK_M=bm2, BLOCK_N=bn2, BLOCK_K=bk2, W_FMT=dn_fmt, E8M0=dn_e8)
 
     block_d = min(1024, triton.next_power_of_2(d))
     _moe_combine_kernel[(num_tokens, triton.cdiv(d, block_d))](

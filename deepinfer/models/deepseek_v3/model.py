@@ -27,6 +27,7 @@ import math
 import torch
 
 from deepinfer.backends.base import Accelerator, WeightRole
+from deepinfer.backends.quant import Weight, fuse_rows, reorder_rows
 from deepinfer.core.cache import CacheSpec, StateCache
 from deepinfer.models.base import CausalLM, ParallelContext, StepInput, TensorSpec
 from deepinfer.models.deepseek_v3 import weights as checkpoint
@@ -47,7 +48,7 @@ class DeepseekV3Model(CausalLM):
 
     replay_window = 0  # the latent pages are the whole decode state: prefix-cache hits are exact
 
-    def __init__(self, config: DeepseekV3Config, weights: dict[str, torch.Tensor], accel: Accelerator,
+    def __init__(self, config: DeepseekV3Config, weights: dict[str, Weight], accel: Accelerator,
                  parallel: ParallelContext | None = None):
         self.config, self.accel = config, accel
         self.parallel = parallel or ParallelContext()
@@ -91,12 +92,15 @@ class DeepseekV3Model(CausalLM):
         split = cp.split(inp.lens.tolist(), cache.device) if cp is not None else None
         return StepMeta(inp, cache, self.config, split=split, steps=steps)
 
-    def _prepare_layer(self, weights: dict[str, torch.Tensor], i: int) -> None:
-        """A layer's checkpoint tensors in the form the forward multiplies by (host side, float32):
+    def _prepare_layer(self, weights: dict[str, Weight], i: int) -> None:
+        """A layer's checkpoint tensors in the form the forward multiplies by (host side; weights
+        stay as stored, quant.py's exact row operations):
         - the input projections that read x, q_a (or q_proj) and kv_a_proj_with_mqa, as one GEMM
-          (a decode step of a small model is bound by the cost per op call);
+          where the checkpoint stores them alike (a decode step of a small model is bound by the
+          cost per op call), else one per run (`input_proj.{j}`, outputs concatenated);
         - kv_b_proj split per head into W_UK^T [H*c, dn] (absorbed into the query: q_nope [T, H, dn]
-          -> [T, H, c] with grouped_linear) and W_UV [H*dv, c] (after attention: [T, H, c] -> [T, H, dv]);
+          -> [T, H, c] with grouped_linear) and W_UV [H*dv, c] (after attention: [T, H, c] -> [T, H, dv]),
+          float32 (the loader dequantizes it: weights.checkpoint_tensors);
         - a rotate_half checkpoint's rope rows reordered into interleaved pairs (rope_pair_order);
         - gate and up projections of the dense and shared MLPs stacked, as swiglu_mlp takes them."""
         cfg = self.config
@@ -104,21 +108,35 @@ class DeepseekV3Model(CausalLM):
                                 cfg.kv_lora_rank)
         a = f"model.layers.{i}.self_attn."
         q_name = a + ("q_b_proj.weight" if cfg.q_lora_rank else "q_proj.weight")
-        kv_a = weights.pop(a + "kv_a_proj_with_mqa.weight").float()
+        kv_a = weights.pop(a + "kv_a_proj_with_mqa.weight")
         if not cfg.rope_interleave:
             order = rope_pair_order(dr)
-            q = weights[q_name].float().view(heads, dn + dr, -1)
-            weights[q_name] = torch.cat([q[:, :dn], q[:, dn:][:, order]], dim=1).reshape(heads * (dn + dr), -1)
-            kv_a = torch.cat([kv_a[:c], kv_a[c:][order]])
-        first = weights.pop(a + ("q_a_proj.weight" if cfg.q_lora_rank else "q_proj.weight")).float()
-        weights[a + "input_proj.weight"] = torch.cat([first, kv_a])
+            head = torch.cat([torch.arange(dn), dn + order])
+            weights[q_name] = reorder_rows(weights[q_name], (torch.arange(heads)[:, None] * (dn + dr) + head).flatten())
+            kv_a = reorder_rows(kv_a, torch.cat([torch.arange(c), c + order]))
+        first = weights.pop(a + ("q_a_proj.weight" if cfg.q_lora_rank else "q_proj.weight"))
+        segments = fuse_rows([first, kv_a])
+        if len(segments) == 1:
+            weights[a + "input_proj.weight"] = segments[0]
+        else:
+            weights.update({f"{a}input_proj.{j}.weight": seg for j, seg in enumerate(segments)})
         kv_b = weights.pop(a + "kv_b_proj.weight").float().view(heads, dn + dv, c)
         weights[a + "w_uk_t"] = kv_b[:, :dn].transpose(1, 2).reshape(heads * c, dn).contiguous()
         weights[a + "w_uv"] = kv_b[:, dn:].reshape(heads * dv, c).contiguous()
         m = f"model.layers.{i}.mlp." + ("shared_experts." if cfg.is_moe(i) else "")
         if m + "gate_proj.weight" in weights:
-            weights[m + "gate_up_proj.weight"] = torch.cat([weights.pop(m + "gate_proj.weight").float(),
-                                                            weights.pop(m + "up_proj.weight").float()])
+            gate_up = fuse_rows([weights.pop(m + "gate_proj.weight"), weights.pop(m + "up_proj.weight")])
+            if len(gate_up) != 1:
+                raise ValueError(f"{m}gate_proj and up_proj are stored differently ({gate_up[0].dtype}, "
+                                 f"{gate_up[1].dtype}): the MLP needs them alike")
+            weights[m + "gate_up_proj.weight"] = gate_up[0]
+
+    def _input_projection(self, a: str, h: torch.Tensor) -> torch.Tensor:
+        """[T, q cols + latent_dim]: the layer's input projections (see _prepare_layer)."""
+        whole = self.w.get(a + "input_proj.weight")
+        if whole is not None:
+            return self.accel.linear(h, whole)
+        return torch.cat([self.accel.linear(h, self.w[f"{a}input_proj.{j}.weight"]) for j in range(2)], dim=-1)
 
     # ------------------------------------------------------------ forward
     @torch.inference_mode()
@@ -148,7 +166,7 @@ class DeepseekV3Model(CausalLM):
         num_tokens = h.shape[0]
         cos, sin = meta.rope
         own_cos, own_sin = cos[meta.own], sin[meta.own]
-        proj = ops.linear(h, w[a + "input_proj.weight"])
+        proj = self._input_projection(a, h)
         q_cols, kv = proj[:, :-cfg.latent_dim], proj[:, -cfg.latent_dim:]
         if cfg.q_lora_rank:
             q_cols = ops.linear(ops.rms_norm(q_cols, w[a + "q_a_layernorm.weight"], LORA_NORM_EPS),

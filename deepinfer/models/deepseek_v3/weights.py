@@ -6,7 +6,7 @@ Three layouts reach us, resolved name by name (`checkpoint_name`):
   (gate rows first) and `mlp.experts.down_proj` [E, D, I];
 - the hub (deepseek-ai/DeepSeek-V3, R1, and what transformers' save_pretrained writes): per expert
   `model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight`, FP8 e4m3 Linear weights with a float32
-  `<name>_scale_inv` per 128x128 tile (the loader pairs and dequantizes them), and one
+  `<name>_scale_inv` per 128x128 tile (kept FP8: `checkpoint_tensors`), and one
   multi-token-prediction layer after the last (`model.layers.61.*` in V3), which the model does
   not run (`ignored_prefixes`);
 - DeepSeek's inference/convert.py: `model.` stripped, self_attn -> attn, mlp -> ffn, the module
@@ -76,39 +76,47 @@ def checkpoint_source(hf: str, part: tuple[int, int | None] | None = None) -> st
     return f"model.layers.{m.group(1)}.mlp.experts.{part[0]}.{proj}.weight"
 
 
+def _weight(shape: tuple[int, ...]) -> TensorSpec:
+    """A weight a weight op reads: kept as the checkpoint stores it (TensorSpec.stored)."""
+    return TensorSpec(shape, stored=True)
+
+
 def checkpoint_tensors(cfg: DeepseekV3Config) -> dict[str, TensorSpec]:
-    """Every checkpoint tensor the model reads (HF names), with its shape."""
+    """Every checkpoint tensor the model reads (HF names), with its shape. The weights the ops read
+    stay as stored (FP8 with its block scales, bf16); kv_b_proj is the exception: the model keeps
+    it only in its absorbed per-head forms (W_UK^T, a transpose the block scales do not follow, and
+    W_UV), built in float32 at load (kv_lora_rank x heads x 256 values a layer: ~0.15% of V3's)."""
     d, heads, e = cfg.hidden_size, cfg.num_attention_heads, cfg.n_routed_experts
     qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
-    out = {"model.embed_tokens.weight": TensorSpec((cfg.vocab_size, d)), "model.norm.weight": TensorSpec((d,))}
+    out = {"model.embed_tokens.weight": _weight((cfg.vocab_size, d)), "model.norm.weight": TensorSpec((d,))}
     if not cfg.tie_word_embeddings:
-        out["lm_head.weight"] = TensorSpec((cfg.vocab_size, d))
+        out["lm_head.weight"] = _weight((cfg.vocab_size, d))
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
         a = p + "self_attn."
         out.update({
             p + "input_layernorm.weight": TensorSpec((d,)),
             p + "post_attention_layernorm.weight": TensorSpec((d,)),
-            a + "kv_a_proj_with_mqa.weight": TensorSpec((cfg.latent_dim, d)),
+            a + "kv_a_proj_with_mqa.weight": _weight((cfg.latent_dim, d)),
             a + "kv_a_layernorm.weight": TensorSpec((cfg.kv_lora_rank,)),
             a + "kv_b_proj.weight": TensorSpec((heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)),
-            a + "o_proj.weight": TensorSpec((d, heads * cfg.v_head_dim)),
+            a + "o_proj.weight": _weight((d, heads * cfg.v_head_dim)),
         })
         if cfg.q_lora_rank:
-            out.update({a + "q_a_proj.weight": TensorSpec((cfg.q_lora_rank, d)),
+            out.update({a + "q_a_proj.weight": _weight((cfg.q_lora_rank, d)),
                         a + "q_a_layernorm.weight": TensorSpec((cfg.q_lora_rank,)),
-                        a + "q_b_proj.weight": TensorSpec((heads * qk, cfg.q_lora_rank))})
+                        a + "q_b_proj.weight": _weight((heads * qk, cfg.q_lora_rank))})
         else:
-            out[a + "q_proj.weight"] = TensorSpec((heads * qk, d))
+            out[a + "q_proj.weight"] = _weight((heads * qk, d))
         m = p + "mlp."
         if not cfg.is_moe(i):
             inter = cfg.intermediate_size
-            out.update({m + "gate_proj.weight": TensorSpec((inter, d)), m + "up_proj.weight": TensorSpec((inter, d)),
-                        m + "down_proj.weight": TensorSpec((d, inter))})
+            out.update({m + "gate_proj.weight": _weight((inter, d)), m + "up_proj.weight": _weight((inter, d)),
+                        m + "down_proj.weight": _weight((d, inter))})
             continue
         inter = cfg.moe_intermediate_size
         out.update({
-            m + "gate.weight": TensorSpec((e, d)),
+            m + "gate.weight": _weight((e, d)),
             m + "gate.e_score_correction_bias": TensorSpec((e,)),
             m + "experts.gate_up_proj": TensorSpec((e, 2 * inter, d), experts=True),
             m + "experts.down_proj": TensorSpec((e, d, inter), experts=True),
@@ -116,8 +124,8 @@ def checkpoint_tensors(cfg: DeepseekV3Config) -> dict[str, TensorSpec]:
         if cfg.n_shared_experts:
             shared = inter * cfg.n_shared_experts  # one MLP of the shared experts' total width
             s = m + "shared_experts."
-            out.update({s + "gate_proj.weight": TensorSpec((shared, d)), s + "up_proj.weight": TensorSpec((shared, d)),
-                        s + "down_proj.weight": TensorSpec((d, shared))})
+            out.update({s + "gate_proj.weight": _weight((shared, d)), s + "up_proj.weight": _weight((shared, d)),
+                        s + "down_proj.weight": _weight((d, shared))})
     return out
 
 

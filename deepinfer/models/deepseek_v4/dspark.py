@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.backends.base import Accelerator, WeightRole
+from deepinfer.backends.quant import Weight, fuse_rows, stack, widen
 from deepinfer.models.deepseek_v4 import fused
 from deepinfer.models.deepseek_v4.config import DeepseekV4Config
 
@@ -89,17 +90,25 @@ def stage_names(cfg: DeepseekV4Config, dcfg: DSparkConfig) -> dict[str, tuple[in
     return out
 
 
-def fuse_experts(weights: dict[str, torch.Tensor], num_stages: int, num_experts: int) -> dict[str, torch.Tensor]:
-    """Per-expert w1/w3/w2 -> the fused [E, 2I, D] / [E, D, I] tensors moe_experts takes."""
-    out = {n: t for n, t in weights.items() if ".experts." not in n and ".shared_experts.w" not in n}
+def fuse_experts(weights: dict[str, Weight], num_stages: int, num_experts: int) -> dict[str, Weight]:
+    """Per-expert w1/w3/w2 -> the fused [E, 2I, D] / [E, D, I] tensors moe_experts takes, in the
+    checkpoint's storage (bf16, FP8, FP4 stay so). The mixing matrices (`*_fn`) become float32:
+    hc_pre / hc_head read them as float32 parameters, not through a weight op."""
+    out = {n: widen(t) if n.endswith("_fn") else t for n, t in weights.items()
+           if ".experts." not in n and ".shared_experts.w" not in n}
+
+    def cat(*parts: Weight) -> Weight:
+        fused = fuse_rows(list(parts))
+        if len(fused) != 1:
+            raise ValueError("DSpark drafter: w1 and w3 of an expert are stored differently")
+        return fused[0]
+
     for k in range(num_stages):
         p = f"mtp.{k}.ffn."
-        out[p + "experts.gate_up"] = torch.stack([torch.cat([weights[p + f"experts.{j}.w1.weight"],
-                                                             weights[p + f"experts.{j}.w3.weight"]])
-                                                  for j in range(num_experts)])
-        out[p + "experts.down"] = torch.stack([weights[p + f"experts.{j}.w2.weight"] for j in range(num_experts)])
-        out[p + "shared.gate_up"] = torch.cat([weights[p + "shared_experts.w1.weight"],
-                                               weights[p + "shared_experts.w3.weight"]])
+        out[p + "experts.gate_up"] = stack([cat(weights[p + f"experts.{j}.w1.weight"], weights[p + f"experts.{j}.w3.weight"])
+                                            for j in range(num_experts)])
+        out[p + "experts.down"] = stack([weights[p + f"experts.{j}.w2.weight"] for j in range(num_experts)])
+        out[p + "shared.gate_up"] = cat(weights[p + "shared_experts.w1.weight"], weights[p + "shared_experts.w3.weight"])
         out[p + "shared.down"] = weights[p + "shared_experts.w2.weight"]
     return out
 

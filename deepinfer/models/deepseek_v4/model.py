@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from deepinfer.backends.base import Accelerator, WeightRole
+from deepinfer.backends.quant import Weight, fuse_rows, scale_weight
 from deepinfer.core.cache import CacheSpec, StateCache
 from deepinfer.models.base import CausalLM, ParallelContext, StepInput, TensorSpec
 from deepinfer.models.deepseek_v4 import fused, weights as checkpoint
@@ -31,7 +32,7 @@ class DeepseekV4Model(CausalLM):
 
     extra_prefixes = ("mtp.",)  # the DSpark drafter's stages (dspark.py)
 
-    def __init__(self, config: DeepseekV4Config, weights: dict[str, torch.Tensor], accel: Accelerator,
+    def __init__(self, config: DeepseekV4Config, weights: dict[str, Weight], accel: Accelerator,
                  parallel: ParallelContext | None = None):
         self.config, self.accel = config, accel
         self.parallel = parallel or ParallelContext()
@@ -40,6 +41,8 @@ class DeepseekV4Model(CausalLM):
         index_scale = config.index_n_heads ** -0.5
         self.input_proj_splits = [self._fuse_input_projections(weights, i, index_scale)
                                   for i in range(config.num_hidden_layers)]
+        self._input_segments = [sum(1 for name in weights if name.startswith(f"model.layers.{i}.self_attn.input_proj."))
+                                for i in range(config.num_hidden_layers)]
         # columns needed for every token of the step (kv and compressor inputs): q_a comes before
         # them and the indexer head weights after, both only for own rows
         self._key_cols = [(splits["kv_proj"][0], max(b for name, (_, b) in splits.items()
@@ -88,7 +91,7 @@ class DeepseekV4Model(CausalLM):
         return DSparkDrafter(self.config, dcfg, extra, self.w, self.accel, max_seqs=max_seqs, margin=margin)
 
     @staticmethod
-    def _fuse_input_projections(weights: dict[str, torch.Tensor], i: int, index_scale: float) -> dict[str, tuple[int, int]]:
+    def _fuse_input_projections(weights: dict[str, Weight], i: int, index_scale: float) -> dict[str, tuple[int, int]]:
         """Every projection of a layer's attention input (q_a, kv, compressor and indexer kv/gate,
         indexer head weights) becomes one GEMM: a decode step is dominated by per-op overhead, so
         one [T, D] x [D, sum N] beats seven small ones. Returns name -> (start, end) columns.
@@ -96,7 +99,10 @@ class DeepseekV4Model(CausalLM):
         rows (context parallelism): the former are one contiguous column block, and each
         compressor's kv and gate are adjacent (the window staging stores them side by side).
         The indexer head weights' 1/sqrt(heads) is folded into their rows (a power of two for
-        every V4 config, so exact): one multiply less per CSA layer and step."""
+        every V4 config, so exact): one multiply less per CSA layer and step.
+        Projections are fused where the checkpoint stores them alike (quant.fuse_rows): one GEMM for
+        a float32 or bf16 checkpoint; V4-Flash keeps q_a and kv in FP8 and the compressor and indexer
+        projections in bf16, two GEMMs (`input_proj.0`, `input_proj.1`) whose outputs are concatenated."""
         p = f"model.layers.{i}.self_attn."
         names = ["q_a_proj", "kv_proj", "compressor.kv_proj", "compressor.gate_proj", "compressor.indexer.kv_proj",
                  "compressor.indexer.gate_proj", "compressor.indexer.scorer.weights_proj"]
@@ -104,15 +110,38 @@ class DeepseekV4Model(CausalLM):
         for name in names:
             key = p + name + ".weight"
             if key in weights:
-                tensor = weights.pop(key).float()
-                parts.append(tensor * index_scale if name.endswith("weights_proj") else tensor)
+                tensor = weights.pop(key)
+                parts.append(scale_weight(tensor, index_scale) if name.endswith("weights_proj") else tensor)
                 splits[name] = (start, start + tensor.shape[0])
                 start += tensor.shape[0]
-        weights[p + "input_proj.weight"] = torch.cat(parts)
+        segments = fuse_rows(parts)
+        if len(segments) == 1:
+            weights[p + "input_proj.weight"] = segments[0]
+        else:
+            weights.update({f"{p}input_proj.{j}.weight": seg for j, seg in enumerate(segments)})
         s = f"model.layers.{i}.mlp.shared_experts."
-        weights[s + "gate_up_proj.weight"] = torch.cat([weights.pop(s + "gate_proj.weight").float(),
-                                                         weights.pop(s + "up_proj.weight").float()])
+        shared = fuse_rows([weights.pop(s + "gate_proj.weight"), weights.pop(s + "up_proj.weight")])
+        if len(shared) != 1:
+            raise ValueError(f"{s}gate_proj and up_proj are stored differently ({shared[0].dtype}, {shared[1].dtype}): "
+                             "the shared expert needs them alike")
+        weights[s + "gate_up_proj.weight"] = shared[0]
         return splits
+
+    def _gemm_input(self, x: torch.Tensor) -> torch.Tensor:
+        """x in the compute dtype (LLM(dtype=...)): what the weight ops multiply; they accumulate in
+        float32 and return float32."""
+        dtype = self.accel.compute_dtype
+        return x if x.dtype == dtype else x.to(dtype)
+
+    def _input_projection(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        """[T, sum N] every attention input projection of layer i (see _fuse_input_projections)."""
+        p = f"model.layers.{i}.self_attn."
+        h = self._gemm_input(h)
+        whole = self.w.get(p + "input_proj.weight")
+        if whole is not None:
+            return self.accel.linear(h, whole)
+        return torch.cat([self.accel.linear(h, self.w[f"{p}input_proj.{j}.weight"])
+                          for j in range(self._input_segments[i])], dim=-1)
 
     # ------------------------------------------------------------ forward
     @torch.inference_mode()
@@ -156,7 +185,7 @@ class DeepseekV4Model(CausalLM):
         h = ops.hc_head(streams, w["model.hc_head.hc_fn"], w["model.hc_head.hc_base"],
                         w["model.hc_head.hc_scale"], cfg.rms_norm_eps, cfg.hc_eps)
         h = ops.rms_norm(h, w["model.norm.weight"], cfg.rms_norm_eps)
-        logits = ops.linear(h, w["lm_head.weight"])
+        logits = ops.linear(self._gemm_input(h), w["lm_head.weight"])
         return (logits, torch.stack(features, dim=1)) if feature_layers else logits
 
     def prepare(self, inp: StepInput, cache: StateCache, steps: int | None = None) -> StepMeta:
@@ -182,7 +211,7 @@ class DeepseekV4Model(CausalLM):
         own = meta.own
         num_tokens, heads, head_dim = h.shape[0], cfg.num_attention_heads, cfg.head_dim
 
-        proj = ops.linear(h, w[p + "input_proj.weight"])
+        proj = self._input_projection(i, h)
         splits = self.input_proj_splits[i]
         lo, hi = self._key_cols[i]
         all_rows = meta.all_tokens(proj[:, lo:hi])  # kv + compressor inputs of every token
@@ -193,7 +222,8 @@ class DeepseekV4Model(CausalLM):
                 all_rows[:, a - lo:b - lo]
 
         q_lora = ops.rms_norm(cols("q_a_proj"), w[p + "q_a_norm.weight"], cfg.rms_norm_eps)
-        q = ops.linear(q_lora, w[p + "q_b_proj.weight"]).view(num_tokens, heads, head_dim)
+        q_in = self._gemm_input(q_lora)
+        q = ops.linear(q_in, w[p + "q_b_proj.weight"]).view(num_tokens, heads, head_dim)
         q = fused.rms_norm_rope(ops, q, None, cfg.rms_norm_eps, cos[own], sin[own])
         kv = fused.rms_norm_rope(ops, cols("kv_proj"), w[p + "kv_norm.weight"], cfg.rms_norm_eps, cos, sin)
         scratch = cache.ring_rows
@@ -212,7 +242,7 @@ class DeepseekV4Model(CausalLM):
                 self._compress(layer, cols("compressor.indexer.kv_proj", "compressor.indexer.gate_proj"), info,
                                ip, layer.index_keys, layer.index_ring, cache)
                 ccos, csin = meta.rope["compress"]
-                q_idx = ops.linear(q_lora, w[ip + "q_b_proj.weight"]).view(num_tokens, cfg.index_n_heads, -1)
+                q_idx = ops.linear(q_in, w[ip + "q_b_proj.weight"]).view(num_tokens, cfg.index_n_heads, -1)
                 q_idx = ops.rope(q_idx, ccos[own], csin[own])
                 weights = cols("compressor.indexer.scorer.weights_proj")  # 1/sqrt(heads) folded in
                 picked = ops.indexer_topk(q_idx, weights, layer.index_keys, info["candidates"][own], cfg.index_topk,
@@ -223,8 +253,8 @@ class DeepseekV4Model(CausalLM):
         out = ops.sparse_attention(q, layer.kv, indices, w[p + "sinks"], head_dim ** -0.5)
         out = ops.rope(out, cos[own], sin[own], inverse=True)
         ops.copy_rows(layer.kv, *meta.window_commit)
-        out = ops.grouped_linear(out.reshape(num_tokens, cfg.o_groups, -1), w[p + "o_a_proj.weight"])
-        return ops.linear(out.flatten(1), w[p + "o_b_proj.weight"])
+        out = ops.grouped_linear(self._gemm_input(out.reshape(num_tokens, cfg.o_groups, -1)), w[p + "o_a_proj.weight"])
+        return ops.linear(self._gemm_input(out.flatten(1)), w[p + "o_b_proj.weight"])
 
     def _compress(self, layer: LayerState, kv_gate: torch.Tensor, info: dict, p: str,
                   entries_out: torch.Tensor, ring: torch.Tensor, cache: CacheView) -> None:
@@ -251,9 +281,10 @@ class DeepseekV4Model(CausalLM):
         else:
             weights, expert_ids = ops.route_topk(h, w[p + "gate.weight"], w[p + "gate.e_score_correction_bias"],
                                                  cfg.num_experts_per_tok, cfg.routed_scaling_factor)
-        routed = self.experts[i](h, weights, expert_ids)
+        x = self._gemm_input(h)
+        routed = self.experts[i](x, weights, expert_ids)
         s = p + "shared_experts."
-        return routed + ops.swiglu_mlp(h, w[s + "gate_up_proj.weight"], w[s + "down_proj.weight"], cfg.swiglu_limit)
+        return routed + ops.swiglu_mlp(x, w[s + "gate_up_proj.weight"], w[s + "down_proj.weight"], cfg.swiglu_limit)
 
     def _local_experts(self, gate_up: torch.Tensor, down: torch.Tensor):
         """A layer's routed experts on this process."""

@@ -103,20 +103,27 @@ def checkpoint_source(hf: str, part: tuple[int, int | None] | None = None) -> st
     return None
 
 
+def _weight(shape: tuple[int, ...]) -> TensorSpec:
+    """A weight a weight op reads: kept as the checkpoint stores it (TensorSpec.stored)."""
+    return TensorSpec(shape, stored=True)
+
+
 def checkpoint_tensors(cfg: DeepseekV4Config) -> dict[str, TensorSpec]:
-    """Every checkpoint tensor the model reads (HF names), with shape and dtype."""
+    """Every checkpoint tensor the model reads (HF names), with shape and dtype. The projections,
+    routers, experts, embedding and head are kept as the checkpoint stores them (bf16, FP8, FP4);
+    norms, biases, sinks, mixing matrices and position biases become float32."""
     i64 = torch.int64
     d, hd, n, e = cfg.hidden_size, cfg.head_dim, cfg.hc_mult, cfg.n_routed_experts
     inter, di = cfg.moe_intermediate_size, cfg.index_head_dim
     out = {
-        "model.embed_tokens.weight": TensorSpec((cfg.vocab_size, d)),
+        "model.embed_tokens.weight": _weight((cfg.vocab_size, d)),
         "model.norm.weight": TensorSpec((d,)),
         "model.hc_head.hc_fn": TensorSpec((n, n * d)),
         "model.hc_head.hc_base": TensorSpec((n,)),
         "model.hc_head.hc_scale": TensorSpec((1,)),
     }
     if not cfg.tie_word_embeddings:
-        out["lm_head.weight"] = TensorSpec((cfg.vocab_size, d))
+        out["lm_head.weight"] = _weight((cfg.vocab_size, d))
     mix = (2 + n) * n
     for i, kind in enumerate(cfg.layer_types):
         p = f"model.layers.{i}."
@@ -125,14 +132,14 @@ def checkpoint_tensors(cfg: DeepseekV4Config) -> dict[str, TensorSpec]:
             p + "input_layernorm.weight": TensorSpec((d,)),
             p + "post_attention_layernorm.weight": TensorSpec((d,)),
             a + "sinks": TensorSpec((cfg.num_attention_heads,)),
-            a + "q_a_proj.weight": TensorSpec((cfg.q_lora_rank, d)),
+            a + "q_a_proj.weight": _weight((cfg.q_lora_rank, d)),
             a + "q_a_norm.weight": TensorSpec((cfg.q_lora_rank,)),
-            a + "q_b_proj.weight": TensorSpec((cfg.num_attention_heads * hd, cfg.q_lora_rank)),
-            a + "kv_proj.weight": TensorSpec((hd, d)),
+            a + "q_b_proj.weight": _weight((cfg.num_attention_heads * hd, cfg.q_lora_rank)),
+            a + "kv_proj.weight": _weight((hd, d)),
             a + "kv_norm.weight": TensorSpec((hd,)),
-            a + "o_a_proj.weight": TensorSpec((cfg.o_groups * cfg.o_lora_rank,
-                                               cfg.num_attention_heads * hd // cfg.o_groups)),
-            a + "o_b_proj.weight": TensorSpec((d, cfg.o_groups * cfg.o_lora_rank)),
+            a + "o_a_proj.weight": _weight((cfg.o_groups * cfg.o_lora_rank,
+                                                cfg.num_attention_heads * hd // cfg.o_groups)),
+            a + "o_b_proj.weight": _weight((d, cfg.o_groups * cfg.o_lora_rank)),
         })
         for hc in ("attn_hc.", "ffn_hc."):
             out.update({p + hc + "fn": TensorSpec((mix, n * d)), p + hc + "base": TensorSpec((mix,)),
@@ -143,22 +150,22 @@ def checkpoint_tensors(cfg: DeepseekV4Config) -> dict[str, TensorSpec]:
             rate = cfg.compress_rate(i)
             out.update({
                 c + "position_bias": TensorSpec((rate, width)),
-                c + "kv_proj.weight": TensorSpec((width, d)),
-                c + "gate_proj.weight": TensorSpec((width, d)),
+                c + "kv_proj.weight": _weight((width, d)),
+                c + "gate_proj.weight": _weight((width, d)),
                 c + "kv_norm.weight": TensorSpec((hd,)),
             })
             if kind == CSA:
                 x = c + "indexer."
                 out.update({
                     x + "position_bias": TensorSpec((rate, 2 * di)),
-                    x + "kv_proj.weight": TensorSpec((2 * di, d)),
-                    x + "gate_proj.weight": TensorSpec((2 * di, d)),
+                    x + "kv_proj.weight": _weight((2 * di, d)),
+                    x + "gate_proj.weight": _weight((2 * di, d)),
                     x + "kv_norm.weight": TensorSpec((di,)),
-                    x + "q_b_proj.weight": TensorSpec((cfg.index_n_heads * di, cfg.q_lora_rank)),
-                    x + "scorer.weights_proj.weight": TensorSpec((cfg.index_n_heads, d)),
+                    x + "q_b_proj.weight": _weight((cfg.index_n_heads * di, cfg.q_lora_rank)),
+                    x + "scorer.weights_proj.weight": _weight((cfg.index_n_heads, d)),
                 })
         m = p + "mlp."
-        out[m + "gate.weight"] = TensorSpec((e, d))
+        out[m + "gate.weight"] = _weight((e, d))
         if cfg.mlp_layer_types[i] == "hash_moe":
             out[m + "gate.tid2eid"] = TensorSpec((cfg.vocab_size, cfg.num_experts_per_tok), i64)
         else:
@@ -166,8 +173,8 @@ def checkpoint_tensors(cfg: DeepseekV4Config) -> dict[str, TensorSpec]:
         out.update({
             m + "experts.gate_up_proj": TensorSpec((e, 2 * inter, d), experts=True),
             m + "experts.down_proj": TensorSpec((e, d, inter), experts=True),
-            m + "shared_experts.gate_proj.weight": TensorSpec((inter, d)),
-            m + "shared_experts.up_proj.weight": TensorSpec((inter, d)),
-            m + "shared_experts.down_proj.weight": TensorSpec((d, inter)),
+            m + "shared_experts.gate_proj.weight": _weight((inter, d)),
+            m + "shared_experts.up_proj.weight": _weight((inter, d)),
+            m + "shared_experts.down_proj.weight": _weight((d, inter)),
         })
     return out

@@ -1,0 +1,185 @@
+"""The cpu backend on stored weights: quantized vs float32 decode, and the GEMV / widen-then-GEMM
+crossover. Prints tables and writes benchmarks/results/quant_kernels.json.
+
+    python benchmarks/quant_kernels.py                # decode at batch 1: tiny FP8/FP4 test configs
+    python benchmarks/quant_kernels.py --crossover    # where widening + MKL beats the GEMV kernels
+
+Decode: each tiny test config (tests/tiny_models.py) stored as V4-Flash stores it (FP4 experts,
+FP8 dense projections, bf16 router / embedding / head: tests/quant_checks.py) against the same
+weights dequantized to a float32 checkpoint, both served by the engine (LLMEngine) at batch 1; the
+time of decode steps only. The float32 model runs the cpu step program (one C++ call per step),
+which takes float32 weights only; the stored model runs the Python graph op by op. So the table
+has the float32 model both ways (DEEPINFER_CPU_STEP_PROGRAM=1 / 0): the second is the same code path
+as the stored model. The shipped model, stored in bf16, is measured the same way against a
+float32 copy of itself at batch 1 and 32 (what keeping bf16 weights costs it until a step replay
+takes them).
+
+Crossover: quant_kernels.linear's GEMV kernels against widening the weight in row chunks + MKL's
+GEMM, by rows per call (T), at V4-Flash shapes (bf16 LM-head rows, FP8 projection, FP4 expert).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE.parent / "tests"))
+
+
+def _timed(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def crossover(repeats: int) -> dict:
+    from deepinfer.backends.cpu import kernels, quant_kernels as qk
+    from deepinfer.backends.quant import quantize_fp4, quantize_fp8
+
+    kernels.load()
+    gen = torch.Generator().manual_seed(0)
+    shapes = {"bf16 [16384, 4096] (LM-head rows)": torch.randn(16384, 4096, generator=gen).bfloat16(),
+              "fp8 [4096, 4096] 128x128": quantize_fp8(torch.randn(4096, 4096, generator=gen) * 0.02, ue8m0=True),
+              "fp4 [4096, 2048] (expert down)": quantize_fp4(torch.randn(4096, 2048, generator=gen) * 0.02)}
+    rows = {}
+    print(f"{'weight':<34} {'T':>4} {'GEMV ms':>9} {'widen+GEMM ms':>14}")
+    for label, w in shapes.items():
+        k = w.shape[-1]
+        rows[label] = []
+        for t in (1, 2, 4, 8, 16, 32, 64):
+            x = torch.randn(t, k, generator=gen)
+            gemv = _timed(lambda: qk.linear(x, w, max_tokens=1 << 30), repeats)
+            wide = _timed(lambda: qk.linear(x, w, max_tokens=0), repeats)
+            rows[label].append({"tokens": t, "gemv_s": gemv, "widen_gemm_s": wide})
+            print(f"{label:<34} {t:>4} {gemv * 1e3:>9.2f} {wide * 1e3:>14.2f}")
+    return rows
+
+
+def _decode_rate(model_dir: str, steps: int, prompts: list[list[int]]) -> float:
+    """Decode tokens/s of `prompts` as one batch (decode steps only; median of 3 runs)."""
+    from deepinfer.backends import get_accelerator
+    from deepinfer.core.engine import EngineConfig, LLMEngine
+    from deepinfer.sampling_params import SamplingParams
+
+    engine = LLMEngine(model_dir, get_accelerator("cpu"), EngineConfig(
+        max_num_seqs=len(prompts), max_num_batched_tokens=max(256, sum(map(len, prompts))),
+        num_cache_pages=4 * len(prompts)))
+    rates = []
+    for _ in range(3):
+        reqs = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True))
+                for p in prompts]
+        while any(not r.output_token_ids or r.pending for r in reqs):
+            engine.step()
+        t0 = time.perf_counter()
+        while engine.has_unfinished():
+            engine.step()
+        rates.append(len(prompts) * steps / (time.perf_counter() - t0))
+        engine.pop_finished()
+    engine.close()
+    return sorted(rates)[1]
+
+
+def _graph_only(fn):
+    """fn() with the cpu step program off (the code path stored weights take)."""
+    os.environ["DEEPINFER_CPU_STEP_PROGRAM"] = "0"
+    try:
+        return fn()
+    finally:
+        del os.environ["DEEPINFER_CPU_STEP_PROGRAM"]
+
+
+def shipped(steps: int) -> list[dict]:
+    """The shipped model (stored in bf16) as stored vs widened to a float32 copy, batch 1 and 32."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from deepinfer.llm import DEFAULT_MODEL_DIR
+
+    rows = []
+    print(f"{'shipped model':<16} {'batch':>5} {'bf16 tok/s':>11} {'float32 tok/s':>14} {'float32, no step program':>25}")
+    with tempfile.TemporaryDirectory() as tmp:
+        fdir = Path(tmp, "float32")
+        shutil.copytree(DEFAULT_MODEL_DIR, fdir)
+        for f in fdir.glob("*.safetensors"):
+            save_file({k: v.float() if v.is_floating_point() else v for k, v in load_file(str(f)).items()}, str(f))
+        gen = torch.Generator().manual_seed(2)
+        for batch in (1, 32):
+            prompts = [torch.randint(3, 1000, (64,), generator=gen).tolist() for _ in range(batch)]
+            bf16 = _decode_rate(DEFAULT_MODEL_DIR, steps, prompts)
+            f32 = _decode_rate(str(fdir), steps, prompts)
+            f32_graph = _graph_only(lambda: _decode_rate(str(fdir), steps, prompts))
+            rows.append({"batch": batch, "bf16_tok_s": bf16, "float32_tok_s": f32, "float32_graph_tok_s": f32_graph})
+            print(f"{'tiny-dsv4':<16} {batch:>5} {bf16:>11.1f} {f32:>14.1f} {f32_graph:>25.1f}")
+    return rows
+
+
+def decode(steps: int) -> list[dict]:
+    from safetensors.torch import save_file
+
+    from deepinfer.models.deepseek_v4 import DeepseekV4Config, DeepseekV4Model
+    from deepinfer.models.deepseek_v4.weights import checkpoint_source
+    from quant_checks import dequantized, flash_layout, save_upstream
+    from tiny_models import CONFIGS, make_hf_model
+
+    rows = []
+    print(f"{'config':<16} {'stored tok/s':>12} {'float32 tok/s':>14} {'float32, no step program':>25}")
+    for name in CONFIGS:
+        hf, hfc = make_hf_model(name, seed=0)
+        cfg = DeepseekV4Config.from_dict(hfc.to_dict())
+        stored = flash_layout(hf.state_dict(), DeepseekV4Model.checkpoint_tensors(cfg))
+        with tempfile.TemporaryDirectory() as tmp:
+            qdir, fdir = Path(tmp, "stored"), Path(tmp, "float32")
+            for d in (qdir, fdir):
+                d.mkdir()
+                hfc.save_pretrained(d)
+            save_upstream(stored, qdir, checkpoint_source)
+            save_file({k: v.contiguous() for k, v in dequantized(stored).items()}, str(fdir / "model.safetensors"))
+            prompt = [torch.randint(2, cfg.vocab_size, (24,), generator=torch.Generator().manual_seed(1)).tolist()]
+            quant = _decode_rate(str(qdir), steps, prompt)
+            f32 = _decode_rate(str(fdir), steps, prompt)
+            f32_graph = _graph_only(lambda: _decode_rate(str(fdir), steps, prompt))
+        rows.append({"config": name, "stored_tok_s": quant, "float32_tok_s": f32, "float32_graph_tok_s": f32_graph,
+                     "weight_bytes_stored": sum(v.nbytes for v in stored.values()),
+                     "weight_bytes_float32": sum(v.nbytes for v in dequantized(stored).values())})
+        print(f"{name:<16} {quant:>12.1f} {f32:>14.1f} {f32_graph:>25.1f}")
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--crossover", action="store_true")
+    parser.add_argument("--steps", type=int, default=48)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", default=str(HERE / "results" / "quant_kernels.json"))
+    args = parser.parse_args()
+    out_path = Path(args.out)
+    data = json.loads(out_path.read_text()) if out_path.exists() else {}
+    torch.set_num_threads(int(os.environ.get("DEEPINFER_CPU_THREADS", "0")) or torch.get_num_threads())
+    if args.crossover:
+        data["crossover"] = {"rows": crossover(args.repeats), "threads": torch.get_num_threads(),
+                             "load_average": os.getloadavg()}
+    else:
+        data["decode_batch1"] = {"rows": decode(args.steps), "load_average": os.getloadavg(),
+                                 "cpus": os.cpu_count()}
+        data["shipped"] = {"rows": shipped(args.steps), "load_average": os.getloadavg()}
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(data, indent=2))
+    print(f"wrote {out_path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,305 @@
+"""Real shapes: DeepSeek-V4-Flash's exact layer shapes and storage formats, served from a synthetic
+checkpoint. Prints a table and writes benchmarks/results/real_shapes.json.
+
+    python benchmarks/real_shapes.py                     # writes /tmp/deepinfer_real_shapes once (~9 GB)
+    /work/quiet.sh python benchmarks/real_shapes.py      # the reported figures (nothing else running)
+
+The checkpoint is two consecutive decoder layers of V4-Flash in DeepSeek's upstream naming: layer
+types as V4-Flash's layers 2 and 3 (a heavily compressed attention layer with hash-routed experts,
+then a compressed sparse attention layer with the Lightning Indexer and score-routed experts), the
+real 129,280-token vocabulary, embedding and head (bf16 [129280, 4096] each), hidden 4096, 64 heads
+of 512, q/o LoRA ranks 1024, 256 routed experts of intermediate 2048 + 1 shared. Formats as the
+release stores them: dense projections FP8 e4m3 with ue8m0 128x128 block scales, routed experts FP4
+e2m1 (two a byte, int8 on disk) with ue8m0 scales per 32 inputs, the compressor / indexer kv, gate
+and head weights, the router, the embedding and the head in bf16, mixing matrices and position
+biases float32. Values are random (finite FP8 codes, every FP4 code, scales 2^-10..2^-6), so the
+activations stay in range; the tokens mean nothing.
+
+Measured in one run: load time, the process's resident memory (RSS once the decode steps have
+touched every weight: whole tensors stay memory-mapped from the files as safetensors returns them,
+expert stacks are assembled in anonymous memory) and the weights' bytes against the files' bytes, decode tokens/s at batch 1 and 32 (the time of decode steps only, after every prompt
+is prefilled), and the memory-bandwidth roofline for the bytes those steps read: every weight but
+the embedding (one row per token) and the routed experts, plus the routed experts each step hit
+(counted from the routing ids), divided into the copy bandwidth measured in the same run (a
+1 GiB tensor copy: bytes read + written per second). The machine is shared: run it under
+/work/quiet.sh for figures to report; the JSON records the load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+# V4-Flash (reference/DEEPSEEK_V4.md, transformers' DeepseekV4Config defaults)
+D, HEADS, HEAD_DIM, Q_RANK, O_GROUPS, O_RANK = 4096, 64, 512, 1024, 8, 1024
+EXPERTS, TOP_K, INTER, VOCAB, HC = 256, 6, 2048, 129280, 4
+INDEX_HEADS, INDEX_DIM = 64, 128
+LAYERS = [("heavily_compressed_attention", "hash_moe", 128), ("compressed_sparse_attention", "moe", 4)]
+BLOCK = 128
+
+
+def _config() -> dict:
+    from transformers import DeepseekV4Config
+
+    cfg = DeepseekV4Config(num_hidden_layers=len(LAYERS), layer_types=[k for k, _, _ in LAYERS],
+                           mlp_layer_types=[m for _, m, _ in LAYERS], num_nextn_predict_layers=0,
+                           max_position_embeddings=65536).to_dict()
+    cfg.update(architectures=["DeepseekV4ForCausalLM"], torch_dtype="bfloat16",
+               quantization_config={"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
+                                    "weight_block_size": [BLOCK, BLOCK]})
+    return cfg
+
+
+class Writer:
+    """Random tensors in V4-Flash's formats, one safetensors file per shard, bytes counted by kind."""
+
+    def __init__(self, gen: torch.Generator):
+        self.gen, self.tensors, self.bytes = gen, {}, {}
+
+    def _count(self, kind: str, *ts: torch.Tensor) -> None:
+        self.bytes[kind] = self.bytes.get(kind, 0) + sum(t.numel() * t.element_size() for t in ts)
+
+    def _scales(self, *shape: int) -> torch.Tensor:  # ue8m0 exponents of 2^-10 .. 2^-6
+        return torch.randint(117, 122, shape, dtype=torch.uint8, generator=self.gen).view(torch.float8_e8m0fnu)
+
+    def fp8(self, name: str, n: int, k: int) -> None:
+        codes = torch.randint(0, 256, (n, k), dtype=torch.uint8, generator=self.gen)
+        codes[(codes & 0x7F) == 0x7F] = 0x7E  # no NaN codes
+        scale = self._scales(-(-n // BLOCK), -(-k // BLOCK))
+        self.tensors[name + ".weight"], self.tensors[name + ".scale"] = codes.view(torch.float8_e4m3fn), scale
+        self._count("fp8_e4m3 128x128 (ue8m0 scales)", codes, scale)
+
+    def fp4(self, name: str, n: int, k: int) -> None:
+        packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=self.gen)
+        scale = self._scales(n, k // 32)
+        self.tensors[name + ".weight"], self.tensors[name + ".scale"] = packed.view(torch.int8), scale
+        self._count("fp4_e2m1 1x32 (ue8m0 scales)", packed, scale)
+
+    def bf16(self, name: str, *shape: int, std: float = 0.02) -> None:
+        t = (torch.randn(shape, generator=self.gen) * std).bfloat16()
+        self.tensors[name] = t
+        self._count("bfloat16", t)
+
+    def f32(self, name: str, *shape: int, std: float = 0.02, mean: float = 0.0) -> None:
+        t = torch.randn(shape, generator=self.gen) * std + mean
+        self.tensors[name] = t
+        self._count("float32", t)
+
+    def flush(self, path: Path) -> None:
+        from safetensors.torch import save_file
+
+        save_file(self.tensors, str(path))
+        self.tensors = {}
+
+
+def write_checkpoint(out: Path) -> dict:
+    """The synthetic checkpoint (module doc) in `out`; returns bytes by kind."""
+    out.mkdir(parents=True, exist_ok=True)
+    w = Writer(torch.Generator().manual_seed(0))
+    mix = (2 + HC) * HC
+    w.bf16("embed.weight", VOCAB, D)
+    w.bf16("head.weight", VOCAB, D)
+    w.f32("norm.weight", D, std=0.0, mean=1.0)
+    w.f32("hc_head_fn", HC, HC * D)
+    w.f32("hc_head_base", HC)
+    w.f32("hc_head_scale", 1, std=0.0, mean=1.0)
+    w.flush(out / "model-embed-head.safetensors")
+    for i, (kind, mlp, rate) in enumerate(LAYERS):
+        p = f"layers.{i}."
+        w.f32(p + "attn_norm.weight", D, std=0.0, mean=1.0)
+        w.f32(p + "ffn_norm.weight", D, std=0.0, mean=1.0)
+        for hc in ("hc_attn_", "hc_ffn_"):
+            w.f32(p + hc + "fn", mix, HC * D)
+            w.f32(p + hc + "base", mix, std=0.2)
+            w.f32(p + hc + "scale", 3, std=0.0, mean=1.0)
+        a = p + "attn."
+        w.fp8(a + "wq_a", Q_RANK, D)
+        w.f32(a + "q_norm.weight", Q_RANK, std=0.0, mean=1.0)
+        w.fp8(a + "wq_b", HEADS * HEAD_DIM, Q_RANK)
+        w.fp8(a + "wkv", HEAD_DIM, D)
+        w.f32(a + "kv_norm.weight", HEAD_DIM, std=0.0, mean=1.0)
+        w.fp8(a + "wo_a", O_GROUPS * O_RANK, HEADS * HEAD_DIM // O_GROUPS)
+        w.fp8(a + "wo_b", D, O_GROUPS * O_RANK)
+        w.f32(a + "attn_sink", HEADS, std=0.5)
+        width = 2 * HEAD_DIM if kind == "compressed_sparse_attention" else HEAD_DIM
+        w.f32(a + "compressor.ape", rate, width, std=0.5)
+        w.bf16(a + "compressor.wkv.weight", width, D)
+        w.bf16(a + "compressor.wgate.weight", width, D)
+        w.f32(a + "compressor.norm.weight", HEAD_DIM, std=0.0, mean=1.0)
+        if kind == "compressed_sparse_attention":
+            x = a + "indexer."
+            w.fp8(x + "wq_b", INDEX_HEADS * INDEX_DIM, Q_RANK)
+            w.bf16(x + "weights_proj.weight", INDEX_HEADS, D)
+            w.f32(x + "compressor.ape", rate, 2 * INDEX_DIM, std=0.5)
+            w.bf16(x + "compressor.wkv.weight", 2 * INDEX_DIM, D)
+            w.bf16(x + "compressor.wgate.weight", 2 * INDEX_DIM, D)
+            w.f32(x + "compressor.norm.weight", INDEX_DIM, std=0.0, mean=1.0)
+        f = p + "ffn."
+        w.bf16(f + "gate.weight", EXPERTS, D)
+        if mlp == "hash_moe":
+            table = torch.stack([torch.randperm(EXPERTS, generator=w.gen)[:TOP_K] for _ in range(VOCAB)]).int()
+            w.tensors[f + "gate.tid2eid"] = table
+            w._count("int32", table)
+        else:
+            w.f32(f + "gate.bias", EXPERTS, std=0.1)
+        w.fp8(f + "shared_experts.w1", INTER, D)
+        w.fp8(f + "shared_experts.w3", INTER, D)
+        w.fp8(f + "shared_experts.w2", D, INTER)
+        w.flush(out / f"model-layer{i}-dense.safetensors")
+        for j in range(EXPERTS):
+            e = f + f"experts.{j}."
+            w.fp4(e + "w1", INTER, D)
+            w.fp4(e + "w3", INTER, D)
+            w.fp4(e + "w2", D, INTER)
+            if j % 64 == 63:  # shards of 64 experts (~800 MB)
+                w.flush(out / f"model-layer{i}-experts{j // 64}.safetensors")
+    (out / "config.json").write_text(json.dumps(_config(), indent=2))
+    (out / "WRITTEN").write_text(json.dumps(w.bytes))
+    return w.bytes
+
+
+def copy_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
+    """Bytes read + written per second by a `gib` GiB tensor copy (median of `repeats`)."""
+    n = int(gib * (1 << 30)) // 4
+    src, dst = torch.ones(n), torch.empty(n)
+    dst.copy_(src)  # first touch
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    del src, dst
+    return 2 * n * 4 / sorted(times)[len(times) // 2]
+
+
+def rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def expert_bytes(w) -> int:
+    """Bytes of one expert of a stack (data + scales)."""
+    return (w.data[0].numel() * w.data.element_size() + w.scale[0].numel() * w.scale.element_size()) \
+        if hasattr(w, "scale") else w[0].numel() * w.element_size()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dir", default="/tmp/deepinfer_real_shapes", help="where the checkpoint is written (~9 GB)")
+    parser.add_argument("--steps", type=int, default=6, help="decode steps timed per batch size")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--prompt", type=int, default=16, help="prompt tokens per sequence")
+    parser.add_argument("--out", default=str(HERE / "results" / "real_shapes.json"))
+    args = parser.parse_args()
+
+    from deepinfer.backends.cpu import CpuKernelAccelerator, kernels
+    from deepinfer.core.engine import EngineConfig, LLMEngine
+    from deepinfer.sampling_params import SamplingParams
+
+    ckpt = Path(args.dir)
+    t0 = time.perf_counter()
+    written = json.loads((ckpt / "WRITTEN").read_text()) if (ckpt / "WRITTEN").exists() else write_checkpoint(ckpt)
+    write_s = time.perf_counter() - t0
+    file_bytes = sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
+    assert kernels.load(), "the cpu kernels must build"
+    bandwidth = copy_bandwidth()
+
+    class Counting(CpuKernelAccelerator):
+        """The cpu kernels, counting the distinct experts each MoE call reads (the roofline's bytes)."""
+
+        hits: list[int] = []
+
+        def moe_experts(self, x, weights, ids, gate_up, down, limit):
+            Counting.hits.append(int(ids.unique().numel()))
+            return super().moe_experts(x, weights, ids, gate_up, down, limit)
+
+    accel = Counting()
+    rss0 = rss()
+    t0 = time.perf_counter()
+    engine = LLMEngine(str(ckpt), accel, EngineConfig(max_num_seqs=max(args.batches), max_model_len=256,
+                                                      max_num_batched_tokens=max(args.batches) * args.prompt))
+    load_s = time.perf_counter() - t0
+    rss_loaded = rss()
+    report = engine.memory
+    w = engine.model.w
+    experts = {k: v for k, v in w.items() if ".mlp.experts." in k}
+    # one expert of one layer: its gate_up and down slices (every layer's experts are alike)
+    per_expert = sum(expert_bytes(v) for k, v in experts.items() if k.startswith("model.layers.0."))
+    dense = sum((v.nbytes if hasattr(v, "scale") else v.numel() * v.element_size())
+                for k, v in w.items() if ".mlp.experts." not in k and k != "model.embed_tokens.weight")
+
+    results = []
+    gen = torch.Generator().manual_seed(1)
+    params = SamplingParams(temperature=0.0, max_tokens=args.steps + 1, ignore_eos=True)
+    for batch in args.batches:
+        prompts = [torch.randint(3, VOCAB, (args.prompt,), generator=gen).tolist() for _ in range(batch)]
+        reqs = [engine.add_request(p, params) for p in prompts]
+        while any(len(r.output_token_ids) == 0 or r.pending for r in reqs):  # prefill to the first token
+            engine.step()
+        Counting.hits.clear()
+        times = []
+        while engine.has_unfinished():
+            t = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t)
+        engine.pop_finished()
+        steps = len(times)
+        decode_s = sum(times)
+        hit_per_step = sum(Counting.hits) / steps  # distinct experts read per step, summed over layers
+        step_bytes = dense + hit_per_step * per_expert
+        tok_s = batch * steps / decode_s
+        roofline = batch * bandwidth / step_bytes
+        results.append({"batch": batch, "decode_steps": steps, "decode_seconds": decode_s, "tokens_per_s": tok_s,
+                        "experts_read_per_step": hit_per_step, "bytes_read_per_step": step_bytes,
+                        "roofline_tokens_per_s": roofline, "fraction_of_roofline": tok_s / roofline,
+                        "achieved_GBps": step_bytes * steps / decode_s / 1e9})
+
+    rss_served = rss()
+    load_avg = os.getloadavg()
+    out = {
+        "checkpoint": {"dir": str(ckpt), "file_bytes": file_bytes, "written_bytes_by_kind": written,
+                       "write_seconds": write_s},
+        "load_seconds": load_s,
+        "resident": {"rss_before": rss0, "rss_after_load": rss_loaded, "rss_after_decode": rss_served,
+                     "rss_growth": rss_served - rss0, "rss_growth_over_file": (rss_served - rss0) / file_bytes,
+                     "weight_bytes": report.weight_bytes, "weights_by_kind": report.weights,
+                     "weights_over_file": report.weight_bytes / file_bytes, "cache_bytes": report.cache["total"]},
+        "copy_bandwidth_GBps": bandwidth / 1e9,
+        "dense_bytes_per_step": dense, "bytes_per_expert": per_expert,
+        "decode": results,
+        "machine": {"cpus": os.cpu_count(), "threads": torch.get_num_threads(), "load_average": load_avg},
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2))
+
+    gb = 1e9
+    print(f"\nV4-Flash real shapes, {len(LAYERS)} decoder layers, cpu backend ({torch.get_num_threads()} threads, "
+          f"load average {load_avg[0]:.2f})")
+    print(f"checkpoint            {file_bytes / gb:.2f} GB on disk ({', '.join(f'{k}: {v / gb:.2f}' for k, v in written.items())})")
+    print(f"load                  {load_s:.1f} s")
+    print(f"weights in memory     {report.weight_bytes / gb:.2f} GB = {report.weight_bytes / file_bytes:.3f}x the files; "
+          f"process RSS grew {(rss_served - rss0) / gb:.2f} GB = {(rss_served - rss0) / file_bytes:.3f}x once served "
+          f"({(rss_loaded - rss0) / gb:.2f} GB after loading)")
+    print(f"copy bandwidth        {bandwidth / gb:.1f} GB/s (read + write)")
+    print(f"{'batch':>5} {'tok/s':>8} {'experts/step':>13} {'GB/step':>8} {'GB/s':>6} {'roofline tok/s':>15} {'of roofline':>12}")
+    for r in results:
+        print(f"{r['batch']:>5} {r['tokens_per_s']:>8.2f} {r['experts_read_per_step']:>13.1f} "
+              f"{r['bytes_read_per_step'] / gb:>8.3f} {r['achieved_GBps']:>6.2f} {r['roofline_tokens_per_s']:>15.2f} "
+              f"{r['fraction_of_roofline']:>11.1%}")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

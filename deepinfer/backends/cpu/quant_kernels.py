@@ -1,0 +1,112 @@
+"""The cpu weight ops for weights stored narrower than float32: bf16 / f16 matrices and
+backends/quant.py's QuantizedWeight (FP8 e4m3 block-scaled, FP4 e2m1 per-32), through
+quant_ops.cpp (compiled with the other kernels, kernels.py).
+
+Activations stay float32 and the weight is widened in registers (weight-only dequantization), so
+on this backend a quantized model computes what its dequantized float32 copy computes, up to
+rounding order. A QuantizedWeight whose `act` asks for activation quantization (V4.1) gets its
+input quantized first (quant.act_quant), as on every backend.
+
+Decode-sized calls stream the weight once through the GEMV kernels. Past `MAX_TOKENS` rows a call
+widens the weight in row chunks (quant_ops.cpp, one rounding per value: the dequantized weight
+bit for bit) and runs MKL's GEMM on each chunk: prefill is bound by arithmetic, where a blocked
+GEMM wins. Batch-invariant mode lifts the limit (a switch by batch size would change a row's
+rounding). Each op returns None for an input it does not take; kernels.py then uses the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from deepinfer.backends import reference as ops
+from deepinfer.backends.quant import FP8, QuantizedWeight, Weight, act_quant
+
+_F32 = torch.float32
+_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # quant_ops.cpp's Format
+_FP8, _FP4 = 3, 4
+# Rows up to which the GEMV kernels beat widening + MKL (python benchmarks/quant_kernels.py
+# --crossover): see MAX_TOKENS's measurement there.
+MAX_TOKENS = 16
+_WIDEN_BYTES = 8 << 20  # float32 bytes widened per chunk on the GEMM path
+
+
+def is_plain_f32(w: Weight) -> bool:
+    return isinstance(w, torch.Tensor) and w.dtype == _F32
+
+
+def weight_args(w: Weight) -> tuple | None:
+    """(data, scale, [format, b0, b1]) as quant_ops.cpp takes a weight, or None for one it does not."""
+    if isinstance(w, QuantizedWeight):
+        return w.data, w.scale, [_FP8 if w.format == FP8 else _FP4, *w.block]
+    code = _FORMATS.get(w.dtype)
+    return None if code is None else (w, None, [code, 1, 1])
+
+
+def _input(x: torch.Tensor, w: Weight) -> torch.Tensor:
+    return act_quant(x, w.act) if isinstance(w, QuantizedWeight) and w.act is not None else x
+
+
+def _widened_linear(x2: torch.Tensor, args: tuple, n: int, k: int) -> torch.Tensor:
+    """x2 [T, K] @ weight.T with the weight widened one row chunk at a time (MKL GEMMs)."""
+    step = max(1, _WIDEN_BYTES // (4 * max(k, 1)))
+    out = x2.new_empty(x2.shape[0], n)
+    for start in range(0, n, step):
+        stop = min(n, start + step)
+        out[:, start:stop] = F.linear(x2, torch.ops.deepinfer_cpu.widen_rows(*args, start, stop))
+    return out
+
+
+def linear(x: torch.Tensor, weight: Weight, max_tokens: float = MAX_TOKENS) -> torch.Tensor | None:
+    args = weight_args(weight)
+    if args is None or x.dtype != _F32 or x.dim() == 0:
+        return None
+    n, k = weight.shape
+    x2 = _input(x, weight).reshape(-1, k)
+    if x2.shape[0] > max_tokens:
+        out = _widened_linear(x2, args, n, k)
+    else:
+        out = torch.ops.deepinfer_cpu.qlinear(x2, *args)
+    return out.view(*x.shape[:-1], n)
+
+
+def grouped_linear(x: torch.Tensor, weight: Weight, max_tokens: float = MAX_TOKENS) -> torch.Tensor | None:
+    args = weight_args(weight)
+    if args is None or x.dtype != _F32 or x.dim() != 3 or x.shape[0] > max_tokens:
+        return None
+    return torch.ops.deepinfer_cpu.qgrouped_linear(_input(x, weight), *args)
+
+
+def swiglu_mlp(x: torch.Tensor, gate_up: Weight, down: Weight, limit: float,
+               max_tokens: float = MAX_TOKENS) -> torch.Tensor | None:
+    gu, dn = weight_args(gate_up), weight_args(down)
+    if gu is None or dn is None or x.dtype != _F32 or x.dim() != 2:
+        return None
+    if x.shape[0] > max_tokens or any(isinstance(w, QuantizedWeight) and w.act for w in (gate_up, down)):
+        gate, up = linear(x, gate_up, max_tokens).chunk(2, dim=-1)
+        return linear(ops.swiglu(gate, up, limit), down, max_tokens)
+    return torch.ops.deepinfer_cpu.qswiglu_mlp(x, *gu, *dn, limit)
+
+
+def moe_experts(x, weights, ids, gate_up: Weight, down: Weight, limit: float) -> torch.Tensor | None:
+    gu, dn = weight_args(gate_up), weight_args(down)
+    if gu is None or dn is None or x.dtype != _F32 or x.shape[0] == 0 or gate_up.dim() != 3:
+        return None
+    if any(isinstance(w, QuantizedWeight) and w.act for w in (gate_up, down)):
+        return None  # the reference quantizes each GEMM's input (V4.1)
+    return torch.ops.deepinfer_cpu.qmoe_experts(x, weights, ids, *gu, *dn, limit)
+
+
+def route_topk(x, gate: Weight, bias, top_k, scaling):
+    args = weight_args(gate)
+    if args is None or x.dtype != _F32 or isinstance(gate, QuantizedWeight) and gate.act:
+        return None
+    return tuple(torch.ops.deepinfer_cpu.qroute_topk(x, *args, bias, top_k, scaling))
+
+
+def route_hash(x, gate: Weight, ids, scaling):
+    args = weight_args(gate)
+    if args is None or x.dtype != _F32 or isinstance(gate, QuantizedWeight) and gate.act:
+        return None
+    return torch.ops.deepinfer_cpu.qroute_hash(x, *args, ids, scaling)
+

@@ -1,0 +1,115 @@
+"""Memory planning (gpu_memory_utilization, core/memory.py), LLM.memory_report() and the compute dtype."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.backends.cpu import CpuAccelerator
+from deepinfer.core import memory
+from deepinfer.core.engine import EngineConfig
+
+GiB = 1 << 30
+SMALL = dict(max_num_seqs=4, max_num_batched_tokens=128)
+
+
+@pytest.mark.parametrize("value", [0, -0.5, 1.5, "0.9"])
+def test_gpu_memory_utilization_is_validated(value):
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        EngineConfig(gpu_memory_utilization=value).validate()
+
+
+def test_plan_arithmetic_and_its_errors():
+    plan = memory.plan_pages(utilization=0.5, free_after_weights=10 * GiB, weight_bytes=2 * GiB, headroom=GiB,
+                             fixed=GiB // 2, per_page=GiB // 4, max_pages=1000, cache_bytes=None, device="cpu",
+                             what="4 sequence slots")
+    # 0.5 x (10 + 2) - 2 - 1 = 3 GiB; minus 0.5 fixed -> 10 pages of a quarter GiB
+    assert (plan.budget, plan.pages, plan.capped) == (3 * GiB, 10, False)
+    assert "0.5 x (10.000 GiB free + 2.000 GiB weights)" in plan.describe()
+    capped = memory.plan_pages(utilization=0.5, free_after_weights=10 * GiB, weight_bytes=2 * GiB, headroom=GiB,
+                               fixed=0, per_page=GiB // 4, max_pages=3, cache_bytes=None, device="cpu", what="")
+    assert capped.pages == 3 and capped.capped
+    with pytest.raises(memory.DoesNotFit, match=re.escape("the cache does not fit: it needs 0.750 GiB")):
+        memory.plan_pages(utilization=0.2, free_after_weights=4 * GiB, weight_bytes=GiB, headroom=0,
+                          fixed=GiB // 2, per_page=GiB // 4, max_pages=10, cache_bytes=None, device="cpu",
+                          what="4 sequence slots")
+
+
+def test_a_checkpoint_larger_than_memory_is_refused_before_loading(monkeypatch):
+    monkeypatch.setattr(CpuAccelerator, "memory_info", lambda self: (1 << 20, 8 * GiB))  # 1 MiB available
+    with pytest.raises(memory.DoesNotFit, match=r"holds 0\.0\d\d GiB of weights .* the cpu has 0\.001 GiB free"):
+        LLM(**SMALL)
+
+
+def test_a_cache_that_cannot_fit_names_every_size(monkeypatch):
+    from deepinfer.llm import default_model
+
+    need = memory.checkpoint_bytes(default_model())
+    # enough for the weights; once they are loaded, 1 MiB is left: not enough for the activation
+    # headroom and one page beside the slots
+    free = iter([int(1.2 * need)] + [1 << 20] * 10)
+    monkeypatch.setattr(CpuAccelerator, "memory_info", lambda self: (next(free), 8 * GiB))
+    with pytest.raises(memory.DoesNotFit, match=r"the cache does not fit: it needs .*\(4 sequence slots .* activation headroom"):
+        LLM(**SMALL)
+
+
+def test_memory_report_accounts_for_weights_and_cache():
+    llm = LLM(**SMALL, max_model_len=512)
+    report = llm.memory_report()
+    engine = llm.engine
+    # the shipped model is stored in bf16: its weights stay bf16 (a few float32 norms, int64 tables)
+    assert max(report.weights, key=report.weights.get) == "bfloat16"
+    assert report.weight_bytes <= 1.05 * report.checkpoint_bytes
+    pools = sum(p.data.numel() * p.data.element_size() for p in engine.cache.pools.values())
+    assert report.cache["total"] == pools and report.cache["pages"] == engine.cache.num_pages
+    assert engine.cache.num_pages == 4 * (512 // 128)  # every slot at max_model_len fits: capped
+    text = str(report)
+    for part in ("weights", "bfloat16", "cache", "sequence slots", "sized by 0.9 x", "headroom"):
+        assert part in text
+    assert report.as_dict()["weight_bytes"] == report.weight_bytes
+    llm.close()
+
+
+def test_explicit_sizes_override_the_rule():
+    llm = LLM(**SMALL, num_cache_pages=7)
+    assert llm.engine.cache.num_pages == 7 and "num_cache_pages given" in str(llm.memory_report())
+    llm.close()
+
+
+def test_dtype_resolution():
+    cpu = CpuAccelerator()
+    assert EngineConfig().compute_dtype(cpu) == torch.float32
+    assert EngineConfig(dtype="bfloat16").compute_dtype(cpu) == torch.bfloat16
+    from deepinfer.backends.base import Accelerator
+
+    class Device(CpuAccelerator):
+        preferred_dtype = torch.bfloat16
+
+    assert EngineConfig().compute_dtype(Device()) == torch.bfloat16
+    assert EngineConfig(dtype="float32").compute_dtype(Device()) == torch.float32
+    with pytest.raises(ValueError, match="dtype"):
+        EngineConfig(dtype="float16").validate()
+    with pytest.raises(ValueError, match="compute dtype"):
+        Accelerator.set_compute_dtype(cpu, torch.float16)
+
+
+def test_bf16_compute_on_cpu_runs_and_rounds_gemm_inputs():
+    """dtype="bfloat16" on cpu: the decode state in bf16, every weight op's input rounded to bf16
+    (the reference ops take it: slower, see the README), weights still as stored."""
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompts = [[0, 5, 17, 300, 42, 7, 99]]
+    out = {}
+    for dtype in ("float32", "bfloat16"):
+        llm = LLM(**SMALL, dtype=dtype, num_cache_pages=8)
+        assert llm.engine.cache.dtype == getattr(torch, dtype) and llm.accel.compute_dtype == getattr(torch, dtype)
+        assert llm.engine.model.w["lm_head.weight"].dtype == torch.bfloat16  # stored dtype either way
+        res = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)[0]
+        out[dtype] = res.outputs[0].token_ids
+        # the last step's logits for the prompt: compare the two compute dtypes
+        llm.close()
+    assert len(out["bfloat16"]) == 6
+    # the tiny shipped model is confident enough that the first tokens survive bf16 GEMM inputs
+    assert out["bfloat16"][:2] == out["float32"][:2]

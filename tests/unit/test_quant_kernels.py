@@ -1,0 +1,153 @@
+"""The cpu backend's weight ops on narrow weights (quant_ops.cpp through kernels.py) against float32
+math on the dequantized weight: every storage kind (bf16, f16, FP8 128x128 / 32x32 / refined row
+blocks, FP4 with ue8m0 or float32 scales), K and N off the block edges, decode-sized calls (the
+GEMV kernels) and large ones (widened chunks + MKL). Per-element bounds: tests/quant_checks.py.
+A row's result must not depend on the batch it is computed in (the GEMV path)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer.backends import reference as ref
+from deepinfer.backends.cpu import kernels
+from deepinfer.backends.quant import ActQuant, QuantizedWeight, act_quant, quantize_fp8
+from quant_checks import assert_within, dot_bound, weight_kinds, widened
+
+pytestmark = pytest.mark.skipif(not kernels.load(), reason="the cpu C++ kernels do not build here")
+
+SHAPES = [(130, 258), (40, 96), (17, 40)]  # (N, K): K, N off the 128 and 32 blocks
+KINDS = list(weight_kinds(torch.randn(40, 96)))
+
+
+def _case(n, k, kind, seed):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen) * 0.1 * torch.logspace(0, -2, n)[:, None]  # row blocks of different size
+    return weight_kinds(w)[kind]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("t", [1, 3, 40])
+def test_linear(kind, n, k, t):
+    w = _case(n, k, kind, n + k)
+    x = torch.randn(t, k, generator=torch.Generator().manual_seed(t)) * torch.logspace(-1, 1, k)
+    out = kernels.linear(x, w)
+    wd = widened(w)
+    assert_within(f"linear {kind} T={t} N={n} K={k}", out, x @ wd.T, dot_bound(x, wd))
+    assert torch.equal(ref.linear(x, w), torch.nn.functional.linear(x, wd))  # the reference is that math
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp8_128_f32", "fp4_ue8m0"])
+def test_leading_dims_and_a_row_alone(kind):
+    """A token's row is the same alone as in a batch of 7 (the GEMV path sums in one order)."""
+    w = _case(72, 160, kind, 1)
+    x = torch.randn(7, 160, generator=torch.Generator().manual_seed(2))
+    batch = kernels.linear(x, w)
+    assert torch.equal(torch.cat([kernels.linear(x[i:i + 1], w) for i in range(7)]), batch)
+    assert torch.equal(kernels.linear(x.view(7, 1, 160), w).view(7, 72), batch)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("t", [1, 5])
+def test_grouped_linear(kind, t):
+    g, n, k = 4, 24, 72  # group rows off the 128-row block: group 1 starts at row 24
+    w = _case(g * n, k, kind, 3)
+    x = torch.randn(t, g, k, generator=torch.Generator().manual_seed(4))
+    out = kernels.grouped_linear(x, w)
+    wd = widened(w).view(g, n, k)
+    for gi in range(g):
+        assert_within(f"grouped_linear {kind} T={t} group {gi}", out[:, gi], x[:, gi] @ wd[gi].T,
+                      dot_bound(x[:, gi], wd[gi]))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("t", [1, 7, 40])
+def test_swiglu_mlp(kind, t):
+    d, i = 96, 40
+    gu, dn = _case(2 * i, d, kind, 5), _case(d, i, kind, 6)
+    x = torch.randn(t, d, generator=torch.Generator().manual_seed(7))
+    out = kernels.swiglu_mlp(x, gu, dn, 7.0)
+    h = ref.swiglu(*(x @ widened(gu).T).chunk(2, -1), 7.0)
+    # the hidden layer's own rounding propagates: bound the second product with |h| + its error
+    h_err = dot_bound(x, widened(gu)).chunk(2, -1)
+    h_bound = h.abs() + 8 * (h_err[0] + h_err[1])
+    bound = h_bound @ widened(dn).abs().T * (2 * (i + 2) * 2 ** -24) + 8 * (h_err[0] + h_err[1]) @ widened(dn).abs().T
+    assert_within(f"swiglu_mlp {kind} T={t}", out, h @ widened(dn).T, bound + 1e-30)
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp8_128_f32", "fp8_32_ue8m0", "fp4_ue8m0", "fp4_f32_scales"])
+@pytest.mark.parametrize("t", [1, 9])
+def test_moe_experts(kind, t):
+    e, d, i, k = 6, 64, 48, 2
+    gen = torch.Generator().manual_seed(8)
+    gu = weight_kinds(torch.randn(e, 2 * i, d, generator=gen) * 0.1)[kind]
+    dn = weight_kinds(torch.randn(e, d, i, generator=gen) * 0.1)[kind]
+    x = torch.randn(t, d, generator=gen)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
+    weights = torch.rand(t, k, generator=gen)
+    out = kernels.moe_experts(x, weights, ids, gu, dn, 7.0)
+    expected = ref.moe_experts(x, weights, ids, widened(gu), widened(dn), 7.0)
+    # each expert's output carries the rounding of two products: bound by the float32 reference's
+    # own magnitude path (|x| |W1|, then |h| |W2|) per expert slot
+    bound = torch.zeros(t, d)
+    for j in range(k):
+        for row in range(t):
+            ex = int(ids[row, j])
+            g1 = dot_bound(x[row:row + 1], widened(gu)[ex])
+            h = ref.swiglu(*(x[row:row + 1] @ widened(gu)[ex].T).chunk(2, -1), 7.0)
+            hb = h.abs() + 8 * sum(g1.chunk(2, -1))
+            bound[row] += weights[row, j] * (hb @ widened(dn)[ex].abs().T * (2 * (i + 2) * 2 ** -24)
+                                             + 8 * sum(g1.chunk(2, -1)) @ widened(dn)[ex].abs().T)[0]
+    assert_within(f"moe_experts {kind} T={t}", out, expected, bound + 1e-30)
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp8_32_ue8m0"])
+def test_routers_take_narrow_gates(kind):
+    gen = torch.Generator().manual_seed(9)
+    gate = weight_kinds(torch.randn(16, 64, generator=gen) * 0.3)[kind]
+    x = torch.randn(5, 64, generator=gen)
+    bias = torch.randn(16, generator=gen) * 0.1
+    w, ids = kernels.route_topk(x, gate, bias, 4, 1.5)
+    rw, rids = ref.route_topk(x, widened(gate), bias, 4, 1.5)
+    assert torch.equal(ids.sort(-1).values, rids.sort(-1).values)
+    assert torch.allclose(w.gather(1, ids.argsort(-1)), rw.gather(1, rids.argsort(-1)), rtol=1e-5, atol=1e-6)
+    hw = kernels.route_hash(x, gate, rids, 1.5)
+    assert torch.allclose(hw, ref.route_hash(x, widened(gate), rids, 1.5), rtol=1e-5, atol=1e-6)
+
+
+def test_act_quant_weights_quantize_their_inputs_first():
+    """A weight with ActQuant (V4.1's numerics): the input is quantized per 1 x 32 before the GEMM,
+    on the kernels as in the reference."""
+    gen = torch.Generator().manual_seed(10)
+    w = quantize_fp8(torch.randn(40, 96, generator=gen) * 0.1, (32, 32), ue8m0=True, act=ActQuant(32))
+    x = torch.randn(3, 96, generator=gen)
+    xq = act_quant(x, ActQuant(32))
+    plain = QuantizedWeight(w.data, w.scale, w.format, w.block)
+    assert_within("linear act-quantized", kernels.linear(x, w), xq @ w.dequantize().T, dot_bound(xq, w.dequantize()))
+    assert torch.equal(kernels.linear(x, w), kernels.linear(xq, plain))
+    assert not torch.equal(kernels.linear(x, w), kernels.linear(x, plain))
+
+
+@pytest.mark.parametrize("t", [1, 5, 40])  # decoded in registers, once into a buffer, widened for MKL
+def test_every_code_decodes_exactly(t):
+    """Row i holds code i alone, at column i: with x[k] = k + 1, output i is that code's value times
+    i + 1 times its scale, exactly, and a code decoded into the wrong column shows as a wrong multiple.
+    All 254 finite e4m3 codes (subnormals, both signs) and all 16 e2m1 codes; the scales are powers of
+    two and the values have at most 4 significant bits, so every product is exact."""
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    n = codes.numel()
+    data = torch.zeros(n, 256, dtype=torch.uint8)
+    data[torch.arange(n), torch.arange(n)] = codes
+    fp8 = QuantizedWeight(data.view(torch.float8_e4m3fn), torch.full((-(-n // 128), 2), 130, dtype=torch.uint8),
+                          "fp8_e4m3", (128, 128))
+    x = torch.arange(1, 257, dtype=torch.float32)
+    values = codes.view(torch.float8_e4m3fn).float() * 8.0 * x[:n]
+    assert torch.equal(kernels.linear(x.expand(t, 256).contiguous(), fp8), values.expand(t, n))
+    nib = torch.arange(16)
+    fp4_codes = torch.zeros(16, 32, dtype=torch.long)
+    fp4_codes[nib, nib] = nib
+    packed = (fp4_codes[:, 0::2] | (fp4_codes[:, 1::2] << 4)).to(torch.uint8)
+    fp4 = QuantizedWeight(packed, torch.full((16, 1), 125, dtype=torch.uint8), "fp4_e2m1", (1, 32))
+    e2m1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, 0, -0.5, -1, -1.5, -2, -3, -4, -6]) * 0.25 * x[:16]
+    assert torch.equal(kernels.linear(x[:32].expand(t, 32).contiguous(), fp4), e2m1.expand(t, 16))
