@@ -156,6 +156,16 @@ class Accelerator(ABC):
         out[t, h] = sum_k p[t, h, k] kv[indices[t, k]], p = softmax over (q.kv * scale, sink).
         A token with no valid index gets zeros. -> [T, H, D]."""
 
+    @abstractmethod
+    def dense_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int],
+                        scale: float) -> torch.Tensor:
+        """Bidirectional (non-causal) multi-head attention within each of several sequences packed back
+        to back: a vision encoder's patch grids, one sequence per image. q, k, v [T, H, D]; `lens`
+        (host ints, summing to T) the sequences' lengths in order. A token attends to every token of
+        its own sequence and to nothing else:
+        out[t, h] = sum_s softmax_s(q[t, h] . k[s, h] * scale) v[s, h] over s in t's sequence.
+        -> [T, H, D] float32."""
+
     # -------------------------------------------------------------- MoE
     @abstractmethod
     def route_topk(self, x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k: int,

@@ -171,6 +171,28 @@ def sparse_attention(q, kv, indices, sinks, scale):
     return out
 
 
+# Largest [H, queries, keys] logits block dense_attention materialises (float32 elements: 64 MB).
+_DENSE_LOGITS = 1 << 24
+
+
+def dense_attention(q, k, v, lens, scale):
+    num_tokens, num_heads, head_dim = q.shape
+    if sum(lens) != num_tokens or min(lens, default=0) < 0:
+        raise ValueError(f"dense_attention: lens {list(lens)} must be >= 0 and sum to the {num_tokens} tokens")
+    out = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float32, device=q.device)
+    start = 0
+    for n in lens:
+        keys = k[start:start + n].float().transpose(0, 1)  # [H, n, D]
+        values = v[start:start + n].float().transpose(0, 1)
+        block = max(1, _DENSE_LOGITS // max(num_heads * n, 1))
+        for q0 in range(start, start + n, block):
+            q1 = min(q0 + block, start + n)
+            logits = torch.matmul(q[q0:q1].float().transpose(0, 1), keys.transpose(1, 2)) * scale
+            out[q0:q1] = torch.matmul(logits.softmax(dim=-1), values).transpose(0, 1)
+        start += n
+    return out
+
+
 def _normalize_weights(scores: torch.Tensor, ids: torch.Tensor, scaling: float) -> torch.Tensor:
     weights = scores.gather(1, ids)
     return weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * scaling

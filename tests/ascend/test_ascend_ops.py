@@ -16,6 +16,7 @@ Tolerance: max |ascend - cpu| <= TOL[op] * max |cpu|; 0.0 = bit-identical; ids/t
 | hc_pre/post/head    | Triton                                  | 1e-5            | 2.0e-7/8.6e-8/2.9e-7   |
 | compress_windows    | Triton, re-tiled (AscendC not built)    | 1e-5            | 1.8e-7                 |
 | sparse_attention    | Triton, re-tiled                        | 1e-5            | 3.4e-7                 |
+| dense_attention     | Triton, re-tiled                        | 1e-5            | 8.8e-7                 |
 | route_topk/hash     | Triton + torch.topk                     | 1e-5, ids equal | 2.1e-7/1.8e-7          |
 | indexer_topk        | Triton + torch stable sort              | ids equal       | equal                  |
 | apply_token_bitmask | Triton                                  | 0               | 0                      |
@@ -42,7 +43,7 @@ from op_checks import (FUSED_OPS, assert_close, check_fused, indices, poisoned, 
                        seeded)
 
 TOL = {"rms_norm": 1e-5, "swiglu": 1e-5, "moe_experts": 1e-5, "rope": 0.0, "hc_pre": 1e-5, "hc_post": 1e-5,
-       "hc_head": 1e-5, "compress_windows": 1e-5, "sparse_attention": 1e-5, "route_topk": 1e-5,
+       "hc_head": 1e-5, "compress_windows": 1e-5, "sparse_attention": 1e-5, "dense_attention": 1e-5, "route_topk": 1e-5,
        "route_hash": 1e-5,
        # composites of the ops above (base.py): each within the sum of its parts' tolerances
        "hc_pre_norm": 1e-5, "hc_post_pre_norm": 1e-5, "rms_norm_rope": 1e-5, "swiglu_mlp": 1e-5, "compress_entries": 1e-5}
@@ -154,6 +155,14 @@ def test_sparse_attention(asc, t, h, d, k):
     idx[0] = -1  # a token with no valid index gets zeros
     args = (randn(gen, t, h, d), randn(gen, 50, d), idx, randn(gen, h), d ** -0.5)
     _close("sparse_attention", *run(asc, "sparse_attention", *args))
+
+
+@pytest.mark.parametrize("lens", [(7,), (70, 0, 1, 33)])
+def test_dense_attention(asc, lens):
+    gen = seeded(20, *lens)
+    t, h, d = sum(lens), 2, 40
+    args = (randn(gen, t, h, d, scale=2.0), randn(gen, t, h, d), randn(gen, t, h, d), list(lens), d ** -0.5)
+    _close("dense_attention", *run(asc, "dense_attention", *args))
 
 
 @pytest.mark.parametrize("t", TOKENS)

@@ -17,6 +17,7 @@ Op mapping (a torch_npu operator is used only where its documented semantics equ
 | hc_post, hc_head    | Triton (shared kernels)                                             [a]  |
 | rope                | Triton (shared kernel)                                              [b]  |
 | sparse_attention    | Triton (shared kernel, re-tiled)                                    [c]  |
+| dense_attention     | Triton (shared kernel, re-tiled)                                    [h]  |
 | indexer_topk        | Triton scores + torch stable sort                                   [d]  |
 | route_topk          | Triton scores + torch.topk                                          [e]  |
 | route_hash          | Triton scores                                                       [a]  |
@@ -39,6 +40,8 @@ Why not a fused torch_npu operator:
 [f] npu_top_k_top_p (aclnnApplyTopKTopP) keeps every tie at the k-th value (ours: exactly k) and cuts
     top-p on the ascending cumsum <= 1-p; the nvidia Triton argmax needs uint64, which triton-ascend
     does not support.
+[h] npu_fused_infer_attention_score takes packed sequences (actual_seq_lengths) without a mask, but its
+    query/key/value are float16, bfloat16 or int8 only; the Triton kernel keeps float32 as the reference.
 [g] no torch_npu quantized matmul has been checked against DeepSeek's 1 x 128 activation / 128 x 128
     weight block scaling yet; the reference quantizes the activations and dequantizes both.
 
@@ -111,6 +114,7 @@ class AscendAccelerator(Accelerator):
     hc_post = _kernel("elementwise", "hc_post")
     hc_head = _kernel("elementwise", "hc_head")
     sparse_attention = _kernel("triton_ops", "sparse_attention")
+    dense_attention = _kernel("triton_ops", "dense_attention")
     indexer_topk = _kernel("attention", "indexer_topk")
     route_topk = _kernel("sampling", "route_topk")
     route_hash = _kernel("sampling", "route_hash")

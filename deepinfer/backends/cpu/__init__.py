@@ -50,6 +50,7 @@ class CpuAccelerator(Accelerator):
     compress_windows = staticmethod(reference.compress_windows)
     indexer_topk = staticmethod(reference.indexer_topk)
     sparse_attention = staticmethod(reference.sparse_attention)
+    dense_attention = staticmethod(reference.dense_attention)
     route_topk = staticmethod(reference.route_topk)
     route_hash = staticmethod(reference.route_hash)
     moe_experts = staticmethod(reference.moe_experts)

@@ -71,6 +71,7 @@ class NvidiaAccelerator(Accelerator):
     hc_head = staticmethod(elementwise.hc_head)
     compress_windows = staticmethod(attention.compress_windows)
     indexer_topk = staticmethod(attention.indexer_topk)
+    dense_attention = staticmethod(attention.dense_attention)
     route_topk = staticmethod(sampling.route_topk)
     route_hash = staticmethod(sampling.route_hash)
     sample = staticmethod(sampling.sample)

@@ -1,4 +1,5 @@
-"""Attention-side kernels: compressor window reduction, sparse MQA with sinks, indexer scores."""
+"""Attention-side kernels: compressor window reduction, sparse MQA with sinks, indexer scores, dense
+bidirectional attention over packed sequences (a vision encoder's patch grids)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from deepinfer.backends.triton import alloc
 _ATTN_BLOCK_K = 32
 _ATTN_BLOCK_H = 16  # tl.dot needs >= 16 rows on GPU; padded heads are masked
 _INDEX_BLOCK_M = 32
+_DENSE_BLOCK_M = 64  # queries of one sequence and head per program
+_DENSE_BLOCK_N = 64  # keys folded into the online softmax at a time
 
 
 @triton.jit
@@ -132,3 +135,59 @@ def indexer_topk(q, weights, keys, candidates, topk, scale):
     values, order = scores.sort(dim=-1, descending=True, stable=True)
     picked = candidates.gather(1, order[:, :k])
     return torch.where(torch.isfinite(values[:, :k]), picked, torch.full_like(picked, -1))
+
+
+@triton.jit
+def _dense_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, starts_ptr, lens_ptr, H, D, scale,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One program per (query block, head, sequence): online softmax over the sequence's keys in fixed
+    BLOCK_N chunks, so a token's result depends on its own sequence only. A query block past the
+    sequence's end runs no key block and stores nothing."""
+    mb, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    start = tl.load(starts_ptr + b)
+    n = tl.load(lens_ptr + b)
+    m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    mmask = m < n
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    rows = (start + m)[:, None] * H + h
+    q = tl.load(q_ptr + rows * D + d[None, :], mask=mmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    hi = tl.where(mb * BLOCK_M < n, n, 0)
+    for n0 in range(0, hi, BLOCK_N):
+        j = n0 + tl.arange(0, BLOCK_N)
+        jmask = j < n
+        cols = (start + j)[:, None] * H + h
+        kmask = jmask[:, None] & dmask[None, :]
+        k = tl.load(k_ptr + cols * D + d[None, :], mask=kmask, other=0.0).to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        s = tl.where(jmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + cols * D + d[None, :], mask=kmask, other=0.0).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        m_i = m_new
+    l_i = tl.where(l_i > 0.0, l_i, 1.0)  # a block past the sequence's end folded no key (and stores nothing)
+    tl.store(out_ptr + rows * D + d[None, :], acc / l_i[:, None], mask=mmask[:, None] & dmask[None, :])
+
+
+def dense_attention(q, k, v, lens, scale, block_m: int = _DENSE_BLOCK_M, block_n: int = _DENSE_BLOCK_N):
+    """block_m / block_n: fixed per backend (ascend passes smaller tiles), never derived from the lengths."""
+    t, h, d = q.shape
+    lens = [int(n) for n in lens]
+    if sum(lens) != t or min(lens, default=0) < 0:
+        raise ValueError(f"dense_attention: lens {lens} must be >= 0 and sum to the {t} tokens")
+    out = alloc.empty(t, h, d, dtype=torch.float32, device=q.device)
+    if t:
+        starts = [0]
+        for n in lens[:-1]:
+            starts.append(starts[-1] + n)
+        meta = torch.tensor([starts, lens], dtype=torch.int64).to(q.device)
+        _dense_attention_kernel[(triton.cdiv(max(lens), block_m), h, len(lens))](
+            q.contiguous(), k.contiguous(), v.contiguous(), out, meta[0], meta[1], h, d, float(scale),
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(d)))
+    return out
