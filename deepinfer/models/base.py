@@ -159,6 +159,12 @@ class CausalLM(ABC):
 
     # Multimodal input. A text-only model keeps these defaults: a request with multimodal data is
     # refused with the message `process_multimodal` raises.
+    @property
+    def multimodal_placeholders(self) -> dict[str, int]:
+        """Placeholder text -> token id: where a prompt puts a multimodal item (e.g. an image). The
+        engine tokenizes each occurrence as that one id, whatever the tokenizer makes of the text."""
+        return {}
+
     def process_multimodal(self, prompt_token_ids: list[int], data: dict) -> MultimodalPrompt:
         """Lay out a request's multimodal `data` ({modality: item or list of items}, e.g. {"image": [...]})
         in its tokenized prompt: each placeholder token becomes its item's span. Raises ValueError
