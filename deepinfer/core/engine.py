@@ -187,6 +187,11 @@ class LLMEngine:
         bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"{what} has token ids outside [0, vocab_size={vocab}): {bad[:5]}")
+        marks = set(self.multimodal_placeholders.values())
+        if marks and not mm_items and not marks.isdisjoint(prompt_token_ids):  # a span with nothing to fill it
+            raise ValueError(f"{what} holds the model's multimodal placeholder token(s) "
+                             f"{sorted(marks.intersection(prompt_token_ids))} but no multi_modal_data: give one image "
+                             "per placeholder in multi_modal_data, or remove the placeholders")
         if len(prompt_token_ids) >= self.max_model_len:
             of_which, fewer = "", ""
             if mm_items:  # an image's span is fixed by the model's token budget: fewer images, or a longer context
