@@ -20,6 +20,9 @@ from deepinfer.backends.triton.attention import _compress_kernel
 # = 128 KB (the nvidia launch's BLOCK_K = 32 would need 160 KB + a second kv buffer).
 _ATTN_BLOCK_H = 16
 _ATTN_BLOCK_K = 16
+# sparse_attention_bf16 (DeepSeek-V4.1) keeps its 64-index softmax blocks (its numerics) and loads bf16:
+# at head_dim 512, q [8, 512] + kv [64, 512] bf16 + acc [8, 512] fp32 = 88 KB, 152 KB with kv double-buffered.
+_BF16_ATTN_BLOCK_H = 8
 # compress_windows: gate, exp, weights and kv tiles of _COMPRESS_TILE floats each = 32 KB.
 _COMPRESS_TILE = 2048
 
@@ -27,6 +30,10 @@ _COMPRESS_TILE = 2048
 def sparse_attention(q, kv, indices, sinks, scale):
     return triton_attention.sparse_attention(q, kv, indices, sinks, scale, block_h=_ATTN_BLOCK_H,
                                              block_k=_ATTN_BLOCK_K)
+
+
+def sparse_attention_bf16(q, kv, indices, sinks, scale):
+    return triton_attention.sparse_attention_bf16(q, kv, indices, sinks, scale, block_h=_BF16_ATTN_BLOCK_H)
 
 
 def compress_windows(kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
