@@ -80,6 +80,9 @@ class TensorSpec:
     shape: tuple[int, ...]
     dtype: torch.dtype = torch.float32
     experts: bool = False  # an [E, N, K] stack of routed experts (WeightRole.EXPERTS)
+    # kept as stored and memory-mapped from the file (no copy, no dequantization, `dtype` is the
+    # stored dtype): a large table of which a step reads a few rows (DeepSeek-V4.1's Engram)
+    mapped: bool = False
 
 
 # A checkpoint name's destination: (model name, None) for a whole tensor, (model name, (expert,

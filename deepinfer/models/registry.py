@@ -15,8 +15,15 @@ def _deepseek_v4():
     return DeepseekV4Config, DeepseekV4Model
 
 
+def _deepseek_v41():
+    from deepinfer.models.deepseek_v41 import DeepseekV41Config, DeepseekV41Model
+
+    return DeepseekV41Config, DeepseekV41Model
+
+
 FAMILIES = (
     Family("deepseek_v4", ("DeepseekV4ForCausalLM",), ("deepseek_v4",), _deepseek_v4),
+    Family("deepseek_v41", ("DeepseekV41ForCausalLM",), ("deepseek_v41",), _deepseek_v41),
 )
 
 

@@ -20,6 +20,8 @@ Tolerance: max |ascend - cpu| <= TOL[op] * max |cpu|; 0.0 = bit-identical; ids/t
 | route_topk/hash     | Triton + torch.topk                     | 1e-5, ids equal | 2.1e-7/1.8e-7          |
 | indexer_topk        | Triton + torch stable sort              | ids equal       | equal                  |
 | apply_token_bitmask | Triton                                  | 0               | 0                      |
+| fp8_qdq, fp4_qdq    | Triton (integer rounding)               | 0 (bits)        | 0                      |
+| hc_mixes, hc_collapse, indexer_scores | Triton                | op_checks.V41_OPS |                      |
 | hc_pre_norm, hc_post_pre_norm, rms_norm_rope, swiglu_mlp, compress_entries | base.py composites of the above | 1e-5 | 2.7e-7, 2.5e-7, 0, 6.4e-8, 1.7e-7 |
 
 linear, grouped_linear, embedding, fp8_block_linear and sample are bound to the reference functions
@@ -39,8 +41,8 @@ pytest.importorskip("triton", reason="triton is not installed: the ascend backen
 
 from deepinfer.backends.base import WeightRole  # noqa: E402
 from deepinfer.backends import reference as ref  # noqa: E402
-from op_checks import (FUSED_OPS, assert_close, check_fused, indices, poisoned, randn, run,  # noqa: E402
-                       seeded)
+from op_checks import (FUSED_OPS, V41_OPS, assert_close, check_fused, check_v41_op, indices, poisoned,  # noqa: E402
+                       randn, run, seeded)
 
 TOL = {"rms_norm": 1e-5, "swiglu": 1e-5, "moe_experts": 1e-5, "rope": 0.0, "hc_pre": 1e-5, "hc_post": 1e-5,
        "hc_head": 1e-5, "compress_windows": 1e-5, "sparse_attention": 1e-5, "dense_attention": 1e-5, "route_topk": 1e-5,
@@ -211,3 +213,10 @@ def test_fused_composites(t, op, asc):
     """hc_pre_norm, hc_post_pre_norm, rms_norm_rope, swiglu_mlp and compress_entries: this backend
     runs the base-class composite of its own ops; every output within the composite's tolerance."""
     check_fused(asc, op, t, TOL[op])
+
+
+@pytest.mark.parametrize("t", TOKENS)
+@pytest.mark.parametrize("op", V41_OPS)
+def test_v41_ops(asc, t, op):
+    """DeepSeek-V4.1's ops: the shared Triton kernels on this backend (op_checks.V41_OPS: tolerances)."""
+    check_v41_op(asc, op, t)

@@ -33,6 +33,10 @@ Exact ops (0.0) must match bit for bit; integer outputs (ids, tokens) must be eq
 | rms_norm_rope       | 1e-5   | 1.4e-7                            |
 | swiglu_mlp          | 1e-5   | 5.4e-7                            |
 | compress_entries    | 1e-5   | 1.7e-7                            |
+| fp8_qdq, fp4_qdq    | 0      | 0 (bit for bit, E8M0 and E4M3)    |
+| hc_mixes            | 1e-5   |                                   |
+| hc_collapse         | 1e-6   |                                   |
+| indexer_scores      | 1e-5   | (and -inf where the reference)    |
 
 Measured with `pytest -s` (each comparison prints its relative error); interpreted runtime ~25 s.
 """
@@ -46,8 +50,8 @@ pytest.importorskip("triton", reason="triton is not installed: the nvidia backen
 
 from deepinfer.backends import AcceleratorUnavailable, cuda_usable, get_accelerator  # noqa: E402
 from deepinfer.backends import reference as ref  # noqa: E402
-from op_checks import (FUSED_OPS, assert_close, check_fused, indices, poisoned, randn, run,  # noqa: E402
-                       seeded)
+from op_checks import (FUSED_OPS, V41_OPS, assert_close, check_fused, check_v41_op, indices, poisoned,  # noqa: E402
+                       randn, run, seeded)
 
 TOL = {
     "rms_norm": 1e-5, "rope": 1e-6, "swiglu": 1e-5, "linear": 1e-5, "grouped_linear": 1e-5,
@@ -330,3 +334,10 @@ def test_fused_composites(t, op, nv):
     """hc_pre_norm, hc_post_pre_norm, rms_norm_rope, swiglu_mlp and compress_entries: this backend
     runs the base-class composite of its own ops; every output within the composite's tolerance."""
     check_fused(nv, op, t, TOL[op])
+
+
+@pytest.mark.parametrize("t", TOKENS)
+@pytest.mark.parametrize("op", V41_OPS)
+def test_v41_ops(nv, t, op):
+    """DeepSeek-V4.1's ops (tests/op_checks.py: V41_OPS has the tolerances)."""
+    check_v41_op(nv, op, t)

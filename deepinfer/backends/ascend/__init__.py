@@ -15,9 +15,13 @@ Op mapping (a torch_npu operator is used only where its documented semantics equ
 | compress_windows    | AscendC `compress_windows` when built, else Triton (re-tiled)       [a]  |
 | hc_pre              | AscendC `mhc_sinkhorn` + torch when built, else Triton              [a]  |
 | hc_post, hc_head    | Triton (shared kernels)                                             [a]  |
+| hc_mixes, hc_collapse | Triton (shared kernels; V4.1's lagged collapse)                   [a]  |
+| fp8_qdq, fp4_qdq    | Triton (shared kernels, bit-exact integer rounding)                 [h]  |
+| indexer_scores      | Triton (shared kernel)                                              [d]  |
+| sparse_attention_bf16 | Triton (shared kernel, 8 heads a program)                         [c]  |
 | rope                | Triton (shared kernel)                                              [b]  |
 | sparse_attention    | Triton (shared kernel, re-tiled)                                    [c]  |
-| dense_attention     | Triton (shared kernel, re-tiled)                                    [h]  |
+| dense_attention     | Triton (shared kernel, re-tiled)                                    [i]  |
 | indexer_topk        | Triton scores + torch stable sort                                   [d]  |
 | route_topk          | Triton scores + torch.topk                                          [e]  |
 | route_hash          | Triton scores                                                       [a]  |
@@ -40,7 +44,10 @@ Why not a fused torch_npu operator:
 [f] npu_top_k_top_p (aclnnApplyTopKTopP) keeps every tie at the k-th value (ours: exactly k) and cuts
     top-p on the ascending cumsum <= 1-p; the nvidia Triton argmax needs uint64, which triton-ascend
     does not support.
-[h] npu_fused_infer_attention_score takes packed sequences (actual_seq_lengths) without a mask, but its
+[h] npu_dynamic_quant gives int8 with float32 per-token scales; npu_dynamic_mx_quant (Ascend 950 only) takes
+    OCP MX's shared exponent floor(log2 amax) - emax, not DeepSeek's 2^ceil(log2(amax * fp32(1/448))), and
+    has no FP4 mode with E4M3 scales (the compressed KV's).
+[i] npu_fused_infer_attention_score takes packed sequences (actual_seq_lengths) without a mask, but its
     query/key/value are float16, bfloat16 or int8 only; the Triton kernel keeps float32 as the reference.
 [g] no torch_npu quantized matmul has been checked against DeepSeek's 1 x 128 activation / 128 x 128
     weight block scaling yet; the reference quantizes the activations and dequantizes both.
@@ -64,9 +71,9 @@ from deepinfer.backends.base import Accelerator, WeightRole
 
 try:
     from deepinfer.backends.ascend import triton_ops
-    from deepinfer.backends.triton import attention, elementwise, sampling
+    from deepinfer.backends.triton import attention, elementwise, quant, sampling
 except ImportError:  # no triton: AscendAccelerator() explains
-    attention = elementwise = sampling = triton_ops = None
+    attention = elementwise = quant = sampling = triton_ops = None
 
 
 def _unavailable(message: str):
@@ -113,6 +120,12 @@ class AscendAccelerator(Accelerator):
     rope = _kernel("elementwise", "rope")
     hc_post = _kernel("elementwise", "hc_post")
     hc_head = _kernel("elementwise", "hc_head")
+    hc_mixes = _kernel("elementwise", "hc_mixes")
+    hc_collapse = _kernel("elementwise", "hc_collapse")
+    fp8_qdq = _kernel("quant", "fp8_qdq")
+    fp4_qdq = _kernel("quant", "fp4_qdq")
+    indexer_scores = _kernel("attention", "indexer_scores")
+    sparse_attention_bf16 = _kernel("triton_ops", "sparse_attention_bf16")
     sparse_attention = _kernel("triton_ops", "sparse_attention")
     dense_attention = _kernel("triton_ops", "dense_attention")
     indexer_topk = _kernel("attention", "indexer_topk")
