@@ -44,8 +44,7 @@ def main() -> None:
         "def lookup(self, tokens):",
     ]
     for out in llm.generate(prompts, params, use_tqdm=False):
-        spans = len(out.prompt_token_ids)
-        print(f"--- {out.prompt!r}: {spans} prompt positions -> {out.outputs[0].text!r}")
+        print(f"--- {out.prompt!r}: {len(out.prompt_token_ids)} prompt positions -> {out.outputs[0].text!r}")
     # upstream's multi_modal_data argument: one dict (or None) per prompt
     out = llm.generate([f"One image: {'<image>'}"], params, multi_modal_data=[{"image": images[0]}], use_tqdm=False)
     print(f"--- one image: {len(out[0].prompt_token_ids)} prompt positions -> {out[0].outputs[0].text!r}")

@@ -1546,7 +1546,8 @@ VL_SHARD = "model-vision.safetensors"
 # Two images of different aspect ratios: a wide RGB one over the token budget (shrunk to fit, then padded)
 # and a small tall RGBA one under min_pixels (scaled up; alpha dropped). (width, height, mode)
 VL_IMAGES = ((150, 40, "RGB"), (17, 45, "RGBA"))
-VL_PROMPT = f"def lookup(self, tokens):\n    # first {IMAGE_TOKEN} then, smaller, {IMAGE_TOKEN} -- which one is wider?\n    return"
+VL_PROMPT = (f"def lookup(self, tokens):\n    # first {IMAGE_TOKEN} then, smaller, {IMAGE_TOKEN} -- "
+             "which one is wider?\n    return")
 VL_NEW_TOKENS = 8
 # Image sizes whose grids are stored for the released settings (and with max_wh_ratio 2, which the
 # released config leaves unset): ordinary photos, below min_pixels, over the budget, extreme aspect ratios
@@ -1616,7 +1617,8 @@ def write_vl_checkpoint(ref: Ref, out: Path, text: Setup) -> Setup:
     save_file(own, d / VL_SHARD, metadata={"format": "pt"})
     weight_map = {k: f"../{VL_TEXT}/model.safetensors" for k in sorted(text.ckpt)}
     weight_map.update({k: VL_SHARD for k in sorted(own)})
-    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1) + "\n")
+    index = {"metadata": {}, "weight_map": weight_map}
+    (d / "model.safetensors.index.json").write_text(json.dumps(index, indent=1) + "\n")
     (d / "reference_args.json").write_text(json.dumps(_jsonable(asdict(args)), indent=1) + "\n")
     return Setup(name=VL_NAME, args=args, tokenizer=tokenizer, ckpt=ckpt)
 
@@ -1723,6 +1725,11 @@ def golden_vision(ref: Ref, out: Path, s: Setup) -> dict:
             noise["vision"][probe][p + "vit"] = ulp_summary(v, vit)
             noise["vision"][probe][p + "aligner"] = ulp_summary(e, emb)
     vl = ([inputs], token_types)
+    # Engram's hash ids of the prompt as Transformer.forward asks for them: span positions masked (DEAD)
+    layout = ref.engram.EngramLayout.from_args(s.args)
+    with torch.inference_mode():
+        hashes = ref.engram.NgramHashState(s.args, layout, s.tokenizer)(ids, 0, token_types < 0)
+    g.add("prompt.engram.hash_ids", hashes[0])
     r = generate(runner, ids, VL_NEW_TOKENS, drafts=True, vl=vl)
     lp = r["prefill.logits"].log_softmax(-1)
     g.update({"prompt.ids": ids[0], "prompt.token_types": token_types[0],

@@ -235,3 +235,20 @@ def test_prefix_cache_hits_only_for_the_same_image(monkeypatch):
     assert again.prompt_token_ids == first.prompt_token_ids
     _, other = run(png(150, 40))  # same span length and place, other pixels
     assert other == {"prefix_cache_hit_tokens": 0, "num_encoded_items": 1}
+
+
+@vl
+def test_drafting_with_images_is_lossless(monkeypatch):
+    """DSpark drafting (mini6vl carries a stage) over image prompts beside a text prompt: the greedy tokens
+    equal those of plain decoding (the drafter reads the backbone's features of the image positions)."""
+    from v41_goldens import load
+
+    prompts = [{"prompt": load("vision").meta["prompt_text"], "multi_modal_data": {"image": golden_pngs()}},
+               "def lookup(self, tokens):"]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in vl_llm().generate(prompts, params, use_tqdm=False)]
+    monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "3")
+    drafting = vl_llm()
+    assert drafting.engine.spec is not None
+    assert [o.outputs[0].token_ids for o in drafting.generate(prompts, params, use_tqdm=False)] == plain
+    assert drafting.stats()["spec_verified"] > 0

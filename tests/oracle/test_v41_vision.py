@@ -2,36 +2,23 @@
 (tests/goldens/v41: vision.safetensors / vision.json, the mini6vl checkpoint; README "Image input"):
 grid plans and span layouts exactly, patches bit for bit, the prompt's expansion exactly, and the vision
 encoder (ViT + aligner, on the cpu backend) within twice the reference's own bf16 noise on the same
-images (noise.json: vision.vision, the fp32 and reordered probes)."""
+images (noise.json: vision.vision, the fp32 and reordered probes). The other backends' encoders are held to
+the same bound in tests/conformance/test_nvidia_vision.py and tests/ascend/test_ascend_vision.py."""
 
 from __future__ import annotations
 
 import io
-import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from deepinfer.backends import get_accelerator
 from deepinfer.core.tokenizer import Tokenizer
-from deepinfer.models.deepseek_v41.image_processor import IMAGE, plan_grid, process_image
+from deepinfer.models.deepseek_v41.image_processor import IMAGE, IMAGE_NEW_LINE, plan_grid, process_image
 from deepinfer.models.deepseek_v41.multimodal import expand_prompt
-from deepinfer.models.deepseek_v41.vision import VisionEncoder, checkpoint_tensors
 from deepinfer.models.deepseek_v41.vision_config import VisionConfig
-from v41_goldens import VL_CONFIG, checkpoint_dir, load, ulp_error, vision_tolerance
-
-VL_DIR = checkpoint_dir(VL_CONFIG)
-IMAGES = (0, 1)
-
-
-def vl_config() -> VisionConfig:
-    data = json.loads((VL_DIR / "config.json").read_text())
-    return VisionConfig.from_dict(data, data["text_config"]["hidden_size"])
-
-
-def png(j: int) -> bytes:
-    return load("vision")[f"image{j}.png"].numpy().tobytes()
+from v41_goldens import load
+from v41_vision import IMAGES, VL_DIR, assert_within_noise, encoder, png, stored_tensors, vl_config
 
 
 def settings_config(settings: dict) -> VisionConfig:
@@ -92,27 +79,13 @@ def test_prompt_expands_like_the_reference():
 
 
 @pytest.fixture(scope="module")
-def encoder():
-    cfg = vl_config()
-    stored = load_file(VL_DIR / "model-vision.safetensors")
-    specs = checkpoint_tensors(cfg)
-    weights = {name: stored[name].float() for name in specs}
-    assert {n: tuple(w.shape) for n, w in weights.items()} == {n: s.shape for n, s in specs.items()}
-    return VisionEncoder(cfg, weights, get_accelerator("cpu")), stored
-
-
-def assert_within_noise(out: torch.Tensor, expected: torch.Tensor, key: str) -> None:
-    err = ulp_error(out, expected)
-    tol = vision_tolerance(key)
-    got = {"max": err.max().item(), "p999": err.quantile(0.999).item(), "mean": err.mean().item()}
-    print(f"\n{key}: bf16 ulps {got} (tolerance {tol})", end="")
-    for m in ("max", "p999", "mean"):
-        assert got[m] <= tol[m], f"{key}: {m} {got[m]:.3f} bf16 ulps > {tol[m]:.3f} (twice the reference's own noise)"
+def cpu_encoder():
+    return encoder(get_accelerator("cpu"))
 
 
 @pytest.mark.parametrize("j", IMAGES)
-def test_vision_encoder_matches_the_reference(encoder, j):
-    enc, stored = encoder
+def test_vision_encoder_matches_the_reference(cpu_encoder, j):
+    enc, stored = cpu_encoder, stored_tensors()
     g = load("vision")
     image = process_image(png(j), vl_config())
     feats = enc.features([image.patches], [image.grid])
@@ -123,14 +96,36 @@ def test_vision_encoder_matches_the_reference(encoder, j):
     types = torch.tensor(image.grid.span_types())
     assert torch.equal(span[types == IMAGE], rows)
     assert torch.equal(span[0], stored["image_start"].float()) and torch.equal(span[-1], stored["image_end"].float())
-    assert torch.equal(span[types == 2], stored["image_newline"].float().expand(image.grid.llm_h, -1))
+    assert torch.equal(span[types == IMAGE_NEW_LINE], stored["image_newline"].float().expand(image.grid.llm_h, -1))
 
 
-def test_images_encoded_together_equal_each_alone(encoder):
+def test_images_encoded_together_equal_each_alone(cpu_encoder):
     """One encoder pass over both images: attention stays within each image's patches."""
-    enc, _ = encoder
+    enc = cpu_encoder
     images = [process_image(png(j), vl_config()) for j in IMAGES]
     together = enc.encode([im.patches for im in images], [im.grid for im in images])
     for image, out in zip(images, together):
         (alone,) = enc.encode([image.patches], [image.grid])
         torch.testing.assert_close(out, alone, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("cuts", [(0, 102), (0, 30, 61, 89, *range(90, 103))], ids=["prefill", "chunks + decode"])
+def test_engram_hashes_skip_image_spans(cuts):
+    """Engram's hash ids of the two-image prompt equal the reference's exactly: span positions are DEAD in
+    the class history, so no n-gram spans or crosses an image; also with chunks that cut the spans and a
+    decode tail whose look-back reaches the second image through the cache."""
+    from deepinfer.models.base import StepInput
+    from v41_goldens import VL_CONFIG
+    from v41_models import model, new_cache
+
+    g = load("vision")
+    ids, image = g["prompt.ids"], g["prompt.token_types"] >= 0
+    m = model(VL_CONFIG)
+    cache = new_cache(m)
+    slot = cache.allocate_slot()
+    cache.grow(slot, len(ids))
+    got = []
+    for a, b in zip(cuts, cuts[1:]):
+        meta = m.prepare(StepInput(ids[a:b], torch.tensor([slot]), torch.tensor([a]), torch.tensor([b - a])), cache)
+        got.append(m._engram_hashes(meta, image[a:b]))
+    assert torch.equal(torch.cat(got), g["prompt.engram.hash_ids"])

@@ -51,6 +51,17 @@ def test_released_config_parses_to_the_released_schedule():
     assert cfg.engram_layer_ids == [1, 14] and cfg.eos_token_ids == [1]
 
 
+def test_vision_config_gives_the_released_vision_tower():
+    data = text_only()
+    data.update(image_token_id=129264, vision_config={
+        "model_type": "deepseek_v41_vision", "num_hidden_layers": 32, "hidden_size": 1024, "num_attention_heads": 16,
+        "intermediate_size": 2816, "patch_size": 14, "rope_theta": 10000, "downsample_ratio": 3,
+        "max_image_tokens": 1024, "min_pixels": 295936, "max_wh_ratio": None})
+    v = DeepseekV41Config.from_dict(data, source="config.json").vision
+    assert (v.num_hidden_layers, v.hidden_size, v.max_image_tokens, v.image_token_id) == (32, 1024, 1024, 129264)
+    assert v.text_hidden_size == 5120 and DeepseekV41Config.from_dict(text_only()).vision is None
+
+
 def bad(edit, match: str, top: bool = False):
     data = text_only()
     edit(data if top else data["text_config"])
@@ -66,7 +77,8 @@ def test_unsupported_settings_are_named():
     bad(lambda t: t.update(hidden_size="big"), "hidden_size")
     bad(lambda t: t["quantization_config"].update(weight_block_size=[128, 128]), "weight_block_size", top=True)
     bad(lambda t: t["quantization_config"].update(expert_dtype="int4"), "expert_dtype", top=True)
-    bad(lambda t: t.update(vision_config={"num_hidden_layers": 32}), "vision_config", top=True)
+    bad(lambda t: t.update(vision_config={"num_hidden_layers": 32, "patch_size": "14"}), "'patch_size'", top=True)
+    bad(lambda t: t.update(vision_config={"num_hidden_layers": 32}, image_token_id=200000), "image_token_id", top=True)
     bad(lambda t: t.update(compress_ratios=[0, 0, 2]), "compress_ratios")
     bad(lambda t: t.update(kv_source_layer_ids=[2, 8, 15, 20]), "must also be an index source")
     bad(lambda t: t["compress_ratios"].__setitem__(20, 2), "layer 21 .* must match")

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from deepinfer.models.base import ConfigError
 from deepinfer.models.deepseek_v4.config import RopeConfig
+from deepinfer.models.deepseek_v41.vision_config import VisionConfig
 
 QUANTIZATION = {"quant_method": "fp8", "weight_block_size": [32, 32], "scale_fmt": "ue8m0"}
 ACT_BLOCK = 32  # FP8 activation quantization group (and the weight tile side)
@@ -107,6 +108,7 @@ class DeepseekV41Config:
     roles: list[LayerRole] = field(default_factory=list)
     checkpoint_dir: str | None = None  # where config.json was read (Engram's token map comes from its tokenizer)
     raw: dict = field(default_factory=dict)
+    vision: VisionConfig | None = None  # the vision tower (`vision_config`, `image_token_id`); None: text only
 
     @property
     def rope_dim(self) -> int:
@@ -138,9 +140,6 @@ class DeepseekV41Config:
         model_type = top.get("model_type")
         if model_type not in ("deepseek_v41", None) or data.get("model_type") not in ("deepseek_v41_text", None):
             raise ConfigError(f"{source}: model_type is {model_type!r}; this parser reads 'deepseek_v41' configs")
-        if isinstance(top.get("vision_config"), dict) or top.get("image_token_id") is not None:
-            raise ConfigError(f"{source}: image input (vision_config / image_token_id) is not supported yet: "
-                              "deepinfer runs DeepSeek-V4.1's text model; remove vision_config to serve text only")
 
         def need(key: str, kind=int, default=None):
             value = data.get(key, default)
@@ -251,6 +250,7 @@ class DeepseekV41Config:
             checkpoint_dir=os.path.dirname(os.path.abspath(source)) if os.path.isfile(source) else None,
             raw=top,
         )
+        cfg.vision = VisionConfig.from_dict(top, cfg.hidden_size, source)
         cfg.validate(source)
         cfg.roles = cfg._roles()
         return cfg
@@ -340,6 +340,8 @@ class DeepseekV41Config:
                     fail(f"num_nextn_predict_layers {self.num_nextn_predict_layers} needs {key!r}")
             if any(not 0 <= i < n for i in d["dspark_target_layer_ids"]):
                 fail(f"dspark_target_layer_ids {d['dspark_target_layer_ids']} must be backbone layers")
+        if self.vision is not None and not 0 <= self.vision.image_token_id < self.vocab_size:
+            fail(f"image_token_id {self.vision.image_token_id} is not a token id in [0, vocab_size={self.vocab_size})")
         for eos in self.eos_token_ids:
             if not isinstance(eos, int) or not 0 <= eos < self.vocab_size:
                 fail(f"eos_token_id {eos!r} is not a token id in [0, vocab_size={self.vocab_size})")

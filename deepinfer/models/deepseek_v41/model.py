@@ -35,18 +35,20 @@ import torch
 from deepinfer import envs
 from deepinfer.backends.base import Accelerator, WeightRole
 from deepinfer.core.cache import CacheSpec, StateCache
-from deepinfer.models.base import CausalLM, ConfigError, ParallelContext, StepInput, TensorSpec
+from deepinfer.models.base import (CausalLM, ConfigError, MultimodalItem, MultimodalPrompt, ParallelContext,
+                                   StepInput, TensorSpec)
 from deepinfer.models.deepseek_v41 import moe, weights as checkpoint
 from deepinfer.models.deepseek_v41.config import ACT_BLOCK, DeepseekV41Config
 from deepinfer.models.deepseek_v41.engram import EngramHash, lookup_rows, token_classes
 from deepinfer.models.deepseek_v41.indexer import select_candidate_blocks, topk_picks
+from deepinfer.models.deepseek_v41.multimodal import encode_items, expand_prompt
+from deepinfer.models.deepseek_v41.numerics import bf16
+from deepinfer.models.deepseek_v41.vision import VisionEncoder
+from deepinfer.models.deepseek_v41.vision_config import IMAGE_PLACEHOLDER
 from deepinfer.models.deepseek_v41.step import CacheView, Rows, StepMeta, cache_spec
 
 
-def bf16(x: torch.Tensor) -> torch.Tensor:
-    """x rounded to the nearest bfloat16 (ties to even), kept in float32: where the reference, which
-    computes in bf16, holds an activation."""
-    return x.to(torch.bfloat16).float()
+DEAD = -1  # Engram's class of an image-span position: no n-gram includes it
 
 
 class StepState:
@@ -86,6 +88,7 @@ class DeepseekV41Model(CausalLM):
         specs = checkpoint.checkpoint_tensors(config)
         weights = dict(weights)
         self.tables = {n: weights.pop(n) for n, s in specs.items() if s.mapped}  # stay memory-mapped
+        self.vision = VisionEncoder(config.vision, weights, accel) if config.vision is not None else None
         for p in [f"layers.{i}.ffn.shared_experts." for i in range(config.num_hidden_layers)]:
             weights[p + "gate_up"] = torch.cat([weights.pop(p + "w1.weight"), weights.pop(p + "w3.weight")])
             weights[p + "down"] = weights.pop(p + "w2.weight")
@@ -155,6 +158,28 @@ class DeepseekV41Model(CausalLM):
 
         return DSparkDrafter.create(self, extra, max_seqs, margin)
 
+    # ------------------------------------------------------------ image input (multimodal.py, vision.py)
+    @property
+    def multimodal_placeholders(self) -> dict[str, int]:
+        v = self.config.vision
+        return {} if v is None else {IMAGE_PLACEHOLDER: v.image_token_id, "<image>": v.image_token_id}
+
+    def process_multimodal(self, prompt_token_ids: list[int], data: dict) -> MultimodalPrompt:
+        return expand_prompt(prompt_token_ids, data, self.config.vision)
+
+    def encode_multimodal(self, items: list[MultimodalItem]) -> list[torch.Tensor]:
+        return encode_items(self.vision, items)
+
+    @staticmethod
+    def _image_rows(inp: StepInput, n: int, device) -> torch.Tensor | None:
+        """bool [T]: the step's rows inside an image span (those StepInput.embeds fills), or None."""
+        if not inp.embeds:
+            return None
+        mask = torch.zeros(n, dtype=torch.bool)
+        for row, rows in inp.embeds:
+            mask[row:row + rows.shape[0]] = True
+        return mask.to(device)
+
     # ------------------------------------------------------------ forward
     @torch.inference_mode()
     def forward(self, inp: StepInput, cache: StateCache, logit_rows: torch.Tensor, meta: StepMeta | None = None,
@@ -167,8 +192,12 @@ class DeepseekV41Model(CausalLM):
         logit_rows = logit_rows.cpu().numpy()
         self._split_decoder(meta, logit_rows, feature_rows)
         rows, state = meta.all, StepState()
-        hashes = self._engram_hashes(meta) if self.engram is not None else None
-        streams = bf16(ops.embedding(meta.ids, w["embed.weight"])).unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
+        x = bf16(ops.embedding(meta.ids, w["embed.weight"]))
+        image = self._image_rows(inp, x.shape[0], x.device)
+        for row, embeds in inp.embeds or ():  # image spans: the learned markers and the aligner's rows
+            x[row:row + embeds.shape[0]] = bf16(embeds)
+        hashes = self._engram_hashes(meta, image) if self.engram is not None else None
+        streams = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
         pre = torch.zeros(streams.shape[:2], device=streams.device)
         pre[:, 0] = 1.0  # layer 0's attention reads copy 0
         features = []
@@ -177,12 +206,12 @@ class DeepseekV41Model(CausalLM):
                 rows = meta.decoder
                 streams, pre = streams[rows.dev["tokens"]], pre[rows.dev["tokens"]]
             if role.engram:
-                streams = self._engram(i, streams, hashes)
+                streams = self._engram(i, streams, hashes, self._of_rows(image, rows))
             if i in feature_layers:
                 features.append(bf16(streams[self._local_rows(rows, feature_rows)].mean(dim=1)))
             streams, pre = self.block(f"layers.{i}.", streams, pre,
                                       lambda h, i=i: self._attention(i, h, meta, rows, state),
-                                      lambda h, i=i: self._moe(i, h))
+                                      lambda h, i=i, r=rows: self._moe(i, h, self._of_rows(image, r)))
         picked = self._local_rows(rows, torch.from_numpy(logit_rows))
         h = bf16(ops.hc_collapse(streams[picked], pre[picked]))
         logits = ops.linear(bf16(ops.rms_norm(h, w["norm.weight"], cfg.rms_norm_eps)), w["head.weight"])
@@ -329,16 +358,25 @@ class DeepseekV41Model(CausalLM):
         state.picks[i] = (rows, picks)
         return picks
 
+    @staticmethod
+    def _of_rows(mask: torch.Tensor | None, rows: Rows) -> torch.Tensor | None:
+        """A per-token mask of the whole step, for the tokens of `rows` (the CED split's subset)."""
+        return mask if mask is None or rows.tokens is None else mask[rows.dev["tokens"]]
+
     # ------------------------------------------------------------ MoE
-    def _moe(self, i: int, h: torch.Tensor) -> torch.Tensor:
-        return self.ffn(f"layers.{i}.ffn.", h, self.config.num_experts_per_tok, self.experts[i])
+    def _moe(self, i: int, h: torch.Tensor, image: torch.Tensor | None = None) -> torch.Tensor:
+        return self.ffn(f"layers.{i}.ffn.", h, self.config.num_experts_per_tok, self.experts[i], image=image)
 
     def ffn(self, p: str, h: torch.Tensor, top_k: int, experts,
-            w: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
-        """Routed experts (`experts(h, weights, ids)`) plus the shared expert, one bf16 rounding at the end."""
+            w: dict[str, torch.Tensor] | None = None, image: torch.Tensor | None = None) -> torch.Tensor:
+        """Routed experts (`experts(h, weights, ids)`) plus the shared expert, one bf16 rounding at the end.
+        `image` (bool per row): rows inside an image span choose their experts with `gate.bias_vl`."""
         cfg, ops, w = self.config, self.accel, self.w if w is None else w
-        weights, ids = moe.route(ops, h, w[p + "gate.weight"], w[p + "gate.bias"], top_k, cfg.routed_scaling_factor,
-                                 cfg.norm_topk_prob)
+        gate, rule = w[p + "gate.weight"], (top_k, cfg.routed_scaling_factor, cfg.norm_topk_prob)
+        weights, ids = moe.route(ops, h, gate, w[p + "gate.bias"], *rule)
+        at = image.nonzero().squeeze(1) if image is not None else None
+        if at is not None and at.numel():  # the router is row by row: image rows routed alone, as in the batch
+            weights[at], ids[at] = moe.route(ops, h[at], gate, w[p + "gate.bias_vl"], *rule)
         routed = experts(h, weights, ids) if h.shape[0] else torch.zeros_like(h)
         x = self.accel.fp8_qdq(h, ACT_BLOCK) if self.quantized else h
         shared = moe.swiglu_expert(ops, x, w[p + "shared_experts.gate_up"], w[p + "shared_experts.down"], self.limit,
@@ -346,22 +384,31 @@ class DeepseekV41Model(CausalLM):
         return bf16(routed + shared)
 
     # ------------------------------------------------------------ Engram
-    def _engram_hashes(self, meta: StepMeta) -> torch.Tensor:
+    def _engram_hashes(self, meta: StepMeta, image: torch.Tensor | None = None) -> torch.Tensor:
         """Hash ids [T, engram layers, cols] of every token of the step; the step's classes go to the
-        Engram ring (look-back of later steps)."""
+        Engram ring (look-back of later steps). Image-span positions (`image`) are DEAD in it: no n-gram
+        spans or crosses them (a look-back that reaches one takes the pad class from there on, as at the
+        sequence start), also for later steps that look back over them."""
         pool, dev = meta.cache.engram, meta.all.dev
         classes = self.engram.classes(meta.ids)
+        if image is not None:
+            classes = torch.where(image, DEAD, classes)
         pool.data[pool.scratch_base + dev["flat"], 0] = classes
         back = dev["engram"]
         history = torch.where(back >= 0, pool.data[back.clamp(min=0), 0], torch.full_like(back, self.engram.pad))
         src, dst = meta.commit(pool.spec.ring, 1, meta.all)
         src, dst = torch.from_numpy(src).to(pool.data.device), torch.from_numpy(dst).to(pool.data.device)
         pool.data.index_copy_(0, dst, pool.data.index_select(0, src))
-        return self.engram(torch.cat([classes.unsqueeze(1), history], dim=1))
+        grams = torch.cat([classes.unsqueeze(1), history], dim=1)
+        if self.config.vision is not None:
+            blocked = (grams == DEAD).cumsum(dim=1) > 0
+            grams = torch.where(blocked, torch.full_like(grams, self.engram.pad), grams)
+        return self.engram(grams)
 
-    def _engram(self, i: int, streams: torch.Tensor, hashes: torch.Tensor) -> torch.Tensor:
+    def _engram(self, i: int, streams: torch.Tensor, hashes: torch.Tensor,
+                image: torch.Tensor | None = None) -> torch.Tensor:
         """copies += gate * value: rows of the n-gram table -> one key per copy and a shared value;
-        gate = sigmoid(signed sqrt(<h, q_w k_w key> / (rms h * rms key * sqrt(D))))."""
+        gate = sigmoid(signed sqrt(<h, q_w k_w key> / (rms h * rms key * sqrt(D)))); 0 for image rows."""
         cfg, w = self.config, self.w
         p = f"layers.{i}.engram."
         n, hc, d = streams.shape
@@ -373,4 +420,6 @@ class DeepseekV41Model(CausalLM):
         rstd = torch.rsqrt(streams.square().mean(-1) + eps) * torch.rsqrt(key.square().mean(-1) + eps)
         dot = (streams * (w[p + "q_weight"] * w[p + "k_weight"]) * key).sum(-1) * rstd * d ** -0.5
         gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
+        if image is not None:
+            gate = gate.masked_fill(image.unsqueeze(-1), 0.0)
         return bf16(streams + gate.unsqueeze(-1) * value.unsqueeze(1))

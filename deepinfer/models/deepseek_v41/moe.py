@@ -16,15 +16,13 @@ import math
 import torch
 import torch.nn.functional as F
 
+from deepinfer.models.deepseek_v41.numerics import bf16
+
 ACT_BLOCK = 32
 
 
 def _qdq(ops, x: torch.Tensor, quantized: bool) -> torch.Tensor:
-    return ops.fp8_qdq(x, ACT_BLOCK) if quantized else _bf16(x)
-
-
-def _bf16(x: torch.Tensor) -> torch.Tensor:
-    return x.to(torch.bfloat16).float()
+    return ops.fp8_qdq(x, ACT_BLOCK) if quantized else bf16(x)
 
 
 def route(ops, x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float,
@@ -39,11 +37,11 @@ def route(ops, x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k: i
 def swiglu_expert(ops, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, limit: float,
                   quantized: bool, weight: torch.Tensor | None = None) -> torch.Tensor:
     """One expert on rows x [n, D] (already quantized when `quantized`): down(qdq(swiglu * weight))."""
-    gate, up = _bf16(ops.linear(x, gate_up)).chunk(2, dim=-1)
+    gate, up = bf16(ops.linear(x, gate_up)).chunk(2, dim=-1)
     h = ops.swiglu(gate, up, limit)
     if weight is not None:
         h = h * weight.unsqueeze(-1)
-    return _bf16(ops.linear(_qdq(ops, h, quantized), down))
+    return bf16(ops.linear(_qdq(ops, h, quantized), down))
 
 
 def routed_experts(ops, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from deepinfer.backends.base import Accelerator
 from deepinfer.models.base import TensorSpec
 from deepinfer.models.deepseek_v41.image_processor import IMAGE, IMAGE_END, IMAGE_NEW_LINE, IMAGE_START, ImageGrid
+from deepinfer.models.deepseek_v41.numerics import bf16
 from deepinfer.models.deepseek_v41.vision_config import NORM_EPS, VisionConfig
 
 PREFIXES = ("vision.", "aligner.", "image_start", "image_end", "image_newline")
@@ -93,7 +94,8 @@ class VisionEncoder:
             self.w[name] = accel.prepare_weight(t.contiguous())
 
     def linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        return self.accel.linear(x, self.w[name + ".weight"]) + self.w[name + ".bias"]
+        """A bf16 projection with its bias (one rounding at the end, as the reference's nn.Linear)."""
+        return bf16(self.accel.linear(x, self.w[name + ".weight"]) + self.w[name + ".bias"])
 
     @torch.inference_mode()
     def encode(self, patches: list[torch.Tensor], grids: list[ImageGrid]) -> list[torch.Tensor]:
@@ -115,14 +117,16 @@ class VisionEncoder:
         n, heads, hd = x.shape[0], cfg.num_attention_heads, cfg.head_dim
         for b in range(cfg.num_hidden_layers):
             p = f"vision.blocks.{b}."
-            h = ops.rms_norm(x, w[p + "norm1.weight"], NORM_EPS)
+            h = bf16(ops.rms_norm(x, w[p + "norm1.weight"], NORM_EPS))
             q, k, v = self.linear(h, p + "attn.wqkv").view(n, 3, heads, hd).unbind(1)
-            q, k = ops.rope(q, cos, sin), ops.rope(k, cos, sin)
-            o = ops.dense_attention(q, k, v, lens, hd ** -0.5)
-            x = x + self.linear(o.reshape(n, heads * hd), p + "attn.wo")
-            h = ops.rms_norm(x, w[p + "norm2.weight"], NORM_EPS)
-            x = x + ops.swiglu_mlp(h, w[p + "mlp.w1.weight"], w[p + "mlp.w2.weight"], _NO_LIMIT)
-        return ops.rms_norm(x, w["vision.norm.weight"], NORM_EPS)
+            q, k = bf16(ops.rope(q, cos, sin)), bf16(ops.rope(k, cos, sin))
+            o = bf16(ops.dense_attention(q, k, v, lens, hd ** -0.5))
+            x = bf16(x + self.linear(o.reshape(n, heads * hd), p + "attn.wo"))
+            h = bf16(ops.rms_norm(x, w[p + "norm2.weight"], NORM_EPS))
+            gate, up = bf16(ops.linear(h, w[p + "mlp.w1.weight"])).chunk(2, dim=-1)
+            mid = bf16(ops.swiglu(gate, up, _NO_LIMIT))
+            x = bf16(x + bf16(ops.linear(mid, w[p + "mlp.w2.weight"])))
+        return bf16(ops.rms_norm(x, w["vision.norm.weight"], NORM_EPS))
 
     def align(self, feats: torch.Tensor, grids: list[ImageGrid]) -> list[torch.Tensor]:
         """The aligner: per image, [llm_h * llm_w, text hidden] embeddings in reading order."""
@@ -131,7 +135,7 @@ class VisionEncoder:
         for g in grids:
             merged.append(merge_patches(feats[start:start + g.num_patches], g, r))
             start += g.num_patches
-        y = self.linear(F.gelu(self.linear(torch.cat(merged), "aligner.w1")), "aligner.w2")
+        y = self.linear(bf16(F.gelu(self.linear(torch.cat(merged), "aligner.w1"))), "aligner.w2")
         return list(y.split([g.llm_h * g.llm_w for g in grids]))
 
     def span(self, rows: torch.Tensor, grid: ImageGrid) -> torch.Tensor:

@@ -17,6 +17,7 @@ import re
 import torch
 
 from deepinfer.models.base import Slot, TensorSpec
+from deepinfer.models.deepseek_v41 import vision
 from deepinfer.models.deepseek_v41.config import DeepseekV41Config
 
 _EXPERT_RE = re.compile(r"(layers\.\d+\.ffn\.experts)\.(\d+)\.(w[123])\.weight")
@@ -69,7 +70,8 @@ def block_tensors(cfg: DeepseekV41Config, p: str, n_experts: int) -> dict[str, T
 
 
 def checkpoint_tensors(cfg: DeepseekV41Config) -> dict[str, TensorSpec]:
-    """Every backbone tensor the model reads (the DSpark stages `mtp.*` are the drafter's)."""
+    """Every backbone tensor the model reads (the DSpark stages `mtp.*` are the drafter's); with a vision
+    tower also its tensors (vision.py) and each gate's `bias_vl`, which routes image-span positions."""
     d, hd = cfg.hidden_size, cfg.head_dim
     out = {"embed.weight": TensorSpec((cfg.vocab_size, d)), "head.weight": TensorSpec((cfg.vocab_size, d)),
            "norm.weight": TensorSpec((d,))}
@@ -98,6 +100,10 @@ def checkpoint_tensors(cfg: DeepseekV41Config) -> dict[str, TensorSpec]:
                 e + "wkv.weight": TensorSpec(((cfg.hc_mult + 1) * d, cols * cfg.engram_head_dim)),
                 e + "q_weight": TensorSpec((cfg.hc_mult, d)), e + "k_weight": TensorSpec((cfg.hc_mult, d)),
             })
+        if cfg.vision is not None:
+            out[p + "ffn.gate.bias_vl"] = TensorSpec((cfg.n_routed_experts,))
+    if cfg.vision is not None:
+        out.update(vision.checkpoint_tensors(cfg.vision))
     return out
 
 
