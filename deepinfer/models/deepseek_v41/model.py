@@ -165,7 +165,7 @@ class DeepseekV41Model(CausalLM):
         cfg, ops, w = self.config, self.accel, self.w
         meta = meta if meta is not None else self.prepare(inp, cache)
         logit_rows = logit_rows.cpu().numpy()
-        self._split_decoder(meta, logit_rows, feature_rows)
+        self._split_decoder(meta, logit_rows)
         rows, state = meta.all, StepState()
         hashes = self._engram_hashes(meta) if self.engram is not None else None
         streams = bf16(ops.embedding(meta.ids, w["embed.weight"])).unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
@@ -227,7 +227,9 @@ class DeepseekV41Model(CausalLM):
         return at
 
     # ------------------------------------------------------------ CED split
-    def _split_decoder(self, meta: StepMeta, logit_rows: np.ndarray, feature_rows: torch.Tensor | None) -> None:
+    def _split_decoder(self, meta: StepMeta, logit_rows: np.ndarray) -> None:
+        """Plan the decoder layers' rows under the CED split (the module doc): each long chunk's tail.
+        The DSpark drafter's context rows (the last window + margin positions) lie in the tail."""
         cfg = self.config
         if cfg.first_decoder_layer >= cfg.num_hidden_layers or meta.decoder is not meta.all:
             return
@@ -235,12 +237,13 @@ class DeepseekV41Model(CausalLM):
         keep = envs.get("DEEPINFER_YOCO_PREFILL_KEEP_TOKENS")
         if mode == "off":
             return
-        tail = meta.first + meta.lens - keep  # first flat row of each sequence's tail
-        wanted = np.concatenate([logit_rows, feature_rows.cpu().numpy() if feature_rows is not None else []])
-        seq_of = np.searchsorted(meta.first + meta.lens, wanted, side="right")
-        early = np.zeros(len(meta.lens), dtype=bool)
-        early[seq_of[wanted < tail[seq_of]]] = True  # rows before the tail are needed: run in full
-        cut = (meta.lens > keep) & ~early
+        # a sequence whose step needs logits of any row but its last (prompt logprobs) runs in full: the
+        # decoder's window (and everything it feeds) would reach below the tail for those rows
+        last = meta.first + meta.lens - 1
+        seq_of = np.searchsorted(last, logit_rows)
+        full = np.zeros(len(meta.lens), dtype=bool)
+        full[seq_of[logit_rows != last[seq_of]]] = True
+        cut = (meta.lens > keep) & ~full
         if not cut.any():
             return
         floor = meta.floor.copy() if meta.floor is not None else np.zeros(meta.num_tokens, dtype=np.int64)
