@@ -55,7 +55,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 from deepinfer.backends import reference as ref  # noqa: E402
 from deepinfer.models.deepseek_v41.config import DeepseekV41Config  # noqa: E402
-from deepinfer.models.deepseek_v41.engram import EngramLayout, token_classes  # noqa: E402
+from deepinfer.models.deepseek_v41.engram import EngramHash, bucket_primes, engram_update, token_classes  # noqa: E402
 from deepinfer.models.deepseek_v41.weights import checkpoint_tensors, dspark_tensors  # noqa: E402
 from train_tiny import BOS, EOS, PAD, collect_corpus, encode_docs, eval_targets, lr_at, train_tokenizer, \
     unigram_ppl  # noqa: E402
@@ -84,37 +84,18 @@ def text_config(vocab: int, classes: int) -> dict:
         "dspark_target_layer_ids": [7, 8, 9], "dspark_markov_rank": 32, "dspark_n_routed_experts": 4,
         "dspark_num_experts_per_tok": 2,
     }
-    cfg["engram_num_embeddings"] = [1, 1]  # replaced by the sums of the layers' prime bucket sizes
-    primes = _primes(DeepseekV41Config.from_dict(hf_config(cfg)))
-    cfg["engram_num_embeddings"] = [int(sum(p for per_n in layer for p in per_n)) for layer in primes]
+    primes = bucket_primes(len(cfg["engram_layer_ids"]), cfg["engram_max_ngram_size"], cfg["engram_n_heads"],
+                           cfg["engram_vocab_size"])
+    cfg["engram_num_embeddings"] = [int(layer.sum()) for layer in primes]
     return cfg
-
-
-def _primes(cfg) -> list:
-    from deepinfer.models.deepseek_v41.engram import is_prime
-
-    seen, out = set(), []
-    for _ in cfg.engram_layer_ids:
-        per_ngram = []
-        for _ in range(cfg.engram_max_ngram_size - 1):
-            current, sizes = cfg.engram_vocab_size - 1, []
-            for _ in range(cfg.engram_n_heads):
-                current += 1
-                while current in seen or not is_prime(current):
-                    current += 1
-                seen.add(current)
-                sizes.append(current)
-            per_ngram.append(sizes)
-        out.append(per_ngram)
-    return out
 
 
 def hf_config(text: dict, quantized: bool = True) -> dict:
     out = {"architectures": ["DeepseekV41ForCausalLM"], "model_type": "deepseek_v41", "dtype": "bfloat16",
            "bos_token_id": BOS, "eos_token_id": EOS, "pad_token_id": PAD, "text_config": text}
     if quantized:
-        out["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [32, 32],
-                                      "scale_fmt": "ue8m0", "expert_dtype": "fp4"}
+        out["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                      "weight_block_size": [32, 32], "scale_fmt": "ue8m0", "expert_dtype": "fp4"}
     return out
 
 
@@ -193,12 +174,7 @@ class TinyV41(torch.nn.Module):
         for name in specs:
             if name.endswith("gate.bias"):
                 getattr(self, name.replace(".", "__")).requires_grad_(False)  # moved by the balancing rule
-        self.register_buffer("token_map", token_map)
-        layout = EngramLayout.from_config(cfg)
-        self.register_buffer("primes", torch.from_numpy(layout.primes))
-        self.register_buffer("offsets", torch.from_numpy(layout.offsets))
-        self.register_buffer("multipliers", torch.from_numpy(layout.multipliers))
-        self.pad_class = int(token_map[cfg.engram_pad_token_id])
+        self.hasher = EngramHash(cfg, token_map.numpy(), torch.device("cpu"))  # deepinfer's own hashing
         self.load = {}  # router name -> expert counts of the step (balancing)
 
     @staticmethod
@@ -270,37 +246,25 @@ class TinyV41(torch.nn.Module):
             inner = inner * weights[rows, slot, None]
             out = out.index_add(0, rows, F.linear(fq_act(inner) if self.quantized else inner, fq_weight(down[e], kind)))
         s = p + "shared_experts."
-        g, u = torch.cat([F.linear(xq, self.w(s + "w1.weight")), F.linear(xq, self.w(s + "w3.weight"))], -1).chunk(2, -1)
+        g, u = F.linear(xq, self.w(s + "w1.weight")), F.linear(xq, self.w(s + "w3.weight"))
         inner = F.silu(g.clamp(max=cfg.swiglu_limit)) * u.clamp(-cfg.swiglu_limit, cfg.swiglu_limit)
         return (out + self.qlinear(inner, s + "w2.weight")).view_as(h)
 
     def engram(self, i, x, ids):
         """x [B, L, N, D] += gate * value of the n-gram rows of layer i."""
         cfg, p = self.cfg, f"layers.{i}.engram."
-        b, length, n, d = x.shape
-        classes = self.token_map[ids]  # [B, L]
+        classes = self.hasher.classes(ids)  # [B, L]
         cols = [classes]
         for k in range(1, cfg.engram_max_ngram_size):
-            cols.append(torch.cat([torch.full_like(classes[:, :k], self.pad_class), classes[:, :-k]], 1))
+            cols.append(torch.cat([torch.full_like(classes[:, :k], self.hasher.pad), classes[:, :-k]], 1))
         c = torch.stack(cols, -1)  # [B, L, ngram]
-        li = cfg.engram_layer_ids.index(i)
-        products = c * self.multipliers[li]
-        rolling, hashes = products[..., 0], []
-        for k in range(1, cfg.engram_max_ngram_size):
-            rolling = torch.bitwise_xor(rolling, products[..., k])
-            hashes.append(rolling.unsqueeze(-1) % self.primes[li, k - 1])
-        rows_ids = torch.cat(hashes, -1) + self.offsets[li]
+        rows_ids = self.hasher(c.flatten(0, 1))[:, cfg.engram_layer_ids.index(i)].unflatten(0, c.shape[:2])
         table = self.p(p + "embed.weight")
         if self.quantized:  # FP8 with E8M0 per 32 of a row, as stored
             table = ste(table, ref.fp8_qdq(table.detach(), 32))
         rows = table[rows_ids].flatten(-2)  # [B, L, cols * ehd]
         kv = self.qlinear(rows, p + "wkv.weight")
-        key, value = kv[..., :n * d].unflatten(-1, (n, d)), kv[..., n * d:]
-        eps = cfg.rms_norm_eps
-        rstd = torch.rsqrt(x.square().mean(-1) + eps) * torch.rsqrt(key.square().mean(-1) + eps)
-        dot = (x * (self.p(p + "q_weight") * self.p(p + "k_weight")) * key).sum(-1) * rstd * d ** -0.5
-        gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
-        return x + gate.unsqueeze(-1) * value.unsqueeze(-2)
+        return engram_update(x, kv, self.p(p + "q_weight") * self.p(p + "k_weight"), cfg.rms_norm_eps)
 
     # ------------------------------------------------------------------ attention
     def attention(self, i, h, state, tables, losses):
@@ -347,8 +311,8 @@ class TinyV41(torch.nn.Module):
         return self.qlinear(out, a + "wo_b.weight")
 
     def compress(self, i, h, state, tables):
-        cfg, role, c = self.cfg, self.cfg.roles[i], f"layers.{i}.attn."
-        b, length, _ = h.shape
+        role, c = self.cfg.roles[i], f"layers.{i}.attn."
+        length = h.shape[1]
         if role.rate == 1:
             latent = F.linear(h, self.p(c + "compressor.wkv.weight"))
         else:
@@ -393,7 +357,7 @@ class TinyV41(torch.nn.Module):
         cfg = self.cfg
         b, length = ids.shape
         pos = torch.arange(length).numpy()
-        tables = {k: tuple(t for t in r.cos_sin(pos)) for k, r in (("main", cfg.rope_main), ("compress", cfg.rope_compress))}
+        tables = {"main": cfg.rope_main.cos_sin(pos), "compress": cfg.rope_compress.cos_sin(pos)}
         state = {"kv": {}, "picks": {}, "scores": {}, "tables": tables}
         losses: dict = {}
         x = self.p("embed.weight")[ids].unsqueeze(2).expand(b, length, cfg.hc_mult, -1)
@@ -410,7 +374,9 @@ class TinyV41(torch.nn.Module):
         h = rms((pre.unsqueeze(-1) * x).sum(-2), self.p("norm.weight"))
         logits = F.linear(h, self.p("head.weight"))
         # the drafter learns from the backbone, frozen for its loss (its context, targets, embedding, head)
-        dspark = self.dspark(ids, torch.cat(features, -1).detach(), logits.detach(), tables, anchors) if anchors else None
+        dspark = None
+        if anchors:
+            dspark = self.dspark(ids, torch.cat(features, -1).detach(), logits.detach(), tables, anchors)
         return logits, losses, dspark
 
     # ------------------------------------------------------------------ DSpark
@@ -509,7 +475,8 @@ class TinyV41(torch.nn.Module):
             elif name.endswith(("experts.gate_up", "experts.down")):
                 prefix = name.rsplit(".", 1)[0]
                 for e in range(t.shape[0]):
-                    parts = {"w1": t[e].chunk(2)[0], "w3": t[e].chunk(2)[1]} if name.endswith("gate_up") else {"w2": t[e]}
+                    halves = t[e].chunk(2)
+                    parts = {"w1": halves[0], "w3": halves[1]} if name.endswith("gate_up") else {"w2": t[e]}
                     for w, part in parts.items():
                         key = f"{prefix}.{e}.{w}."
                         if self.quantized:
@@ -661,7 +628,8 @@ def main():
             raise SystemExit(f"non-finite loss at step {step}")
         if step % args.log_every == 0 or step == 1 or step == total:
             rec = dict(step=step, loss=round(ce.item(), 4), indexer_kl=round(idx.item(), 4),
-                       dspark=round(float(draft.detach()), 4) if draft is not None else None, lr=lr, grad_norm=round(gn.item(), 3),
+                       dspark=round(float(draft.detach()), 4) if draft is not None else None, lr=lr,
+                       grad_norm=round(gn.item(), 3),
                        max_load_ratio=round(imbalance, 3), epoch=epoch, elapsed_s=round(time.time() - t_train, 1))
             log.append(rec)
             print(json.dumps(rec), flush=True)
@@ -669,7 +637,8 @@ def main():
 
     tot, cnt = heldout_nll(model, held_stream, args.eval_seq_len)
     loss_train = tot / cnt
-    print(f"held-out (training forward, fake-quantized): loss {loss_train:.4f} ppl {math.exp(loss_train):.2f}", flush=True)
+    print(f"held-out (training forward, fake-quantized): loss {loss_train:.4f} ppl {math.exp(loss_train):.2f}",
+          flush=True)
     from safetensors.torch import save_file
 
     save_file({k: v.contiguous() for k, v in model.export().items()}, str(out / "model.safetensors"))

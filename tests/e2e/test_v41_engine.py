@@ -145,7 +145,8 @@ def test_ced_split_runs_the_decoder_on_the_tail(invariant, monkeypatch, config):
     ps = prompts([200, 333, 141], seed=5)
     params = SamplingParams(max_tokens=8, top_logprobs=3, **GREEDY)
     outs = {mode: _llm(monkeypatch, mode, config=config).generate(prompt_token_ids=ps, sampling_params=params,
-                                                                  use_tqdm=False) for mode in ("compact", "mask", "off")}
+                                                                  use_tqdm=False)
+            for mode in ("compact", "mask", "off")}
     for mode in ("mask", "off"):
         assert tokens(outs["compact"]) == tokens(outs[mode])
         for a, b in zip(outs["compact"], outs[mode]):
@@ -178,7 +179,8 @@ def test_seeded_sampling_is_independent_of_the_batch(invariant):
     alone = llm.generate(prompt_token_ids=ps[:1], sampling_params=params, use_tqdm=False)[0]
     others = prompts([70, 5, 33], seed=8)
     mixed = llm.generate(prompt_token_ids=others + ps[:1], use_tqdm=False,
-                         sampling_params=[SamplingParams(temperature=1.0, max_tokens=25, ignore_eos=True)] * 3 + [params])
+                         sampling_params=[SamplingParams(temperature=1.0, max_tokens=25, ignore_eos=True)] * 3
+                         + [params])
     assert alone.outputs[0].token_ids == mixed[-1].outputs[0].token_ids
     other = llm.generate(prompt_token_ids=ps[:1], use_tqdm=False,
                          sampling_params=SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True, seq_seed=99))
@@ -188,8 +190,8 @@ def test_seeded_sampling_is_independent_of_the_batch(invariant):
 def test_structured_outputs():
     llm = LLM(model_dir(), max_num_seqs=16)
     regex = r"[0-9]{3}-[a-z]{2,5}"
-    params = [SamplingParams(temperature=1.0, max_tokens=48, seq_seed=s, so_args={"schema_type": "regex", "schema": regex})
-              for s in range(8)]
+    so_args = {"schema_type": "regex", "schema": regex}
+    params = [SamplingParams(temperature=1.0, max_tokens=48, seq_seed=s, so_args=so_args) for s in range(8)]
     outs = llm.generate(prompt_token_ids=[[0, 17, 42, 99, 7]] * len(params), sampling_params=params, use_tqdm=False)
     for out in outs:
         assert out.outputs[0].finish_reason == "stop"

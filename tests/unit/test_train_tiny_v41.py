@@ -60,7 +60,8 @@ def golden_net(trainer, config: str):
             net.p(name).copy_(t)
         for stack, parts in experts.items():
             n = 1 + max(e for e, _ in parts)
-            net.p(stack + ".gate_up").copy_(torch.stack([torch.cat([parts[(e, "w1")], parts[(e, "w3")]]) for e in range(n)]))
+            gate_up = [torch.cat([parts[(e, "w1")], parts[(e, "w3")]]) for e in range(n)]
+            net.p(stack + ".gate_up").copy_(torch.stack(gate_up))
             net.p(stack + ".down").copy_(torch.stack([parts[(e, "w2")] for e in range(n)]))
     return net, cfg, cls, weights, extra
 

@@ -84,7 +84,8 @@ class DeepseekV41ChatFormat(ChatFormat):
             last = i + 1 == len(turns)
             if not last and turns[i + 1]["role"] != "assistant":
                 continue
-            if role in ("user", "developer") or (role == "system" and i > 0) or (last and role in ("system", "assistant")):
+            answered = role in ("user", "developer") or (role == "system" and i > 0)
+            if answered or (last and role in ("system", "assistant")):
                 out.append(ASSISTANT + (THINK if thinking and (not drop or i >= last_user) else END_THINK))
         return "".join(out)
 

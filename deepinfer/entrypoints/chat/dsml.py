@@ -65,8 +65,8 @@ class Dialect:
         self.CALLS_CLOSE = f"</{DSML}{calls}>"
         self.INVOKE_HEAD = f"<{DSML}{invoke}"
         self.INVOKE_CLOSE = f"</{DSML}{invoke}>"
-        self._invoke = re.compile(rf'{re.escape(self.INVOKE_HEAD)}\s+name="([^"]*)"\s*>(.*){re.escape(self.INVOKE_CLOSE)}',
-                                  re.DOTALL)
+        head, close = re.escape(self.INVOKE_HEAD), re.escape(self.INVOKE_CLOSE)
+        self._invoke = re.compile(rf'{head}\s+name="([^"]*)"\s*>(.*){close}', re.DOTALL)
         p_open, p_close = re.escape(f"<{DSML}{parameter}"), re.escape(f"</{DSML}{parameter}>")
         self._param = re.compile(rf'{p_open}\s+name="([^"]*)"\s+string="(true|false)"\s*>(.*?){p_close}', re.DOTALL)
 
