@@ -75,6 +75,23 @@ def token_classes(tokenizer_file: str | os.PathLike) -> np.ndarray:
     return lookup
 
 
+def bucket_primes(layers: int, ngram: int, heads: int, vocab_size: int) -> np.ndarray:
+    """[layers, ngram - 1, heads]: per bucket the next prime above vocab_size - 1 not used before
+    (engram_num_embeddings of each layer is the sum of its row)."""
+    seen: set[int] = set()
+    primes = np.zeros((layers, ngram - 1, heads), dtype=np.int64)
+    for i in range(layers):
+        for n in range(ngram - 1):
+            current = vocab_size - 1
+            for h in range(heads):
+                current += 1
+                while current in seen or not is_prime(current):
+                    current += 1
+                seen.add(current)
+                primes[i, n, h] = current
+    return primes
+
+
 @dataclass(frozen=True, slots=True)
 class EngramLayout:
     """Bucket sizes and multipliers of every Engram layer."""
@@ -85,18 +102,8 @@ class EngramLayout:
 
     @classmethod
     def from_config(cls, cfg: DeepseekV41Config) -> "EngramLayout":
-        ngram, heads = cfg.engram_max_ngram_size, cfg.engram_n_heads
-        seen: set[int] = set()
-        primes = np.zeros((len(cfg.engram_layer_ids), ngram - 1, heads), dtype=np.int64)
-        for i in range(len(cfg.engram_layer_ids)):
-            for n in range(ngram - 1):
-                current = cfg.engram_vocab_size - 1
-                for h in range(heads):
-                    current += 1
-                    while current in seen or not is_prime(current):
-                        current += 1
-                    seen.add(current)
-                    primes[i, n, h] = current
+        ngram = cfg.engram_max_ngram_size
+        primes = bucket_primes(len(cfg.engram_layer_ids), ngram, cfg.engram_n_heads, cfg.engram_vocab_size)
         flat = primes.reshape(len(primes), -1)
         offsets = np.cumsum(flat, axis=1) - flat
         bound = max(1, (np.iinfo(np.int64).max // cfg.engram_compressed_vocab_size) // 2)
@@ -107,6 +114,39 @@ class EngramLayout:
                 raise ConfigError(f"Engram layer {layer}: its buckets (primes from engram_vocab_size "
                                   f"{cfg.engram_vocab_size}) hold {rows} rows, engram_num_embeddings says {want}")
         return cls(primes, offsets, multipliers)
+
+
+def checkpoint_token_map(cfg: DeepseekV41Config) -> np.ndarray:
+    """The token classes of the checkpoint's tokenizer.json (next to its config.json), checked against
+    engram_compressed_vocab_size (every multiplier derives from it), as [vocab_size] int64."""
+    path = os.path.join(cfg.checkpoint_dir or "", "tokenizer.json")
+    if not cfg.checkpoint_dir or not os.path.isfile(path):
+        raise ConfigError(f"Engram (engram_layer_ids {cfg.engram_layer_ids}) hashes token classes built from the "
+                          f"checkpoint's tokenizer: no tokenizer.json next to its config.json ({path!r})")
+    lookup = token_classes(path)
+    classes = int(lookup.max()) + 1
+    if classes != cfg.engram_compressed_vocab_size:
+        raise ConfigError(f"{path} gives {classes} Engram token classes, the config says engram_compressed_vocab_size "
+                          f"{cfg.engram_compressed_vocab_size}: not this model's tokenizer")
+    if len(lookup) < cfg.vocab_size:  # ids past the tokenizer (vocabulary padding): classes of their own
+        lookup = np.concatenate([lookup, classes + np.arange(cfg.vocab_size - len(lookup))])
+    return lookup[:cfg.vocab_size]
+
+
+def engram_update(streams: torch.Tensor, kv: torch.Tensor, qk_weight: torch.Tensor, eps: float,
+                  shut: torch.Tensor | None = None) -> torch.Tensor:
+    """copies [..., N, D] + gate * value, from kv [..., (N + 1) D] (one key per copy, then the shared value):
+    gate = sigmoid(signed sqrt(max(|dot|, 1e-6))), dot = <h, qk_weight * key> / (rms h * rms key * sqrt(D)),
+    each copy normalised on its own; 0 where `shut` (bool [...]: image rows). The trainer
+    (tools/train_tiny_v41.py) differentiates through it."""
+    hc, d = streams.shape[-2:]
+    key, value = kv[..., :hc * d].unflatten(-1, (hc, d)), kv[..., hc * d:]
+    rstd = torch.rsqrt(streams.square().mean(-1) + eps) * torch.rsqrt(key.square().mean(-1) + eps)
+    dot = (streams * qk_weight * key).sum(-1) * rstd * d ** -0.5
+    gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
+    if shut is not None:
+        gate = gate.masked_fill(shut.unsqueeze(-1), 0.0)
+    return streams + gate.unsqueeze(-1) * value.unsqueeze(-2)
 
 
 class EngramHash:

@@ -27,9 +27,6 @@ reading no window key before that tail; `mask` computes every row with the same 
 
 from __future__ import annotations
 
-import os
-
-import numpy as np
 import torch
 
 from deepinfer import envs
@@ -39,7 +36,7 @@ from deepinfer.models.base import (CausalLM, ConfigError, MultimodalItem, Multim
                                    StepInput, TensorSpec)
 from deepinfer.models.deepseek_v41 import moe, weights as checkpoint
 from deepinfer.models.deepseek_v41.config import ACT_BLOCK, DeepseekV41Config
-from deepinfer.models.deepseek_v41.engram import EngramHash, lookup_rows, token_classes
+from deepinfer.models.deepseek_v41.engram import EngramHash, checkpoint_token_map, engram_update, lookup_rows
 from deepinfer.models.deepseek_v41.indexer import select_candidate_blocks, topk_picks
 from deepinfer.models.deepseek_v41.multimodal import encode_items, expand_prompt
 from deepinfer.models.deepseek_v41.numerics import bf16
@@ -103,24 +100,10 @@ class DeepseekV41Model(CausalLM):
             else:  # the ranks keep only their own experts; rows travel with their routing weights
                 self.experts.append(ep.add_layer(self.w.pop(p + "gate_up"), self.w.pop(p + "down"),
                                                  config.num_experts_per_tok, self.limit, experts=self._expert_rows))
-        self.engram = EngramHash(config, self._token_map(), accel.device) if config.engram_layer_ids else None
+        self.engram = None
+        if config.engram_layer_ids:
+            self.engram = EngramHash(config, checkpoint_token_map(config), accel.device)
         self._views: tuple[StateCache, CacheView] | None = None
-
-    def _token_map(self) -> np.ndarray:
-        cfg = self.config
-        path = os.path.join(cfg.checkpoint_dir or "", "tokenizer.json")
-        if not cfg.checkpoint_dir or not os.path.isfile(path):
-            raise ConfigError(f"Engram (engram_layer_ids {cfg.engram_layer_ids}) hashes token classes built from the "
-                              f"checkpoint's tokenizer: no tokenizer.json next to its config.json ({path!r})")
-        lookup = token_classes(path)
-        classes = int(lookup.max()) + 1
-        if classes != cfg.engram_compressed_vocab_size:
-            raise ConfigError(f"{path} gives {classes} Engram token classes, the config says "
-                              f"engram_compressed_vocab_size {cfg.engram_compressed_vocab_size}: not this model's "
-                              "tokenizer")
-        if len(lookup) < cfg.vocab_size:  # ids the tokenizer does not have (vocab padding): their own classes
-            lookup = np.concatenate([lookup, classes + np.arange(cfg.vocab_size - len(lookup))])
-        return lookup[:cfg.vocab_size]
 
     def _expert_rows(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
                      down: torch.Tensor) -> torch.Tensor:
@@ -190,7 +173,9 @@ class DeepseekV41Model(CausalLM):
         cfg, ops, w = self.config, self.accel, self.w
         meta = meta if meta is not None else self.prepare(inp, cache)
         logit_rows = logit_rows.cpu().numpy()
-        self._split_decoder(meta, logit_rows, feature_rows)
+        if meta.decoder is meta.all and cfg.first_decoder_layer < cfg.num_hidden_layers:
+            meta.split_decoder(logit_rows, envs.get("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE"),
+                               envs.get("DEEPINFER_YOCO_PREFILL_KEEP_TOKENS"))
         rows, state = meta.all, StepState()
         x = bf16(ops.embedding(meta.ids, w["embed.weight"]))
         image = self._image_rows(inp, x.shape[0], x.device)
@@ -254,30 +239,6 @@ class DeepseekV41Model(CausalLM):
         if bool((at >= rows.count).any()) or not torch.equal(rows.dev["flat"][at.clamp(max=rows.count - 1)], flat):
             raise RuntimeError("a requested row was not computed by the decoder layers (CED split)")
         return at
-
-    # ------------------------------------------------------------ CED split
-    def _split_decoder(self, meta: StepMeta, logit_rows: np.ndarray, feature_rows: torch.Tensor | None) -> None:
-        cfg = self.config
-        if cfg.first_decoder_layer >= cfg.num_hidden_layers or meta.decoder is not meta.all:
-            return
-        mode = envs.get("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE")
-        keep = envs.get("DEEPINFER_YOCO_PREFILL_KEEP_TOKENS")
-        if mode == "off":
-            return
-        tail = meta.first + meta.lens - keep  # first flat row of each sequence's tail
-        wanted = np.concatenate([logit_rows, feature_rows.cpu().numpy() if feature_rows is not None else []])
-        seq_of = np.searchsorted(meta.first + meta.lens, wanted, side="right")
-        early = np.zeros(len(meta.lens), dtype=bool)
-        early[seq_of[wanted < tail[seq_of]]] = True  # rows before the tail are needed: run in full
-        cut = (meta.lens > keep) & ~early
-        if not cut.any():
-            return
-        floor = meta.floor.copy() if meta.floor is not None else np.zeros(meta.num_tokens, dtype=np.int64)
-        tail_pos = (meta.ends - keep)[meta.seq]
-        in_tail = cut[meta.seq] & (meta.positions >= tail_pos)
-        floor = np.where(in_tail, tail_pos, floor)
-        tokens = np.arange(meta.num_tokens) if mode == "mask" else np.flatnonzero(~cut[meta.seq] | in_tail)
-        meta.plan_decoder(tokens, floor[tokens])
 
     # ------------------------------------------------------------ attention
     def _attention(self, i: int, h: torch.Tensor, meta: StepMeta, rows: Rows, state: StepState) -> torch.Tensor:
@@ -407,19 +368,11 @@ class DeepseekV41Model(CausalLM):
 
     def _engram(self, i: int, streams: torch.Tensor, hashes: torch.Tensor,
                 image: torch.Tensor | None = None) -> torch.Tensor:
-        """copies += gate * value: rows of the n-gram table -> one key per copy and a shared value;
-        gate = sigmoid(signed sqrt(<h, q_w k_w key> / (rms h * rms key * sqrt(D)))); 0 for image rows."""
+        """Layer i's Engram on the copies: its rows of the n-gram table, one key per copy and a shared value;
+        the gate shut on image rows."""
         cfg, w = self.config, self.w
         p = f"layers.{i}.engram."
-        n, hc, d = streams.shape
         ids = hashes[:, cfg.engram_layer_ids.index(i)]
         rows = lookup_rows(self.tables[p + "embed.weight"], self.tables[p + "embed.scale"], ids, streams.device)
         kv = self.qlinear(rows.flatten(1), w[p + "wkv.weight"])  # bf16 out
-        key, value = kv[:, :hc * d].view(n, hc, d), kv[:, hc * d:]
-        eps = cfg.rms_norm_eps
-        rstd = torch.rsqrt(streams.square().mean(-1) + eps) * torch.rsqrt(key.square().mean(-1) + eps)
-        dot = (streams * (w[p + "q_weight"] * w[p + "k_weight"]) * key).sum(-1) * rstd * d ** -0.5
-        gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
-        if image is not None:
-            gate = gate.masked_fill(image.unsqueeze(-1), 0.0)
-        return bf16(streams + gate.unsqueeze(-1) * value.unsqueeze(1))
+        return bf16(engram_update(streams, kv, w[p + "q_weight"] * w[p + "k_weight"], cfg.rms_norm_eps, shut=image))

@@ -243,7 +243,24 @@ class StepMeta:
         return {k: (tuple(map(move, v)) if isinstance(v, tuple) else v if isinstance(v, int) else move(v))
                 for k, v in info.items()}
 
-    def plan_decoder(self, tokens: np.ndarray, floor: np.ndarray) -> None:
-        """Run the decoder layers on `tokens` only (the CED split): per token, window keys below `floor`
-        were not computed by those layers and read as absent."""
-        self.decoder = Rows(self, tokens, floor)
+    def split_decoder(self, logit_rows: np.ndarray, mode: str, keep: int) -> None:
+        """The CED split (model.py's doc): the decoder layers run on each long chunk's last `keep` rows
+        (compact), or on every row with the same masking (mask, a check); off: every row, exact. A
+        sequence whose step needs logits of any row but its last (prompt logprobs) runs in full: the
+        decoder's window, and everything it feeds, would reach below the tail for those rows. (The
+        DSpark drafter's context rows, the last window + margin positions, lie in the tail.)"""
+        if mode == "off":
+            return
+        last = self.first + self.lens - 1
+        seq_of = np.searchsorted(last, logit_rows)
+        full = np.zeros(len(self.lens), dtype=bool)
+        full[seq_of[logit_rows != last[seq_of]]] = True
+        cut = (self.lens > keep) & ~full
+        if not cut.any():
+            return
+        floor = self.floor.copy() if self.floor is not None else np.zeros(self.num_tokens, dtype=np.int64)
+        tail_pos = (self.ends - keep)[self.seq]
+        in_tail = cut[self.seq] & (self.positions >= tail_pos)
+        floor = np.where(in_tail, tail_pos, floor)
+        tokens = np.arange(self.num_tokens) if mode == "mask" else np.flatnonzero(~cut[self.seq] | in_tail)
+        self.decoder = Rows(self, tokens, floor[tokens])
