@@ -41,6 +41,27 @@ def deterministic_sampling_gaps(accel, drafting: bool) -> list[str]:
     return missing
 
 
+def _prompt_entry(prompt, i: int) -> tuple[str | None, list[int] | None, dict | None]:
+    """(text, token ids, multi_modal_data) of one `prompts` element: a string, or a dict with "prompt"
+    or "prompt_token_ids" and optionally "multi_modal_data" (vLLM's TextPrompt / TokensPrompt)."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError(f"prompts[{i}] is empty")
+        return prompt, None, None
+    if not isinstance(prompt, dict):
+        raise TypeError(f"prompts[{i}] is {type(prompt).__name__}, expected str or dict")
+    unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data"})
+    if unknown:
+        raise ValueError(f"prompts[{i}] has unknown keys {unknown}; a prompt dict takes 'prompt' or "
+                         "'prompt_token_ids', and 'multi_modal_data'")
+    text, ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
+    if (text is None) == (ids is None):
+        raise ValueError(f"prompts[{i}] needs one of 'prompt' (text) or 'prompt_token_ids'")
+    if text is not None and (not isinstance(text, str) or not text):
+        raise ValueError(f"prompts[{i}]['prompt'] must be a non-empty string")
+    return text, None if ids is None else list(ids), prompt.get("multi_modal_data")
+
+
 class LLM:
     def __init__(self, model: str | os.PathLike | None = None, tokenizer: str | os.PathLike | None = None, *,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
@@ -93,13 +114,21 @@ class LLM:
         self.engine = LLMEngine(model, self.accel, config, tokenizer)
         self.tokenizer = self.engine.tokenizer
 
-    def generate(self, prompts: str | Sequence[str] | None = None,
+    def generate(self, prompts: str | dict | Sequence[str | dict] | None = None,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  prompt_token_ids: Sequence[Sequence[int]] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, multi_modal_data: dict | Sequence[dict | None] | None = None
+                 ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order. Invalid input raises
-        before any request is queued, so the engine stays ready for the next call."""
-        token_lists, texts = self._inputs(prompts, prompt_token_ids)
+        before any request is queued, so the engine stays ready for the next call.
+
+        Multimodal input (a model with an encoder, e.g. DeepSeek-V4.1's images): a prompt may be a dict
+        as vLLM takes it, {"prompt": "... <image> ...", "multi_modal_data": {"image": item or [items]}}
+        (or "prompt_token_ids" instead of "prompt"), or `multi_modal_data` gives one such dict per prompt
+        (None for a text prompt; a single dict with a single prompt). An image is a PIL.Image, encoded
+        bytes or a file path; each goes where the prompt has a placeholder (`<image>`, or the model's own
+        spelling), in order."""
+        token_lists, texts, mm_items = self._inputs(prompts, prompt_token_ids, multi_modal_data)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -114,10 +143,11 @@ class LLM:
                     raise TypeError(f"sampling_params[{i}] is {type(p).__name__}, expected SamplingParams")
         if self.parallel is not None:  # the ranks validate, schedule and run; outputs come back in order
             return self.parallel.generate(token_lists, params, texts)
-        self._check_requests(token_lists, params)
+        self._check_requests(token_lists, params, mm_items)
         if not self._seed_warned and any(p.seq_seed is not None for p in params):
             self._warn_if_not_deterministic()
-        requests = [self.engine.add_request(ids, p, text) for ids, p, text in zip(token_lists, params, texts)]
+        requests = [self.engine.add_request(ids, p, text, mm_items=items)
+                    for ids, p, text, items in zip(token_lists, params, texts, mm_items)]
         try:
             self._run(len(requests), use_tqdm)
         except BaseException:
@@ -143,29 +173,48 @@ class LLM:
         if self.engine is not None:
             self.engine.close()
 
-    def _inputs(self, prompts, prompt_token_ids):
+    def _inputs(self, prompts, prompt_token_ids, multi_modal_data):
+        """(token ids, prompt texts, multimodal items) per prompt; multimodal prompts are expanded."""
         if prompts is not None and prompt_token_ids is not None:
             raise ValueError("give prompts or prompt_token_ids, not both")
         if prompt_token_ids is not None:
-            lists = [list(ids) for ids in prompt_token_ids]
-            return lists, [None] * len(lists)
-        if prompts is None:
-            raise ValueError("generate() needs prompts (strings) or prompt_token_ids")
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        if self.tokenizer is None:
+            entries = [(None, list(ids), None) for ids in prompt_token_ids]
+        elif prompts is None:
+            raise ValueError("generate() needs prompts (strings or dicts) or prompt_token_ids")
+        else:
+            entries = [_prompt_entry(p, i) for i, p in enumerate([prompts] if isinstance(prompts, (str, dict))
+                                                                  else prompts)]
+        if multi_modal_data is not None:
+            data = [multi_modal_data] if isinstance(multi_modal_data, dict) else list(multi_modal_data)
+            if len(data) != len(entries):
+                raise ValueError(f"multi_modal_data has {len(data)} entries for {len(entries)} prompts; give one "
+                                 "dict (or None) per prompt")
+            for i, ((text, ids, own), extra) in enumerate(zip(entries, data)):
+                if own is not None and extra is not None:
+                    raise ValueError(f"prompt {i} has multi_modal_data in its dict and in the multi_modal_data "
+                                     "argument; give it once")
+                entries[i] = (text, ids, own if own is not None else extra)
+        if any(mm is not None for _, _, mm in entries) and self.parallel is not None:
+            raise ValueError("multi_modal_data is not supported with parallel layouts (expert/data/"
+                             "context_parallel_size > 1) yet; run the multimodal model in one process")
+        if any(ids is None for _, ids, _ in entries) and self.tokenizer is None:
             raise ValueError("this model directory has no tokenizer.json: pass prompt_token_ids, or tokenizer=...")
-        for i, p in enumerate(prompts):
-            if not isinstance(p, str):
-                raise TypeError(f"prompts[{i}] is {type(p).__name__}, expected str")
-            if not p:
-                raise ValueError(f"prompts[{i}] is empty")
-        return [self.tokenizer.encode(p) for p in prompts], list(prompts)
+        token_lists, texts, items = [], [], []
+        for i, (text, ids, mm) in enumerate(entries):
+            if ids is None:
+                ids = self.tokenizer.encode(text, placeholders=self.engine.multimodal_placeholders if mm else None)
+            found = []
+            if mm is not None:
+                ids, found = self.engine.process_multimodal(ids, mm, what=f"prompt {i}")
+            token_lists.append(ids)
+            texts.append(text)
+            items.append(found)
+        return token_lists, texts, items
 
-    def _check_requests(self, token_lists, params) -> None:
+    def _check_requests(self, token_lists, params, mm_items) -> None:
         """Validate every request before queueing any, so a bad one leaves nothing behind."""
-        for i, (ids, p) in enumerate(zip(token_lists, params)):
-            self.engine.validate_request(ids, p, what=f"prompt {i}")
+        for i, (ids, p, items) in enumerate(zip(token_lists, params, mm_items)):
+            self.engine.validate_request(ids, p, what=f"prompt {i}", mm_items=items)
 
     def _warn_if_not_deterministic(self) -> None:
         """seq_seed alone does not make reruns identical; say once which condition is missing."""

@@ -157,3 +157,60 @@ def check_unclamped_experts(acc, t: int, tol: float) -> None:
     out, expected = run(acc, "swiglu", gate, up, math.inf)
     assert_close("swiglu", out, expected, tol)
     assert torch.equal(expected, torch.nn.functional.silu(gate) * up)
+
+
+# DeepSeek-V4.1's ops: its quantize-dequantize points (bit-exact everywhere), the lagged mHC split
+# (mixes, collapse), the indexer's bf16-rounded scores and its bf16-probability sparse attention.
+# op -> tolerance (as assert_close; 0.0 = bit for bit; "ulp": within 1 bf16 ulp of the reference).
+# sparse_attention_bf16: an exp one float32 ulp off can move a probability across a bf16 rounding
+# boundary, one bf16 ulp of that probability times a value (measured 4.5e-5 relative, interpreter).
+V41_OPS = {"fp8_qdq": 0.0, "fp4_qdq": 0.0, "fp4_qdq_e4m3": 0.0, "hc_mixes": 1e-5, "hc_collapse": 1e-6,
+           "indexer_scores": "ulp", "sparse_attention_bf16": 1e-4}
+
+
+def v41_op_inputs(op: str, t: int) -> tuple:
+    """Inputs for t tokens. The quantizers get values over 20 binades, exact zeros, an all-zero group,
+    values at the FP8 limit and e2m1 midpoints (ties), in groups that split rows unevenly. The
+    attention and the indexer get bf16 values (what V4.1 feeds them), index lists with -1 entries and
+    one token with none, over more than one 64-index block."""
+    gen = seeded(41, t, list(V41_OPS).index(op))
+    if op.startswith("fp"):
+        x = randn(gen, t, 96) * torch.exp2(torch.randint(-10, 10, (t, 96), generator=gen).float())
+        x[0, :32] = 0.0
+        x[-1, 32:36] = torch.tensor([448.0, -448.0, 0.75, 2.5]) * 2.0 ** 5
+        x[:, 40] = 0.0
+        return (x, 16 if op == "fp4_qdq_e4m3" else 32) + ((True,) if op == "fp4_qdq_e4m3" else ())
+    if op in ("hc_mixes", "hc_collapse"):
+        n, d = 4, 48
+        streams = randn(gen, t, n, d)
+        if op == "hc_collapse":
+            return streams, torch.rand(t, n, generator=gen) + 0.5
+        return (streams, randn(gen, (2 + n) * n, n * d, scale=0.1), randn(gen, (2 + n) * n, scale=0.2),
+                torch.rand(3, generator=gen), 1e-20, 1e-6, 20)
+    bf16 = lambda x: x.to(torch.bfloat16).float()  # noqa: E731
+    if op == "indexer_scores":
+        cand = indices(gen, t, 70, 60)
+        cand[0] = -1
+        return bf16(randn(gen, t, 8, 32)), bf16(randn(gen, t, 8) * 0.0625), bf16(randn(gen, 60, 32)), cand
+    idx = indices(gen, t, 150, 90)
+    idx[0] = -1
+    return bf16(randn(gen, t, 6, 64)), bf16(randn(gen, 90, 64)), idx, randn(gen, 6), 64 ** -0.5
+
+
+def check_v41_op(acc, op: str, t: int) -> None:
+    """A V4.1 op on a backend against the cpu reference on the same inputs: every output."""
+    name = "fp4_qdq" if op == "fp4_qdq_e4m3" else op
+    out, expected = run(acc, name, *v41_op_inputs(op, t))
+    out, expected = (out, expected) if isinstance(expected, tuple) else ((out,), (expected,))
+    for o, e in zip(out, expected, strict=True):
+        o = o.cpu()
+        if op == "indexer_scores":  # -inf exactly where the reference has it, finite values close
+            assert torch.equal(torch.isinf(o), torch.isinf(e)), f"{op}: -inf pattern differs"
+            o, e = o.masked_fill(torch.isinf(e), 0.0), e.masked_fill(torch.isinf(e), 0.0)
+        if V41_OPS[op] == "ulp":  # bf16 outputs: at most one bf16 ulp apart (the head sum's order)
+            step = torch.exp2(torch.floor(torch.log2(e.abs().clamp_min(1e-30))) - 7)
+            assert bool(((o - e).abs() <= step).all()), f"{op}: more than 1 bf16 ulp from the reference"
+        elif V41_OPS[op] == 0.0:  # bit for bit (the sign of zero included)
+            assert o.dtype == e.dtype and torch.equal(o.view(torch.int32), e.view(torch.int32)), f"{op}: bits differ"
+        else:
+            assert_close(op, o, e, V41_OPS[op])

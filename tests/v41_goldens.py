@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 GOLDENS = Path(__file__).parent / "goldens" / "v41"
 CONFIGS = ("ced10", "mini6")  # the tiny checkpoints, each a directory in the HF layout
+VL_CONFIG = "mini6vl"  # mini6 with a vision tower (its text tensors are mini6's, through the shard index)
 
 
 class Golden(dict):
@@ -40,8 +41,9 @@ def load(stem: str) -> Golden:
 
 
 def checkpoint_dir(config: str) -> Path:
-    """The tiny checkpoint: config.json (nested text_config), model.safetensors, tokenizer files."""
-    assert config in CONFIGS, config
+    """The tiny checkpoint: config.json (nested text_config), model.safetensors (mini6vl: a shard index),
+    tokenizer files."""
+    assert config in CONFIGS + (VL_CONFIG,), config
     return GOLDENS / config
 
 
@@ -77,6 +79,24 @@ def e2e_tolerance(config: str) -> dict[str, float]:
             "greedy_gap": 2 * max(p["max_top2_gap_at_flip"] for p in probes),
             "dspark_logprob": 2 * max(p["dspark_draft_logprob"]["max"] for p in probes),
             "dspark_confidence": 2 * max(p["dspark_confidence"]["max"] for p in probes)}
+
+
+def vision_tolerance(key: str) -> dict[str, float]:
+    """The bound for an image embedding (README, "Image input"), in ulp_error units: twice the worst of the
+    vision probes (fp32, reordered) on it, never below one ulp (max, p999). key: "image0.vit",
+    "image1.aligner", ..."""
+    measured = noise()["vision"]["vision"]
+    worst = {m: max(measured[p][key][m] for p in measured) for m in ("max", "p999", "mean")}
+    return {"max": max(2 * worst["max"], 1.0), "p999": max(2 * worst["p999"], 1.0), "mean": 2 * worst["mean"]}
+
+
+def vision_e2e_tolerance() -> dict[str, float]:
+    """e2e_tolerance for the image prompt (noise.json: vision.e2e)."""
+    e2e = noise()["vision"]["e2e"]
+    probes = [e2e[p] for p in ("reordered", "ties", "rounding", "fp32")]
+    token = [p["prefill_token_logprob"] for p in probes] + [e2e["decode_vs_prefill"]["token_logprob"]]
+    return {"mean": 2 * max(t["mean"] for t in token), "max": 2 * max(t["max"] for t in token),
+            "greedy_gap": 2 * max(p["max_top2_gap_at_flip"] for p in probes)}
 
 
 def real_token_map() -> np.ndarray:

@@ -36,6 +36,7 @@ import contextlib
 import hashlib
 import importlib
 import importlib.util
+import io
 import json
 import os
 import re
@@ -74,7 +75,8 @@ def find_reference(arg: str | None) -> Path:
 
 
 class Ref(types.SimpleNamespace):
-    """The imported reference modules: model (v41), kernel (kernel_cpu), engram, testing."""
+    """The imported reference modules: model (v41), kernel (kernel_cpu), engram, testing, image
+    (image_processor)."""
 
 
 def import_reference(path: Path) -> Ref:
@@ -93,6 +95,7 @@ def import_reference(path: Path) -> Ref:
                kernel=importlib.import_module(f"{base}.kernel_cpu"),
                engram=importlib.import_module(f"{base}.engram"),
                testing=importlib.import_module(f"{base}.testing"),
+               image=importlib.import_module(f"{base}.image_processor"),
                path=path)
 
 
@@ -181,6 +184,10 @@ HF_TO_ARGS = {
 }
 ROPE_SCALING_TO_ARGS = {"factor": "rope_factor", "original_max_position_embeddings": "original_seq_len",
                         "beta_fast": "beta_fast", "beta_slow": "beta_slow"}
+# vision_config key -> ModelArgs field where it is not vision_<key> (DEEPSEEK_V41.md, "HF config").
+VISION_TO_ARGS = {"num_hidden_layers": "vision_n_layers", "hidden_size": "vision_dim",
+                  "num_attention_heads": "vision_n_heads", "intermediate_size": "vision_inter_dim",
+                  "max_image_tokens": "vision_max_n_token"}
 # HF-only keys with no ModelArgs field (fixed by the architecture or unused by inference).
 HF_ONLY = {"model_type", "num_key_value_heads", "hidden_act", "attention_bias", "attention_dropout",
            "initializer_range", "use_cache", "tie_word_embeddings", "max_position_embeddings", "topk_method",
@@ -210,7 +217,12 @@ def model_args(ref: Ref, config: dict, *, max_batch_size: int = 1):
     quant = config["quantization_config"]
     fields["dtype"] = quant["quant_method"]
     fields["expert_dtype"] = quant["expert_dtype"]
-    # vision is issue 24: the tiny configs are text-only, ModelArgs' default vision_n_layers is 0
+    # a vision tower (mini6vl): ModelArgs' default vision_n_layers is 0 (text only)
+    for key, value in (config.get("vision_config") or {}).items():
+        if key != "model_type":
+            fields[VISION_TO_ARGS.get(key, f"vision_{key}")] = value
+    if "image_token_id" in config:
+        fields["image_token_id"] = config["image_token_id"]
     return ref.model.ModelArgs(max_batch_size=max_batch_size, max_seq_len=MAX_SEQ_LEN, temperature=0.0, **fields)
 
 
@@ -808,10 +820,14 @@ class Runner:
                 stack.enter_context(patched(obj, name, wrap(getattr(obj, name))))
             yield
 
-    def forward(self, ids: torch.Tensor, start_pos: int):
-        """-> (logits of every position [b, s, V] fp32, the DSpark context main_hidden)."""
+    def forward(self, ids: torch.Tensor, start_pos: int, vl=None):
+        """-> (logits of every position [b, s, V] fp32, the DSpark context main_hidden). `vl`: the
+        prompt's images and token types (image_processor's ImageInput lists, [b, s] types)."""
+        images, token_types = vl if vl is not None else (None, None)
+        if images is not None and self.dtype == torch.float32:  # the fp32 probe: its ViT takes fp32 patches
+            images = [[replace(img, patches=img.patches.float()) for img in sample] for sample in images]
         with self.running():
-            _, _, main_hidden = self.model(ids, start_pos)
+            _, _, main_hidden = self.model(ids, start_pos, images, token_types)
             logits = self.model.head.forward(self.head_in, full_logits=True)
         return logits.float(), main_hidden
 
@@ -1067,11 +1083,12 @@ def prompts(tokenizer, lengths) -> list[list[int]]:
     return out
 
 
-def generate(runner: Runner, ids: torch.Tensor, new_tokens: int, drafts: bool) -> dict[str, torch.Tensor]:
+def generate(runner: Runner, ids: torch.Tensor, new_tokens: int, drafts: bool, vl=None) -> dict[str, torch.Tensor]:
     """Prefill, then greedy decode one token per step; with `drafts`, DSpark's forward_spec after the
-    prefill (window seeding) and after each decode step (a draft block anchored at the new token)."""
+    prefill (window seeding) and after each decode step (a draft block anchored at the new token).
+    `vl`: the prompt's images (Runner.forward), all in the prefill."""
     n = ids.size(1)
-    logits, main_hidden = runner.forward(ids, 0)
+    logits, main_hidden = runner.forward(ids, 0, vl)
     r = {"prefill.logits": logits}
     if drafts:
         runner.draft(logits[:, -1].argmax(-1), main_hidden, 0)
@@ -1106,10 +1123,13 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]
 
 
-def teacher_forced(runner: Runner, ids: torch.Tensor, prefill_len: int) -> torch.Tensor:
+def teacher_forced(runner: Runner, ids: torch.Tensor, prefill_len: int, vl=None) -> torch.Tensor:
     """Prefill ids[:prefill_len], then feed the rest one token per step. -> [b, n - prefill_len]: the
-    log-prob of tokens prefill_len .. n-1 (the decode path's counterpart of token_logprobs)."""
-    logits, _ = runner.forward(ids[:, :prefill_len], 0)
+    log-prob of tokens prefill_len .. n-1 (the decode path's counterpart of token_logprobs). `vl`: the
+    prefill's images (they must end before prefill_len)."""
+    if vl is not None:
+        vl = (vl[0], vl[1][:, :prefill_len])
+    logits, _ = runner.forward(ids[:, :prefill_len], 0, vl)
     rows = [logits[:, -1]]
     for t in range(prefill_len, ids.size(1) - 1):
         step, _ = runner.forward(ids[:, t:t + 1], t)
@@ -1506,6 +1526,249 @@ def golden_engram(ref: Ref, out: Path, setups: dict[str, Setup]) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# Level 4: image input (issue 24)
+# ---------------------------------------------------------------------------------------------
+
+# mini6vl: mini6's text model (the same tensors, read from ../mini6 through the shard index) with a vision
+# tower: 2 ViT layers of 64 (4 heads of 16: 4 rope pairs by row, 4 by column), SwiGLU 96, patches of 4 px,
+# the released 3x3 aligner, at most 40 positions an image, images under 32 x 32 px scaled up. Its own
+# tensors: vision.*, aligner.*, image_{start,end,newline} and each MoE gate's bias_vl (image-span routing).
+VL_NAME, VL_TEXT = "mini6vl", "mini6"
+VL_SEED = 43
+VISION_CONFIG = {"model_type": "deepseek_v41_vision", "num_hidden_layers": 2, "hidden_size": 64,
+                 "num_attention_heads": 4, "intermediate_size": 96, "patch_size": 4, "rope_theta": 10000,
+                 "downsample_ratio": 3, "max_image_tokens": 40, "min_pixels": 1024, "max_wh_ratio": None}
+RELEASED_VISION = {"vision_patch_size": 14, "vision_downsample_ratio": 3, "vision_max_n_token": 1024,
+                   "vision_min_pixels": 295936, "vision_max_wh_ratio": None}
+IMAGE_TOKEN = "<｜deepseek_image｜>"
+IMAGE_TOKEN_ID = TINY_VOCAB - 1  # the tiny vocabulary's last merge ("ĠP") gives way to the placeholder
+VL_SHARD = "model-vision.safetensors"
+# Two images of different aspect ratios: a wide RGB one over the token budget (shrunk to fit, then padded)
+# and a small tall RGBA one under min_pixels (scaled up; alpha dropped). (width, height, mode)
+VL_IMAGES = ((150, 40, "RGB"), (17, 45, "RGBA"))
+VL_PROMPT = (f"def lookup(self, tokens):\n    # first {IMAGE_TOKEN} then, smaller, {IMAGE_TOKEN} -- "
+             "which one is wider?\n    return")
+VL_NEW_TOKENS = 8
+# Image sizes whose grids are stored for the released settings (and with max_wh_ratio 2, which the
+# released config leaves unset): ordinary photos, below min_pixels, over the budget, extreme aspect ratios
+# that collapse to one row / column, exact patch multiples, squares.
+GRID_SIZES = ((640, 480), (1920, 1080), (1080, 1920), (544, 544), (545, 543), (100, 100), (28, 28), (1, 1),
+              (4000, 3000), (3000, 4000), (12000, 30), (30, 12000), (2000, 200), (200, 2000), (1000, 1),
+              (1, 1000), (14, 14000), (14000, 14), (701, 433), (433, 701), (3, 500000), (500000, 3), (1024, 1024),
+              (1190, 1190), (1191, 1190), (300, 299), (987, 61), (61, 987), (5000, 2500), (2500, 5000))
+
+
+def vl_tokenizer_json() -> dict:
+    """The tiny tokenizer with its last id given to the image placeholder: the merge that made it is
+    dropped, the placeholder is an added special token, so text never tokenizes to it."""
+    tok = tiny_tokenizer_json()
+    name = next(s for s, i in tok["model"]["vocab"].items() if i == IMAGE_TOKEN_ID)
+    del tok["model"]["vocab"][name]
+    tok["model"]["merges"] = [m for m in tok["model"]["merges"] if m[0] + m[1] != name]
+    tok["added_tokens"].append({"id": IMAGE_TOKEN_ID, "content": IMAGE_TOKEN, "single_word": False, "lstrip": False,
+                                "rstrip": False, "normalized": False, "special": True})
+    return tok
+
+
+def vl_images() -> list[bytes]:
+    """The two images as PNG bytes: smooth colour gradients with a few sharp edges and some noise, so
+    resampling and padding show in every channel."""
+    from PIL import Image
+    rng = np.random.default_rng(2401)
+    out = []
+    for j, (w, h, mode) in enumerate(VL_IMAGES):
+        y, x = np.mgrid[0:h, 0:w].astype(np.float64)
+        rgb = np.stack([255 * x / w, 255 * y / h, 128 + 100 * np.sin((x + 2 * y) / (3 + j))], -1)
+        rgb[(x // 7 + y // 5) % 4 == 0] = [250, 20 + 60 * j, 90]
+        rgb += rng.normal(0, 12, rgb.shape)
+        pixels = np.clip(np.rint(rgb), 0, 255).astype(np.uint8)
+        if mode == "RGBA":
+            pixels = np.concatenate([pixels, np.clip(np.rint(255 * x / w), 0, 255)[..., None].astype(np.uint8)], -1)
+        buf = io.BytesIO()
+        Image.fromarray(pixels, mode).save(buf, "PNG")
+        out.append(buf.getvalue())
+    return out
+
+
+def write_vl_checkpoint(ref: Ref, out: Path, text: Setup) -> Setup:
+    """tests/goldens/v41/mini6vl/: config.json (mini6's text_config, vision_config, image_token_id), the
+    placeholder tokenizer, model-vision.safetensors (its own tensors) and model.safetensors.index.json
+    mapping the text tensors to ../mini6/model.safetensors."""
+    d = out / VL_NAME
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "tokenizer.json").write_text(json.dumps(vl_tokenizer_json(), ensure_ascii=False, indent=1) + "\n")
+    (d / "tokenizer_config.json").write_text(json.dumps(TINY_TOKENIZER_CONFIG, indent=1) + "\n")
+    tokenizer = hf_tokenizer(d / "tokenizer.json")
+    assert tokenizer.convert_tokens_to_ids(IMAGE_TOKEN) == IMAGE_TOKEN_ID
+    _, n_classes = ref.engram.build_compressed_token_map(tokenizer)
+    mini6 = json.loads((out / VL_TEXT / "config.json").read_text())
+    config = dict(mini6, image_token_id=IMAGE_TOKEN_ID, vision_config=dict(VISION_CONFIG))
+    config["text_config"] = dict(mini6["text_config"], engram_compressed_vocab_size=n_classes)
+    (d / "config.json").write_text(json.dumps(config, indent=1, ensure_ascii=False) + "\n")
+    args = model_args(ref, config)
+    with ref.model.set_dtype(torch.bfloat16):
+        model = ref.model.Transformer(args, tokenizer)
+    seed_vision_weights(ref, model, VL_SEED)
+    own = {k: v for k, v in export_checkpoint(ref, model).items() if k not in text.ckpt}
+    assert all(k.split(".")[0] in ("vision", "aligner", "image_start", "image_end", "image_newline")
+               or k.endswith("gate.bias_vl") for k in own), sorted(own)
+    ckpt = dict(text.ckpt, **own)
+    build_model(ref, args, tokenizer, ckpt)  # loads: every parameter has its tensor
+    save_file(own, d / VL_SHARD, metadata={"format": "pt"})
+    weight_map = {k: f"../{VL_TEXT}/model.safetensors" for k in sorted(text.ckpt)}
+    weight_map.update({k: VL_SHARD for k in sorted(own)})
+    index = {"metadata": {}, "weight_map": weight_map}
+    (d / "model.safetensors.index.json").write_text(json.dumps(index, indent=1) + "\n")
+    (d / "reference_args.json").write_text(json.dumps(_jsonable(asdict(args)), indent=1) + "\n")
+    return Setup(name=VL_NAME, args=args, tokenizer=tokenizer, ckpt=ckpt)
+
+
+@torch.no_grad()
+def seed_vision_weights(ref: Ref, model, seed: int) -> None:
+    """testing.init_weights (fan-in scaled projections, unit-mean norms, biases of RMS 0.5), then the
+    aligner's output projection and the span markers brought to the text embedding's RMS (0.12): image
+    positions enter the stream at the scale text positions do."""
+    ref.testing.init_weights(model, seed)
+    std = ref.testing.EMBED_STD
+    model.aligner.w2.weight.mul_(std)
+    model.aligner.w2.bias.mul_(std)
+    for marker in (model.image_start, model.image_end, model.image_newline):
+        marker.mul_(2 * std)  # init_weights draws 1-D parameters with RMS 0.5
+
+
+def vl_prompt(ref: Ref, s: Setup, images: list[bytes]):
+    """The prompt with each placeholder expanded into its image's span, as the reference's
+    prepare_vl_inputs does (its `encoding` import is not vendored): ids [1, S], token types [1, S] (TEXT
+    -1), and the ImageInput list."""
+    ids, types_, inputs = [], [], []
+    it = iter(images)
+    for tok in s.tokenizer(VL_PROMPT)["input_ids"]:
+        if tok != s.args.image_token_id:
+            ids.append(tok)
+            types_.append(ref.image.TEXT)
+            continue
+        patches, vh, vw, lh, lw = ref.image.load_image({"data": next(it)}, s.args)
+        span = ref.image.image_token_types(lh, lw)
+        inputs.append(ref.image.ImageInput(len(ids), patches, vh, vw, span))
+        ids += [s.args.image_token_id] * span.numel()
+        types_ += span.tolist()
+    assert len(inputs) == len(images)
+    return torch.tensor([ids]), torch.tensor([types_]), inputs
+
+
+def reordered_encode(ref: Ref, model, img) -> tuple[torch.Tensor, torch.Tensor]:
+    """The vision probe: the same bf16 ViT with the patches fed in reverse order (their rotary angles
+    with them; attention is order-free), so every sum over patches rounds in another order; the output
+    is put back in reading order before the aligner. -> (ViT output, aligner output)."""
+    vit = model.vision
+    n = img.n_vit_h * img.n_vit_w
+    order = torch.arange(n).flip(0)
+    get_cos_sin = sys.modules[type(vit).__module__].get_vision_cos_sin
+    cos, sin = get_cos_sin(img.n_vit_h, img.n_vit_w, vit.rope_dim, vit.rope_theta)
+    with torch.inference_mode():
+        x = vit.patch_embed(img.patches[order])
+        for block in vit.blocks:
+            x = block(x, cos[order], sin[order])
+        x = vit.norm(x)[order]  # the reversal is its own inverse
+        return x, model.aligner(x, img.n_vit_h, img.n_vit_w)
+
+
+def grid_table(ref: Ref, settings: dict) -> torch.Tensor:
+    """[len(GRID_SIZES), 9] int64: width, height, then the reference's plan (llm_h, llm_w, pixel height,
+    pixel width), the ViT grid (height // patch, width // patch) and whether load_image stretches
+    (resize) rather than pads."""
+    args = types.SimpleNamespace(**settings)
+    rows = []
+    for w, h in GRID_SIZES:
+        lh, lw, bh, bw = ref.image.plan_image_grid(w, h, args)
+        ratio = args.vision_max_wh_ratio
+        stretch = ratio is not None and w >= ratio * h
+        rows.append([w, h, lh, lw, bh, bw, bh // args.vision_patch_size, bw // args.vision_patch_size, stretch])
+    return torch.tensor(rows, dtype=torch.int64)
+
+
+def golden_vision(ref: Ref, out: Path, s: Setup) -> dict:
+    """vision.safetensors: grid plans (released settings), the two images (PNG bytes) with their patches,
+    span layout, ViT and aligner outputs, and the two-image prompt: ids, token types, prompt log-probs,
+    greedy tokens and DSpark drafts, prefill + decode of its tail. Returns the noise of the reference
+    against itself (vision probes and the e2e probes) for noise.json."""
+    g = Golden("vision", config=VL_NAME, prompt_text=VL_PROMPT, image_token=IMAGE_TOKEN,
+               image_token_id=IMAGE_TOKEN_ID, new_tokens=VL_NEW_TOKENS,
+               grid_columns=["width", "height", "llm_h", "llm_w", "pixel_height", "pixel_width", "vit_h", "vit_w",
+                             "stretch"])
+    g.meta["grids"] = {"released": RELEASED_VISION, "released_wh2": dict(RELEASED_VISION, vision_max_wh_ratio=2),
+                       "released_small": dict(RELEASED_VISION, vision_max_n_token=64, vision_min_pixels=28 * 28)}
+    for name, settings in g.meta["grids"].items():
+        g.add(f"grids.{name}", grid_table(ref, settings))
+    images = vl_images()
+    ids, token_types, inputs = vl_prompt(ref, s, images)
+    runner = Runner(ref, s.args, s.tokenizer, s.ckpt)
+    model = runner.model
+    g.meta["images"] = []
+    noise = {"vision": {"fp32": {}, "reordered": {}}}
+    fp32 = Runner(ref, s.args, s.tokenizer, s.ckpt, "fp32").model
+    for j, (data, img) in enumerate(zip(images, inputs)):
+        p = f"image{j}."
+        with torch.inference_mode():
+            vit = model.vision(img.patches, img.n_vit_h, img.n_vit_w)
+            emb = model.aligner(vit, img.n_vit_h, img.n_vit_w)
+            vit32 = fp32.vision(img.patches.float(), img.n_vit_h, img.n_vit_w)
+            emb32 = fp32.aligner(vit32, img.n_vit_h, img.n_vit_w)
+        assert torch.equal(emb, model.encode_image(img.patches, img.n_vit_h, img.n_vit_w))
+        g.update({p + "png": torch.frombuffer(bytearray(data), dtype=torch.uint8), p + "patches": img.patches,
+                  p + "types": img.types, p + "vit": vit, p + "aligner": emb})
+        g.meta["images"].append({"name": f"image{j}", "size": list(VL_IMAGES[j][:2]), "mode": VL_IMAGES[j][2],
+                                 "start": img.start, "vit_grid": [img.n_vit_h, img.n_vit_w],
+                                 "span": int(img.types.numel())})
+        rvit, remb = reordered_encode(ref, model, img)
+        for probe, (v, e) in (("fp32", (vit32, emb32)), ("reordered", (rvit, remb))):
+            noise["vision"][probe][p + "vit"] = ulp_summary(v, vit)
+            noise["vision"][probe][p + "aligner"] = ulp_summary(e, emb)
+    vl = ([inputs], token_types)
+    # Engram's hash ids of the prompt as Transformer.forward asks for them: span positions masked (DEAD)
+    layout = ref.engram.EngramLayout.from_args(s.args)
+    with torch.inference_mode():
+        hashes = ref.engram.NgramHashState(s.args, layout, s.tokenizer)(ids, 0, token_types < 0)
+    g.add("prompt.engram.hash_ids", hashes[0])
+    r = generate(runner, ids, VL_NEW_TOKENS, drafts=True, vl=vl)
+    lp = r["prefill.logits"].log_softmax(-1)
+    g.update({"prompt.ids": ids[0], "prompt.token_types": token_types[0],
+              "prompt.prefill.logprobs": token_logprobs(r["prefill.logits"], ids)[0],
+              "prompt.prefill.argmax": lp[0].argmax(-1), "prompt.prefill.top2_gap": top2_gap(lp)[0],
+              "prompt.prefill.last_logits": r["prefill.logits"][0, -1]})
+    for key in ("greedy.tokens", "greedy.logprobs", "greedy.top2_gap", "dspark.tokens", "dspark.logprobs",
+                "dspark.confidence"):
+        g.add(f"prompt.{key}", r[key][0])
+    split = inputs[-1].start + int(inputs[-1].types.numel()) + 2  # the last image and two text tokens
+    r["split.logprobs"] = teacher_forced(runner, ids, split, vl)
+    g.add("prompt.split.logprobs", r["split.logprobs"][0])
+    g.meta["prompt"] = {"length": ids.size(1), "split_prefill_len": split}
+    g.write(out)
+    noise["e2e"] = vision_e2e_noise(ref, s, ids, vl, r, split)
+    return noise
+
+
+def vision_e2e_noise(ref: Ref, s: Setup, ids, vl, gold: dict, split: int) -> dict:
+    """The image prompt under the e2e noise probes (as e2e_noise), and prefill vs decode of its tail."""
+    noise = {}
+    for probe in NOISE_PROBES:
+        runner = Runner(ref, s.args, s.tokenizer, s.ckpt, probe)
+        r = generate(runner, ids, VL_NEW_TOKENS, drafts=False, vl=vl)
+        lp, lp_gold = r["prefill.logits"].log_softmax(-1), gold["prefill.logits"].log_softmax(-1)
+        flip = lp.argmax(-1) != lp_gold.argmax(-1)
+        same = (r["greedy.tokens"] == gold["greedy.tokens"])[0]
+        noise[probe] = {"prefill_token_logprob": stats((token_logprobs(r["prefill.logits"], ids)
+                                                        - token_logprobs(gold["prefill.logits"], ids)).abs()),
+                        "prefill_full_vocab_max": stats((lp - lp_gold).abs().amax(-1)),
+                        "argmax_flips": int(flip.sum()), "positions": ids.size(1),
+                        "max_top2_gap_at_flip": round(max(top2_gap(lp_gold)[flip].tolist(), default=0.0), 5),
+                        "greedy_first_divergence": None if bool(same.all()) else int((~same).nonzero()[0])}
+    tail = token_logprobs(gold["prefill.logits"], ids)[:, split - 1:]
+    noise["decode_vs_prefill"] = {"token_logprob": stats((gold["split.logprobs"] - tail).abs())}
+    return noise
+
+
+# ---------------------------------------------------------------------------------------------
 # Main
 # ---------------------------------------------------------------------------------------------
 
@@ -1514,6 +1777,8 @@ def main(argv=None) -> None:
     ap.add_argument("--reference", help=f"the deepseek_v41 reference folder (default ${REFERENCE_ENV}, "
                                         "then <repo>/../shared/reference/deepseek_v41)")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--only", choices=("vision",), help="rewrite only these goldens (and their part of "
+                                                         "noise.json); the checkpoints are rewritten too")
     a = ap.parse_args(argv)
     # one thread: bit-reproducible reruns, and faster for these tiny shapes than two
     torch.set_num_threads(1)
@@ -1522,13 +1787,18 @@ def main(argv=None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     setups = {name: write_checkpoint(ref, out, name) for name in CONFIGS}
-    noise = {"ops": golden_ops(ref, out, setups)}
-    golden_engram(ref, out, setups)
-    noise["blocks"] = {}
-    for name, s in setups.items():
-        prompt = prompts(s.tokenizer, E2E[name]["lengths"])[3]
-        noise["blocks"][name] = golden_blocks(ref, out, s, prompt)
-    noise["e2e"] = {name: golden_e2e(ref, out, s) for name, s in setups.items()}
+    vl = write_vl_checkpoint(ref, out, setups[VL_TEXT])
+    if a.only == "vision":
+        noise = json.loads((out / "noise.json").read_text())
+    else:
+        noise = {"ops": golden_ops(ref, out, setups)}
+        golden_engram(ref, out, setups)
+        noise["blocks"] = {}
+        for name, s in setups.items():
+            prompt = prompts(s.tokenizer, E2E[name]["lengths"])[3]
+            noise["blocks"][name] = golden_blocks(ref, out, s, prompt)
+        noise["e2e"] = {name: golden_e2e(ref, out, s) for name, s in setups.items()}
+    noise["vision"] = golden_vision(ref, out, vl)
     (out / "noise.json").write_text(json.dumps(noise, indent=1, sort_keys=True) + "\n")
     write_manifest(out)
     print(f"wrote {out} in {time.time() - t0:.0f} s")

@@ -122,6 +122,25 @@ class Accelerator(ABC):
         tests/conformance/test_fp8_gemm.py)."""
 
     @abstractmethod
+    def fp8_qdq(self, x: torch.Tensor, block: int) -> torch.Tensor:
+        """DeepSeek-V4.1's FP8 activation quantization, quantized and dequantized (what an FP8 GEMM
+        input, or a window KV entry, holds). x [..., K] float32 is first rounded to bfloat16 (the
+        quantizer's input format, as trained); then per group of `block` consecutive elements of
+        the last dim: amax = max(|x|, 1e-4); s = 2^ceil(log2(amax * fp32(1/448))) (an E8M0 scale,
+        taken from the exponent bits of the float32 product); q = e4m3(clamp(x / s, +-448)),
+        round to nearest even (subnormals included). Returns q * s [..., K] float32 (exact).
+        Bit-exact on every backend (tests/goldens/v41 ops: act_quant)."""
+
+    @abstractmethod
+    def fp4_qdq(self, x: torch.Tensor, block: int, e4m3_scale: bool = False) -> torch.Tensor:
+        """DeepSeek-V4.1's FP4 (e2m1) quantize-dequantize. x [..., K] float32, rounded to bfloat16
+        first; per group of `block`: with E8M0 scales (e4m3_scale False; the indexer's queries and
+        keys, block 32) amax = max(|x|, 6 * 2^-126), s = 2^ceil(log2(amax * fp32(1/6))); with E4M3
+        scales (compressed KV, block 16) amax = max(|x|, 6 * 2^-9), s = e4m3(min(amax / 6, 448)).
+        v = clamp(x / s, +-6) (a float32 division), rounded to {0, .5, 1, 1.5, 2, 3, 4, 6} (signed)
+        to nearest, ties to the even code. Returns v * s float32. Bit-exact on every backend."""
+
+    @abstractmethod
     def embedding(self, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """ids [T] int64, weight [V, D] -> [T, D] float32."""
 
@@ -154,6 +173,18 @@ class Accelerator(ABC):
         comb = softmax(mix_comb*scale2 + b, -1) + hc_eps, then Sinkhorn: one column
         normalisation, then (iters-1) x (row, column) normalisations, each dividing by sum + hc_eps.
         Returns (collapsed [T, D] = sum_n pre_n stream_n, post [T, N], comb [T, N, N])."""
+
+    @abstractmethod
+    def hc_mixes(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+                 norm_eps: float, hc_eps: float, sinkhorn_iters: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """hc_pre's mixes without the collapse: (pre [T, N], post [T, N], comb [T, N, N]) as hc_pre
+        defines them, the mixes computed in DeepSeek-V4.1's order: (flat @ fn.T) * rsqrt(mean(flat^2)
+        + norm_eps). DeepSeek-V4.1 collapses a sub-layer's input with the previous sub-layer's pre."""
+
+    @abstractmethod
+    def hc_collapse(self, streams: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """sum_n weights[t, n] * streams[t, n]: streams [T, N, D], weights [T, N] -> [T, D] float32."""
 
     @abstractmethod
     def hc_post(self, block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
@@ -196,6 +227,24 @@ class Accelerator(ABC):
         is unspecified."""
 
     @abstractmethod
+    def indexer_scores(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
+                       candidates: torch.Tensor) -> torch.Tensor:
+        """DeepSeek-V4.1's indexer scores, with its bfloat16 rounding points. q [T, H, Di], weights
+        [T, H] (the head weights, scale folded in), keys [P, Di] (a pool), candidates [T, M] rows of
+        `keys` (-1 = none). score(t, c) = bf16(sum_h bf16(relu(bf16(q[t, h] . k)) * weights[t, h])),
+        k = keys[candidates[t, c]], the head sum in float32. Returns [T, M] float32, -inf where
+        candidates < 0. Bit-exact to the reference except, rarely, 1 bf16 ulp from the head sum's order."""
+
+    @abstractmethod
+    def sparse_attention_bf16(self, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
+                              sinks: torch.Tensor, scale: float) -> torch.Tensor:
+        """sparse_attention as DeepSeek-V4.1's kernel computes it: an online softmax over the index list
+        in blocks of 64 (running max from -1e30, -1 entries skipped), the probabilities rounded to
+        bfloat16 relative to the running max before P.V while the denominator sums them in float32,
+        the sink added to the denominator (exp(sink - max)) after the last block. Same shapes and
+        result as sparse_attention up to that rounding (<= 1 bf16 ulp of the output apart)."""
+
+    @abstractmethod
     def sparse_attention(self, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
                          sinks: torch.Tensor, scale: float) -> torch.Tensor:
         """Shared-KV MQA over an index list (K == V): q [T, H, D], kv [P, D] pool,
@@ -204,6 +253,16 @@ class Accelerator(ABC):
         indices: DeepSeek-V3's MLA).
         out[t, h] = sum_k p[t, h, k] kv[indices[t, k]], p = softmax over (q.kv * scale, sink).
         A token with no valid index gets zeros (with or without a sink). -> [T, H, D]."""
+
+    @abstractmethod
+    def dense_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int],
+                        scale: float) -> torch.Tensor:
+        """Bidirectional (non-causal) multi-head attention within each of several sequences packed back
+        to back: a vision encoder's patch grids, one sequence per image. q, k, v [T, H, D]; `lens`
+        (host ints, summing to T) the sequences' lengths in order. A token attends to every token of
+        its own sequence and to nothing else:
+        out[t, h] = sum_s softmax_s(q[t, h] . k[s, h] * scale) v[s, h] over s in t's sequence.
+        -> [T, H, D] float32."""
 
     # -------------------------------------------------------------- MoE
     @abstractmethod

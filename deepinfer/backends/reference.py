@@ -92,6 +92,72 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
     return F.linear(fp8_block_dequant(x_q, x_s, (1, block)), w).view(*lead, weight.shape[0])
 
 
+# ---------------------------------------------------------------- DeepSeek-V4.1's quantization points
+# Bit-exact to DeepSeek's quantizers (tests/goldens/v41: ops act_quant / fp4_e8m0 / fp4_e4m3). Their input
+# is bf16 (the trained format): a float32 x is rounded to bf16 first.
+_FP8_MAX_INV = torch.tensor(1 / 448, dtype=torch.float32)  # the kernels multiply by this rounded reciprocal
+_FP4_MAX_INV = torch.tensor(1 / 6, dtype=torch.float32)
+_E2M1_CODE = torch.tensor([0, 1, 2, 3, 4, -1, 5, -1, 6, -1, -1, -1, 7], dtype=torch.uint8)  # by 2*|value|
+
+
+def pow2_scale(amax: torch.Tensor, max_inv: torch.Tensor) -> torch.Tensor:
+    """2^ceil(log2(amax * max_inv)) from the float32 product's bits: its exponent, plus one if any
+    mantissa bit is set (DeepSeek's fast_round_scale; E8M0 scales)."""
+    bits = (amax.float() * max_inv.to(amax.device)).contiguous().view(torch.int32)
+    exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+    return (exponent << 23).view(torch.float32)
+
+
+def _groups(x: torch.Tensor, block: int) -> torch.Tensor:
+    if x.shape[-1] % block:
+        raise ValueError(f"last dim {x.shape[-1]} is not a multiple of the quantization group {block}")
+    return x.to(torch.bfloat16).float().unflatten(-1, (-1, block))
+
+
+def fp8_quantize(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 e4m3 per `block` of the last dim with power-of-two scales: (codes float8_e4m3fn [..., K],
+    scales float32 [..., K / block]). amax floored at 1e-4, values clamped to +-448, round to nearest even."""
+    g = _groups(x, block)
+    s = pow2_scale(g.abs().amax(dim=-1).clamp_min(1e-4), _FP8_MAX_INV)
+    q = (g / s.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.flatten(-2), s
+
+
+def fp8_qdq(x: torch.Tensor, block: int) -> torch.Tensor:
+    q, s = fp8_quantize(x, block)
+    return (q.float().unflatten(-1, (-1, block)) * s.unsqueeze(-1)).flatten(-2)
+
+
+def e2m1_round(v: torch.Tensor) -> torch.Tensor:
+    """float32 in [-6, 6] -> the nearest e2m1 value {0, .5, 1, 1.5, 2, 3, 4, 6} (signed), ties to the even
+    code: a value's quantum is 2^(floor(log2|v|) - 1), at least 0.5, and torch.round rounds half to even."""
+    mag = v.abs()
+    quantum = torch.exp2(torch.frexp(mag).exponent.clamp(1, 3).float() - 2)
+    return torch.copysign(torch.round(mag / quantum) * quantum, v)
+
+
+def fp4_quantize(x: torch.Tensor, block: int, e4m3_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP4 e2m1 per `block` of the last dim: (4-bit codes uint8 [..., K] (bit 3 the sign), scales float32
+    [..., K / block]). E8M0 scales (e4m3_scale False; the indexer's, block 32): amax floored at 6 * 2^-126,
+    s = 2^ceil(log2(amax * fp32(1/6))). E4M3 scales (compressed KV, block 16): amax floored at 6 * 2^-9,
+    s = e4m3(min(amax / 6, 448)), a division. Values x / s (a division) clamped to +-6, rounded to e2m1."""
+    g = _groups(x, block)
+    amax = g.abs().amax(dim=-1)
+    if e4m3_scale:
+        s = (amax.clamp_min(6 * 2 ** -9) / 6).clamp(max=FP8_MAX).to(torch.float8_e4m3fn).float()
+    else:
+        s = pow2_scale(amax.clamp_min(6 * 2 ** -126), _FP4_MAX_INV)
+    v = e2m1_round((g / s.unsqueeze(-1)).clamp(-6, 6))
+    codes = _E2M1_CODE.to(v.device)[(2 * v.abs()).long()] | (torch.signbit(v).to(torch.uint8) << 3)
+    return codes.flatten(-2), s
+
+
+def fp4_qdq(x: torch.Tensor, block: int, e4m3_scale: bool = False) -> torch.Tensor:
+    g = _groups(x, block)
+    _, s = fp4_quantize(x, block, e4m3_scale)
+    return (e2m1_round((g / s.unsqueeze(-1)).clamp(-6, 6)) * s.unsqueeze(-1)).flatten(-2)
+
+
 def embedding(ids: torch.Tensor, weight: Weight) -> torch.Tensor:
     if isinstance(weight, QuantizedWeight):
         return weight.gather_rows(ids).dequantize()
@@ -130,20 +196,35 @@ def _hc_mix(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.T
     return F.linear(flat, fn)
 
 
-def hc_pre(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters):
-    n = streams.shape[-2]
-    mix = _hc_mix(streams, fn, norm_eps)
+def hc_split(mix: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, hc_eps: float,
+             sinkhorn_iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The mixes [T, (2+N)N] -> (pre, post, Sinkhorn-normalised comb), shared with invariant.py."""
     pre_w, post_w, comb_w = mix.split([n, n, n * n], dim=-1)
     pre_b, post_b, comb_b = base.split([n, n, n * n])
     pre = torch.sigmoid(pre_w * scale[0] + pre_b) + hc_eps
     post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
-    comb = torch.softmax(comb_w.view(-1, n, n) * scale[2] + comb_b.view(n, n), dim=-1) + hc_eps
+    comb = torch.softmax(comb_w.reshape(-1, n, n) * scale[2] + comb_b.view(n, n), dim=-1) + hc_eps
     comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
     for _ in range(sinkhorn_iters - 1):
         comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
         comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
-    collapsed = (pre.unsqueeze(-1) * streams).sum(dim=-2)
-    return collapsed, post, comb
+    return pre, post, comb
+
+
+def hc_mixes(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters):
+    # DeepSeek-V4.1's order: project the raw stream, then scale by its rsqrt(mean square)
+    flat = streams.flatten(-2).float()
+    mix = F.linear(flat, fn) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+    return hc_split(mix, base, scale, streams.shape[-2], hc_eps, sinkhorn_iters)
+
+
+def hc_collapse(streams, weights):
+    return (weights.float().unsqueeze(-1) * streams.float()).sum(dim=-2)
+
+
+def hc_pre(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters):
+    pre, post, comb = hc_mixes(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters)
+    return hc_collapse(streams, pre), post, comb
 
 
 def hc_post(block_out, streams, post, comb):
@@ -158,6 +239,20 @@ def hc_head(streams, fn, base, scale, norm_eps, hc_eps):
 
 def compress_windows(kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     return (kv.float() * gate.float().softmax(dim=1)).sum(dim=1)
+
+
+def _bf16(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.bfloat16).float()
+
+
+def indexer_scores(q, weights, keys, candidates):
+    out = torch.empty(candidates.shape, dtype=torch.float32, device=q.device)
+    for start in range(0, candidates.shape[0], _QUERY_BLOCK):
+        sl = slice(start, start + _QUERY_BLOCK)
+        gathered = keys[candidates[sl].clamp(min=0)].float()  # [t, M, Di]
+        per_head = _bf16(torch.bmm(q[sl].float(), gathered.transpose(1, 2))).relu()  # [t, H, M]
+        out[sl] = _bf16((_bf16(per_head * weights[sl].float().unsqueeze(-1))).sum(dim=1))
+    return out.masked_fill_(candidates < 0, float("-inf"))
 
 
 def indexer_topk(q, weights, keys, candidates, topk, scale):
@@ -209,6 +304,57 @@ def sparse_attention(q, kv, indices, sinks, scale):
         if no_sink:  # a softmax over nothing (no valid index) is 0/0: such a token gets zeros
             probs = probs.masked_fill(~valid.any(dim=1)[:, None, None], 0.0)
         out[sl] = torch.einsum("thk,tkd->thd", probs, keys)
+    return out
+
+
+SPARSE_BLOCK = 64  # DeepSeek-V4.1's online-softmax block (sparse_attention_bf16)
+
+
+def sparse_attention_bf16(q, kv, indices, sinks, scale):
+    num_tokens, num_heads, head_dim = q.shape
+    out = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float32, device=q.device)
+    for start in range(0, num_tokens, _QUERY_BLOCK):
+        sl = slice(start, start + _QUERY_BLOCK)
+        qs, idx = q[sl].float(), indices[sl]
+        t = qs.shape[0]
+        run_max = torch.full((t, num_heads, 1), -1e30, dtype=torch.float32, device=q.device)
+        denom = torch.zeros(t, num_heads, 1, dtype=torch.float32, device=q.device)
+        acc = torch.zeros(t, num_heads, head_dim, dtype=torch.float32, device=q.device)
+        for b in range(0, idx.shape[1], SPARSE_BLOCK):
+            blk = idx[:, b:b + SPARSE_BLOCK]
+            valid = blk >= 0
+            keys = kv[blk.clamp(min=0)].float() * valid.unsqueeze(-1)  # [t, KB, D]
+            logits = torch.bmm(qs, keys.transpose(1, 2)).masked_fill(~valid.unsqueeze(1), float("-inf")) * scale
+            new_max = torch.maximum(run_max, logits.amax(dim=-1, keepdim=True))
+            rescale = torch.exp(run_max - new_max)
+            p = torch.exp(logits - new_max)
+            denom = denom * rescale + p.sum(dim=-1, keepdim=True)
+            acc = acc * rescale + torch.bmm(_bf16(p), keys)
+            run_max = new_max
+        denom = denom + torch.exp(sinks.float().view(1, -1, 1) - run_max)
+        out[sl] = acc / denom
+    return out
+
+
+# Largest [H, queries, keys] logits block dense_attention materialises (float32 elements: 64 MB).
+_DENSE_LOGITS = 1 << 24
+
+
+def dense_attention(q, k, v, lens, scale):
+    num_tokens, num_heads, head_dim = q.shape
+    if sum(lens) != num_tokens or min(lens, default=0) < 0:
+        raise ValueError(f"dense_attention: lens {list(lens)} must be >= 0 and sum to the {num_tokens} tokens")
+    out = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float32, device=q.device)
+    start = 0
+    for n in lens:
+        keys = k[start:start + n].float().transpose(0, 1)  # [H, n, D]
+        values = v[start:start + n].float().transpose(0, 1)
+        block = max(1, _DENSE_LOGITS // max(num_heads * n, 1))
+        for q0 in range(start, start + n, block):
+            q1 = min(q0 + block, start + n)
+            logits = torch.matmul(q[q0:q1].float().transpose(0, 1), keys.transpose(1, 2)) * scale
+            out[q0:q1] = torch.matmul(logits.softmax(dim=-1), values).transpose(0, 1)
+        start += n
     return out
 
 

@@ -44,6 +44,10 @@ class PoolSpec:
     stride: int = 0  # paged: one row per `stride` positions (0: not paged)
     kind: str = ""
     layer: int = -1
+    dtype: torch.dtype | None = None  # None: the cache's dtype (an integer pool, e.g. token history, sets its own)
+
+    def element_size(self, default: int) -> int:
+        return default if self.dtype is None else torch.empty(0, dtype=self.dtype).element_size()
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,10 +59,10 @@ class CacheSpec:
         return any(p.stride for p in self.pools)
 
     def bytes_per_page(self, page_tokens: int, element_size: int) -> int:
-        return sum(page_tokens // p.stride * p.width for p in self.pools if p.stride) * element_size
+        return sum(page_tokens // p.stride * p.width * p.element_size(element_size) for p in self.pools if p.stride)
 
     def bytes_per_slot(self, element_size: int) -> int:
-        return sum(p.ring * p.width for p in self.pools) * element_size
+        return sum(p.ring * p.width * p.element_size(element_size) for p in self.pools)
 
     def bytes_scratch(self, step_tokens: int, element_size: int) -> int:
         return sum(p.width for p in self.pools if p.scratch) * step_tokens * element_size
@@ -100,7 +104,8 @@ class StateCache:
             scratch_base = self.ring_slots * p.ring
             page_base = scratch_base + (max_step_tokens if p.scratch else 0)
             page_rows = page_tokens // p.stride if p.stride else 0
-            data = torch.zeros(page_base + (num_pages + 1) * page_rows, p.width, dtype=dtype, device=self.device)
+            data = torch.zeros(page_base + (num_pages + 1) * page_rows, p.width, dtype=p.dtype or dtype,
+                               device=self.device)
             self.pools[p.name] = Pool(p, data, scratch_base, page_base, page_rows)
 
         # host metadata: read when a step's index tensors are planned, never by a kernel

@@ -97,6 +97,8 @@ class StepPlan:
     sampling_inputs: tuple = ()
     drafts: list = field(default_factory=list)  # per sampling row: its spec Draft, or None
     grammar: bool = False
+    # multimodal rows of the step: (first flat row, item, first and end span position fed), embedded by _execute
+    mm: list = field(default_factory=list)
     prefill_tokens: int = 0
     decode_tokens: int = 0
     future: object = None
@@ -160,6 +162,7 @@ class LLMEngine:
             if self.zero_overhead else None
         self.in_flight: StepPlan | None = None
         self.num_forwards = 0  # model calls (parallel ranks keep their collectives in lockstep by it)
+        self.num_encoded_items = 0  # multimodal items (images) run through the model's encoder
         self.timeline: collections.defaultdict[str, float] = collections.defaultdict(float)  # seconds per phase
 
     def _make_cache(self, dtype: torch.dtype, weight_bytes: int) -> tuple[StateCache, memory.CachePlan]:
@@ -202,7 +205,23 @@ class LLMEngine:
                 "scratch_bytes": c.spec.bytes_scratch(c.max_step_tokens, element)}
 
     # ------------------------------------------------------------ requests
-    def validate_request(self, prompt_token_ids: list[int], params, what: str = "prompt") -> None:
+    def process_multimodal(self, prompt_token_ids: list[int], data: dict, what: str = "prompt"):
+        """(prompt ids with each placeholder expanded into its item's span, the MultimodalItems) of a
+        request with multimodal data, laid out by the model's family; a ValueError names `what` and
+        the problem (images for a text-only model, an undecodable image, placeholders and images
+        that do not pair up). Pure host work: safe to call from any thread."""
+        try:
+            mm = self.model.process_multimodal(list(prompt_token_ids), data)
+        except ValueError as exc:
+            raise ValueError(f"{what}: {exc}") from None
+        return mm.prompt_token_ids, mm.items
+
+    @property
+    def multimodal_placeholders(self) -> dict[str, int]:
+        """Placeholder text -> token id of the model's multimodal inputs (empty: text only)."""
+        return self.model.multimodal_placeholders
+
+    def validate_request(self, prompt_token_ids: list[int], params, what: str = "prompt", mm_items=()) -> None:
         """Raise a clear ValueError for a request the engine could never serve."""
         if not prompt_token_ids:
             raise ValueError(f"{what} is empty: give at least one token (or non-empty text)")
@@ -210,9 +229,18 @@ class LLMEngine:
         bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"{what} has token ids outside [0, vocab_size={vocab}): {bad[:5]}")
+        marks = set(self.multimodal_placeholders.values())
+        if marks and not mm_items and not marks.isdisjoint(prompt_token_ids):  # a span with nothing to fill it
+            raise ValueError(f"{what} holds the model's multimodal placeholder token(s) "
+                             f"{sorted(marks.intersection(prompt_token_ids))} but no multi_modal_data: give one image "
+                             "per placeholder in multi_modal_data, or remove the placeholders")
         if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(f"{what} has {len(prompt_token_ids)} tokens; max_model_len={self.max_model_len} "
-                             "leaves no room to generate: shorten the prompt or raise max_model_len")
+            of_which, fewer = "", ""
+            if mm_items:  # an image's span is fixed by the model's token budget: fewer images, or a longer context
+                of_which = f" ({sum(i.length for i in mm_items)} of them for its {len(mm_items)} multimodal item(s))"
+                fewer = ", send fewer images"
+            raise ValueError(f"{what} has {len(prompt_token_ids)} tokens{of_which}; max_model_len={self.max_model_len} "
+                             f"leaves no room to generate: shorten the prompt{fewer} or raise max_model_len")
         longest = min(len(prompt_token_ids) + params.max_tokens, self.max_model_len)
         if self.cache.pages_for(longest) > self.cache.num_pages:
             raise ValueError(f"a request of {longest} tokens needs {self.cache.pages_for(longest)} cache pages, "
@@ -228,9 +256,10 @@ class LLMEngine:
         return self.structured
 
     def add_request(self, prompt_token_ids: list[int], params, prompt: str | None = None,
-                    request_id: str | None = None) -> Request:
-        self.validate_request(prompt_token_ids, params)
-        req = Request(prompt_token_ids, params, prompt, request_id)
+                    request_id: str | None = None, mm_items=None) -> Request:
+        """mm_items: from process_multimodal (prompt_token_ids is then the expanded prompt)."""
+        self.validate_request(prompt_token_ids, params, mm_items=mm_items or ())
+        req = Request(prompt_token_ids, params, prompt, request_id, mm_items)
         if req.request_id in self.requests:
             raise ValueError(f"request_id {req.request_id!r} is already in use")
         if self.tokenizer is not None:
@@ -273,7 +302,7 @@ class LLMEngine:
     def stats(self) -> dict[str, float]:
         """Counters since start-up: prefix cache lookups, hits, replay and evictions; preemptions;
         with DSpark drafting, its steps and verified / accepted draft tokens."""
-        out = {"num_preemptions": self.scheduler.num_preemptions}
+        out = {"num_preemptions": self.scheduler.num_preemptions, "num_encoded_items": self.num_encoded_items}
         if self.cache.prefix is not None:
             out.update({f"prefix_cache_{k}": v for k, v in self.cache.prefix.stats.as_dict().items()})
         if self.spec is not None:
@@ -327,7 +356,7 @@ class LLMEngine:
         would wait for the whole call), and no request reaches max_tokens or max_model_len within
         the call: stop tokens and strings are checked afterwards, dropping what followed them."""
         steps = self.multi_step
-        if steps <= 1 or self.spec is not None or self.scheduler.waiting:
+        if steps <= 1 or self.spec is not None or self.scheduler.waiting or not self.model.multi_step_decode:
             return 1
         window = self.model.replay_window
         for c in chunks:
@@ -478,6 +507,10 @@ class LLMEngine:
             if req.wants_prompt_logprobs and first < min(start + c.num_tokens, req.num_prompt_tokens - 1):
                 n_prompt_rows = min(start + c.num_tokens, req.num_prompt_tokens - 1) - first
                 plan.logit_rows.extend(range(offset + first - start, offset + first - start + n_prompt_rows))
+            for item in req.mm_items:  # multimodal spans this chunk feeds (their rows get the encoder's output)
+                lo, hi = max(item.offset, start), min(item.end, start + c.num_tokens)
+                if lo < hi:
+                    plan.mm.append((offset + lo - start, item, lo - item.offset, hi - item.offset))
             completes = c.completes
             plan.prompt_rows.append((first, n_prompt_rows, completes))
             if completes:  # with drafts: one row per draft position plus the bonus row
@@ -517,6 +550,9 @@ class LLMEngine:
             _, prev_tokens = previous.future.result()
             ids = plan.meta.ids
             plan.meta.ids = torch.where(ids < 0, prev_tokens[(-ids - 1).clamp(min=0)], ids)
+        if plan.mm:
+            with self._timed("encode"):
+                plan.inp.embeds = self._multimodal_rows(plan.mm)
         with self._timed("forward"):
             rows = torch.tensor(plan.logit_rows, dtype=torch.int64)
             if self.spec is None:
@@ -538,6 +574,17 @@ class LLMEngine:
                     self.structured.apply_bitmask(sample_logits, plan.sampling)
                 tokens = self.sampler.sample(sample_logits, plan.sampling_inputs)
         return logits, tokens
+
+    def _multimodal_rows(self, fed: list) -> list[tuple[int, torch.Tensor]]:
+        """The step's multimodal rows: items not yet encoded run through the model's encoder together,
+        once per item (each keeps its output for the request's life: later chunks, preemption and
+        replay reuse it); then each fed slice of a span goes to its rows."""
+        todo = list({id(item): item for _, item, _, _ in fed if item.embeds is None}.values())
+        if todo:
+            for item, rows in zip(todo, self.model.encode_multimodal(todo), strict=True):
+                item.embeds = rows
+            self.num_encoded_items += len(todo)
+        return [(row, item.embeds[lo:hi]) for row, item, lo, hi in fed]
 
     def _finish(self, plan: "StepPlan") -> list[Request]:
         """Post-process a step on the CPU: prompt logprobs, the sampled tokens, stop checks."""

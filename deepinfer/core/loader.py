@@ -16,9 +16,11 @@ from __future__ import annotations
 import json
 import math
 import os
+import struct
 from contextlib import ExitStack
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import safe_open
 
@@ -140,6 +142,36 @@ class _ExpertStack:
 
 # ---------------------------------------------------------------------------------- files
 
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "F8_E8M0": getattr(torch, "float8_e8m0fnu", None),
+}
+
+
+def _header(path: Path) -> tuple[dict, int]:
+    """A safetensors file's header (name -> dtype, shape, data_offsets) and where its data begins."""
+    with open(path, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(size)), 8 + size
+
+
+def mapped_tensor(path: Path, name: str) -> torch.Tensor:
+    """A tensor of a safetensors file, memory-mapped, not read: its pages come from the file when a
+    row is touched (copy-on-write, so the tensor is writable without ever writing the file)."""
+    header, base = _header(path)
+    entry = header[name]
+    dtype = _SAFETENSORS_DTYPES.get(entry["dtype"])
+    if dtype is None:
+        raise CheckpointError(f"{name}: stored dtype {entry['dtype']} cannot be memory-mapped here")
+    begin, end = entry["data_offsets"]
+    if end == begin:
+        return torch.empty(entry["shape"], dtype=dtype)
+    raw = np.memmap(path, dtype=np.uint8, mode="c", offset=base + begin, shape=(end - begin,))
+    return torch.from_numpy(raw).view(dtype).view(entry["shape"])
+
+
 def _weight_map(model_dir: Path) -> dict[str, Path]:
     """tensor name -> file, from the shard index or the headers of the *.safetensors files."""
     if not model_dir.is_dir():
@@ -236,6 +268,14 @@ def load_checkpoint(model_dir: str | os.PathLike, expected: dict[str, TensorSpec
             if slot is None or slot[0] not in expected:
                 raise CheckpointError(f"unexpected tensor {name} in {where[name].name}: not part of the model")
             hf, part = slot
+            if expected[hf].mapped:  # left in the file: a view of its pages, in the stored dtype
+                t = mapped_tensor(where[name], name)
+                if t.dtype != expected[hf].dtype:
+                    raise CheckpointError(f"{name}: expected stored dtype {expected[hf].dtype}, found {t.dtype}")
+                _check_shape(name, tuple(t.shape), expected[hf].shape)
+                source[(hf, None, None)] = name
+                weights[hf] = t
+                continue
             key = (hf, *(part or (None, None)))
             if key in source or (hf, None, None) in source or (part is None and (hf in weights or hf in stacks)):
                 raise CheckpointError(f"{name}: {hf} is also loaded from {source.get(key, 'another tensor')}")

@@ -35,8 +35,16 @@ class PrefixCacheStats:
         return out
 
 
-def _key(parent: bytes, tokens: Sequence[int]) -> bytes:
-    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
+def _key(parent: bytes, tokens: Sequence[int], extra: bytes = b"") -> bytes:
+    return hashlib.blake2b(parent + array("q", tokens).tobytes() + extra, digest_size=16).digest()
+
+
+def _span_bytes(spans: Sequence[tuple[int, int, bytes]], start: int, end: int) -> bytes:
+    """What a page [start, end) holds besides its token ids: the digest and place of every multimodal
+    span that overlaps it (its positions all carry the same placeholder id, so the ids alone would
+    let two different images share a page)."""
+    return b"".join(array("q", (s - start, e - start)).tobytes() + digest for s, e, digest in spans
+                    if s < end and e > start)
 
 
 class PrefixCache:
@@ -48,15 +56,18 @@ class PrefixCache:
         self.idle: OrderedDict[int, None] = OrderedDict()  # cached pages nobody holds, least recently used first
         self.stats = PrefixCacheStats()
 
-    def keys(self, known: list[bytes], tokens: Sequence[int]) -> list[bytes]:
+    def keys(self, known: list[bytes], tokens: Sequence[int],
+             spans: Sequence[tuple[int, int, bytes]] = ()) -> list[bytes]:
         """`known` (keys of a sequence's first pages) extended to every full page of `tokens`,
-        stopping at a page that holds a placeholder (a token still being sampled, < 0)."""
+        stopping at a page that holds a placeholder (a token still being sampled, < 0). `spans`:
+        the sequence's multimodal spans (first position, end, content digest), keyed with the pages
+        they overlap, so a page with an image hits only for the same image in the same place."""
         p = self.page_tokens
         for i in range(len(known), len(tokens) // p):
             page = tokens[i * p:(i + 1) * p]
             if min(page) < 0:
                 break
-            known.append(_key(known[-1] if known else b"", page))
+            known.append(_key(known[-1] if known else b"", page, _span_bytes(spans, i * p, (i + 1) * p)))
         return known
 
     def match(self, keys: Sequence[bytes]) -> list[int]:

@@ -73,7 +73,7 @@ class BoundedReplay:
         prefix = self.cache.prefix
         if prefix is None:
             return Resume()
-        req.page_keys = prefix.keys(req.page_keys, req.tokens(0, req.num_tokens - 1))
+        req.page_keys = prefix.keys(req.page_keys, req.tokens(0, req.num_tokens - 1), req.mm_spans())
         pages = prefix.match(req.page_keys)
         hit = len(pages) * prefix.page_tokens
         if not pages or self.mode == OFF:
@@ -90,7 +90,7 @@ class BoundedReplay:
         if prefix is None:
             return []
         computed = min(req.num_computed, req.num_tokens)  # an abort may drop fed placeholders
-        req.page_keys = prefix.keys(req.page_keys, req.tokens(0, computed))
+        req.page_keys = prefix.keys(req.page_keys, req.tokens(0, computed), req.mm_spans())
         return req.page_keys[:computed // prefix.page_tokens]
 
     def admit(self, req: Request, resume: Resume) -> None:

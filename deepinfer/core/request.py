@@ -20,10 +20,13 @@ class Status(enum.Enum):
 
 class Request:
     def __init__(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
-                 request_id: str | None = None):
+                 request_id: str | None = None, mm_items: list | None = None):
         self.request_id = request_id if request_id is not None else str(next(_ids))
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
+        # multimodal spans of the prompt (models/base.py MultimodalItem, in prompt order); each keeps its
+        # encoder output once computed, for the request's life
+        self.mm_items = list(mm_items or ())
         self.params = params
         self.seed = params.resolved_seed()
         self.output_token_ids: list[int] = []
@@ -63,6 +66,10 @@ class Request:
         if start >= n:  # decode: no copy of the whole history per step
             return self.output_token_ids[start - n:end - n]
         return self.prompt_token_ids[start:end] + self.output_token_ids[:max(end - n, 0)]
+
+    def mm_spans(self) -> list[tuple[int, int, bytes]]:
+        """(first position, end, digest) of each multimodal span: what the prefix cache keys besides tokens."""
+        return [(item.offset, item.end, item.digest) for item in self.mm_items]
 
     @property
     def is_finished(self) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 from tokenizers import Tokenizer as _HFTokenizer
 
@@ -29,9 +30,22 @@ class Tokenizer:
         self.add_bos = bool(config.get("add_bos_token", bos_token_id is not None))
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True,
+               placeholders: dict[str, int] | None = None) -> list[int]:
         """Token ids of `text`; add_special_tokens=False for text that already holds its special
-        tokens (a chat prompt that starts with the BOS string): no BOS is added then."""
+        tokens (a chat prompt that starts with the BOS string): no BOS is added then.
+        `placeholders` (text -> token id): each occurrence becomes that one token whatever the
+        tokenizer would make of it (a model's multimodal placeholders); the text between them is
+        tokenized piece by piece, as a tokenizer splits at its own special tokens."""
+        if placeholders:
+            pattern = "|".join(re.escape(p) for p in sorted(placeholders, key=len, reverse=True))
+            pieces = re.split(f"({pattern})", text)  # text, placeholder, text, ...
+            ids = self.encode(pieces[0], add_special_tokens)
+            for i in range(1, len(pieces), 2):
+                ids.append(placeholders[pieces[i]])
+                if pieces[i + 1]:
+                    ids += self._tok.encode(pieces[i + 1], add_special_tokens=False).ids
+            return ids
         ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
         if not add_special_tokens:
             return ids

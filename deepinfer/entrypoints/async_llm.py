@@ -21,7 +21,6 @@ from dataclasses import dataclass
 
 from deepinfer.core.request import Request, Status
 from deepinfer.entrypoints.streams import Delta, RequestGroup
-from deepinfer.sampling_params import SamplingParams
 
 logger = logging.getLogger("deepinfer.server")
 
@@ -78,11 +77,11 @@ class AsyncLLM:
     def alive(self) -> bool:
         return self.error is None and self._thread.is_alive() and self._drain_deadline is None
 
-    async def add(self, prompts: list[tuple[list[int], SamplingParams, str | None]], arrival: float,
-                  request_ids: list[str]) -> RequestGroup:
+    async def add(self, prompts: list[tuple], arrival: float, request_ids: list[str]) -> RequestGroup:
         """Queue every prompt of an HTTP request, or none: raises InvalidRequest (naming the
         prompt), QueueFull or EngineDead. If the caller is cancelled meanwhile, the requests
-        are aborted again."""
+        are aborted again. A prompt is (token ids, SamplingParams, text or None) and, for a
+        multimodal one, its MultimodalItems (the engine's process_multimodal)."""
         if not self.alive:
             raise EngineDead(self._dead_reason())
         self._loop = asyncio.get_running_loop()
@@ -170,13 +169,14 @@ class AsyncLLM:
             if waiting + len(prompts) > self.max_waiting_requests:
                 raise QueueFull(f"{waiting} requests are waiting for the engine (limit "
                                 f"--max-waiting-requests={self.max_waiting_requests}); retry later")
-            for i, (ids, params, _) in enumerate(prompts):  # all or nothing
+            prompts = [p if len(p) == 4 else (*p, None) for p in prompts]  # (ids, params, text[, mm_items])
+            for i, (ids, params, _, mm_items) in enumerate(prompts):  # all or nothing
                 try:
-                    self.engine.validate_request(ids, params)
+                    self.engine.validate_request(ids, params, mm_items=mm_items or ())
                 except ValueError as exc:
                     raise InvalidRequest(str(exc), i) from None
-            for i, ((ids, params, text), rid) in enumerate(zip(prompts, group.request_ids)):
-                req = self.engine.add_request(ids, params, text, request_id=rid)
+            for i, ((ids, params, text, mm_items), rid) in enumerate(zip(prompts, group.request_ids)):
+                req = self.engine.add_request(ids, params, text, request_id=rid, mm_items=mm_items)
                 req.metrics.arrival_time = arrival  # latency counts from the HTTP request, not the queue
                 stops = params.stop_strings
                 self._live[rid] = _Live(req, group, i, arrival, max(map(len, stops)) - 1 if stops else 0)

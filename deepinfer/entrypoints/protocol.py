@@ -76,7 +76,8 @@ class ToolCallParam(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    """One message of a conversation; `content` may be a list of text parts."""
+    """One message of a conversation; `content` may be a list of text parts (joined by newlines) and
+    `image_url` parts, which stay a list for serving_chat to place (it accepts data: URIs only)."""
 
     model_config = ConfigDict(extra="ignore")  # e.g. `refusal`, `audio`: nothing a prompt uses
 
@@ -91,12 +92,17 @@ class ChatMessage(BaseModel):
     @classmethod
     def _text_parts(cls, content):
         if isinstance(content, list):
-            texts = []
-            for part in content:
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise ValueError(f"only text content parts are supported, got type {part.get('type')!r}")
-                texts.append(part["text"])
-            return "\n".join(texts)
+            for j, part in enumerate(content):
+                kind = part.get("type")
+                if kind == "image_url":
+                    image = part.get("image_url")
+                    url = image.get("url") if isinstance(image, dict) else None
+                    if not isinstance(url, str):
+                        raise ValueError(f"content[{j}]: an image_url part needs image_url.url (a data: URI)")
+                elif kind != "text" or not isinstance(part.get("text"), str):
+                    raise ValueError(f"content[{j}]: content parts are 'text' or 'image_url', got type {kind!r}")
+            if all(part["type"] == "text" for part in content):
+                return "\n".join(part["text"] for part in content)
         return content
 
     def as_dict(self) -> dict:

@@ -1,9 +1,11 @@
 """POST /v1/chat/completions: messages -> prompt through the model's chat format; its output
 -> content, reasoning_content and tool_calls through the format's parser, the same parser for
-streamed and whole responses (so joined deltas equal the whole message)."""
+streamed and whole responses (so joined deltas equal the whole message). Image parts (data: URIs)
+go to a model with a vision encoder (chat_images.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from fastapi import Request
@@ -11,6 +13,7 @@ from fastapi.responses import JSONResponse
 
 from deepinfer.core.tokenizer import Tokenizer
 from deepinfer.entrypoints.chat import ChatDelta, ChatFormatError
+from deepinfer.entrypoints.chat_images import place_images
 from deepinfer.entrypoints.protocol import AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, \
     ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, DeltaMessage, FunctionCall, TokenLogprob, \
     ToolCallDelta, ToolCallOut, TopLogprob, UsageInfo, random_id
@@ -81,11 +84,20 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     options = dict(body.chat_template_kwargs or {})
     if body.reasoning_effort is not None:
         options["reasoning_effort"] = body.reasoning_effort
+    engine = state.engine.engine
+    placeholders = engine.multimodal_placeholders
+    messages, images = place_images([m.as_dict() for m in body.messages], next(iter(placeholders), None))
     try:
-        prompt = fmt.render([m.as_dict() for m in body.messages], tools, options)
+        prompt = fmt.render(messages, tools, options)
     except ChatFormatError as exc:
         raise APIError(400, str(exc), exc.param) from None
-    ids = fmt.tokenize(tokenizer, prompt)
+    ids = fmt.tokenize(tokenizer, prompt, placeholders if images else None)
+    mm_items = None
+    if images:  # decoded and laid out off the event loop
+        try:
+            ids, mm_items = await asyncio.to_thread(engine.process_multimodal, ids, {"image": images}, "messages")
+        except ValueError as exc:
+            raise APIError(400, str(exc), "messages") from None
     so_args, so_field = _so_args(body)
     if forced:  # the reply must be a tool call: the format's grammar of its calls
         if so_args is not None:
@@ -97,12 +109,12 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     max_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens is None:  # as much as the context leaves (the engine refuses a prompt that fills it)
-        max_tokens = max(state.engine.engine.max_model_len - len(ids), 1)
+        max_tokens = max(engine.max_model_len - len(ids), 1)
     k = body.top_logprobs or 0
     params = make_params(body, body.n, max_tokens=max_tokens, max_tokens_field=max_field,
                          top_logprobs=max(k, 1) if body.logprobs else 0, so_args=so_args, so_field=so_field,
                          logprobs_field="top_logprobs")
-    group = await submit(state, [(ids, p, None) for p in params], "messages", arrival, max_field, so_field)
+    group = await submit(state, [(ids, p, None, mm_items) for p in params], "messages", arrival, max_field, so_field)
     parsers = [fmt.parser(prompt, tools is not None) for _ in params]
     rid = random_id("chatcmpl")
     if body.stream:

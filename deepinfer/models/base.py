@@ -5,6 +5,11 @@ config's common fields (`vocab_size`, `hidden_size`, `max_position_embeddings`, 
 `eos_token_ids`), loads the tensors the model class names, builds the model, allocates the pools
 its cache spec lists, and runs steps through `prepare` / `forward`. Layer types, checkpoint names,
 attention variants and index planning stay inside the family.
+
+Multimodal input (images) is the family's too: `process_multimodal` turns a request's data into prompt
+positions (`MultimodalItem` spans) and encoder inputs, `encode_multimodal` runs the encoder, and a
+step's `StepInput.embeds` carries the encoded rows into the positions they fill. The engine only
+schedules by positions and keys the prefix cache by each item's digest.
 """
 
 from __future__ import annotations
@@ -35,6 +40,37 @@ class StepInput:
     # after a prefix-cache hit (core/replay.py); None = zeros
     window_floor: torch.Tensor | None = None  # [B] tokens from here on read no window key below it
     num_restored: torch.Tensor | None = None  # [B] paged state of positions below it is cached: not rewritten
+    # multimodal input: (first flat row of `ids`, rows [n, hidden] float32 on the device) that replace the
+    # token embeddings of those rows (an image's span positions); None = text only
+    embeds: list[tuple[int, torch.Tensor]] | None = None
+
+
+@dataclass(slots=True, eq=False)
+class MultimodalItem:
+    """One multimodal input of a prompt (an image) as its family laid it out: the prompt positions its
+    span fills and what the family's encoder needs. The engine schedules by positions and keys the
+    prefix cache by `digest`; it never looks inside `data`."""
+
+    offset: int  # first prompt position of the span
+    length: int  # positions the span takes
+    digest: bytes  # equal digests give equal embeddings (the prefix cache's key for these positions)
+    data: object = field(repr=False)  # the encoder's input (the family's own type)
+    # [length, hidden] once encoded (on the device): kept for the request's life, so chunked prefill,
+    # preemption and replay do not run the encoder again
+    embeds: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+@dataclass(slots=True)
+class MultimodalPrompt:
+    """A prompt after `process_multimodal`: token ids with every placeholder expanded into its item's
+    span, and the items in prompt order (spans do not overlap)."""
+
+    prompt_token_ids: list[int]
+    items: list[MultimodalItem]
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +86,9 @@ class TensorSpec:
     dtype: torch.dtype = torch.float32
     experts: bool = False  # an [E, N, K] stack of routed experts (WeightRole.EXPERTS); implies stored
     stored: bool = False
+    # kept as stored and memory-mapped from the file (no copy, no dequantization, `dtype` is the
+    # stored dtype): a large table of which a step reads a few rows (DeepSeek-V4.1's Engram)
+    mapped: bool = False
 
 
 # A checkpoint name's destination: (model name, None) for a whole tensor, (model name, (expert,
@@ -82,6 +121,9 @@ class CausalLM(ABC):
     # rings): replayed from the cached prefix's tail (core/replay.py). 0: paged state is the whole
     # decode state, so a hit is exact and nothing is replayed.
     replay_window: int = 0
+    # Whether `prepare(steps=k)` plans k greedy decode steps at once (multi-step decoding, see
+    # `prepare`); a model without it decodes one step per call.
+    multi_step_decode: bool = True
 
     @classmethod
     @abstractmethod
@@ -131,6 +173,27 @@ class CausalLM(ABC):
     def make_drafter(self, extra: dict[str, torch.Tensor], max_seqs: int, margin: int):
         """The speculative drafter the checkpoint carries (`extra`), or None."""
         return None
+
+    # Multimodal input. A text-only model keeps these defaults: a request with multimodal data is
+    # refused with the message `process_multimodal` raises.
+    @property
+    def multimodal_placeholders(self) -> dict[str, int]:
+        """Placeholder text -> token id: where a prompt puts a multimodal item (e.g. an image). The
+        engine tokenizes each occurrence as that one id, whatever the tokenizer makes of the text."""
+        return {}
+
+    def process_multimodal(self, prompt_token_ids: list[int], data: dict) -> MultimodalPrompt:
+        """Lay out a request's multimodal `data` ({modality: item or list of items}, e.g. {"image": [...]})
+        in its tokenized prompt: each placeholder token becomes its item's span. Raises ValueError
+        naming the problem (a modality the model does not take, placeholders and items that do not
+        pair up, an item that cannot be decoded or does not fit)."""
+        raise ValueError(f"multi_modal_data was given, but this model ({type(self).__name__}) takes text only: "
+                         "it has no encoder for images or other modalities; send the prompt without it")
+
+    def encode_multimodal(self, items: list[MultimodalItem]) -> list[torch.Tensor]:
+        """The span embeddings [item.length, hidden] (float32, on the device) of items this model
+        laid out, in one encoder pass."""
+        raise NotImplementedError(f"{type(self).__name__} has no multimodal encoder")
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,11 +23,18 @@ def _deepseek_v3():
     return DeepseekV3Config, DeepseekV3Model
 
 
+def _deepseek_v41():
+    from deepinfer.models.deepseek_v41 import DeepseekV41Config, DeepseekV41Model
+
+    return DeepseekV41Config, DeepseekV41Model
+
+
 FAMILIES = (
     Family("deepseek_v4", ("DeepseekV4ForCausalLM",), ("deepseek_v4",), _deepseek_v4),
     # DeepSeek's own inference config (ModelArgs: dim, n_layers, kv_lora_rank, ...) names no model
     Family("deepseek_v3", ("DeepseekV3ForCausalLM",), ("deepseek_v3",), _deepseek_v3,
            upstream_keys=("dim", "n_layers", "kv_lora_rank")),
+    Family("deepseek_v41", ("DeepseekV41ForCausalLM",), ("deepseek_v41",), _deepseek_v41),
 )
 
 

@@ -42,6 +42,7 @@ class ExpertParallelMoE:
         self.placements: list[Placement] = []
         self.local: list[tuple[torch.Tensor, torch.Tensor]] = []  # this rank's slots of each layer's stacks
         self.layer_args: list[tuple[int, int, float]] = []  # (hidden, top_k, swiglu limit) per layer
+        self.layer_experts: list = []  # per layer: the model's expert function (weights inside) or None
         self.recorder: LoadRecorder | None = None
         self.seconds = {"sync": 0.0, "dispatch": 0.0, "experts": 0.0, "combine": 0.0}
         self.rearrangements = 0
@@ -50,9 +51,13 @@ class ExpertParallelMoE:
     def num_layers(self) -> int:
         return len(self.local)
 
-    def add_layer(self, gate_up: torch.Tensor, down: torch.Tensor, top_k: int, limit: float):
+    def add_layer(self, gate_up: torch.Tensor, down: torch.Tensor, top_k: int, limit: float, experts=None):
         """A MoE layer's full expert stacks [E, 2I, D] / [E, D, I]: this rank keeps its slots' copies
-        (the full stacks are not held). Returns the layer's routed experts, (h, weights, ids) -> out."""
+        (the full stacks are not held). Returns the layer's routed experts, (h, weights, ids) -> out.
+        `experts(h, weights, ids, gate_up, down) -> [T, D]`: the model's own routed-expert computation
+        when its routing weights act inside the expert (DeepSeek-V4.1 scales the intermediate before
+        quantizing it for w2): each row then travels with its weight and the rank applies it; by
+        default the accelerator's moe_experts runs at weight 1 and the weights are applied at combine."""
         i, num_experts = self.num_layers, gate_up.shape[0]
         self.num_experts, self.num_slots = num_experts, num_experts + self.parallel.num_redundant_experts
         start = plan_placement([0] * num_experts, self.num_slots, self.world) if self.parallel.num_redundant_experts \
@@ -61,6 +66,7 @@ class ExpertParallelMoE:
         mine = torch.tensor(self.placements[i].local_experts(self.rank), device=gate_up.device)
         self.local.append((gate_up[mine].contiguous(), down[mine].contiguous()))
         self.layer_args.append((gate_up.shape[2], top_k, limit))
+        self.layer_experts.append(experts)
         if self.parallel.eplb_enabled:  # sized for every layer so far: layers register in order, before any step
             self.recorder = LoadRecorder(self.num_layers, num_experts, self.parallel.eplb_window_size, self.device)
         return lambda h, weights, ids: self(i, h, weights, ids)
@@ -94,25 +100,38 @@ class ExpertParallelMoE:
         recv = group.exchange_counts(send)  # also where a rank waits for slower ones
         t_sync = time.perf_counter()
         send_counts, recv_counts = send.tolist(), recv.tolist()
-        # one message per row: the activation's bytes followed by the local slot's (one collective, not two)
+        # one message per row: the activation's bytes followed by the local slot's (one collective, not
+        # two), and its routing weight's when the model applies weights inside the expert
+        inside = self.layer_experts[i]
         x = h[order // top_k].contiguous()
-        packed = torch.cat([x.view(torch.uint8), (sorted_slots % placement.slots_per_rank).unsqueeze(1).view(torch.uint8)],
-                           dim=1)
-        got = group.all_to_all_rows(packed, send_counts, recv_counts)
-        rows = got[:, :-8].contiguous().view(x.dtype)
-        local_slot = got[:, -8:].contiguous().view(torch.int64).squeeze(1)
+        parts = [x.view(torch.uint8), (sorted_slots % placement.slots_per_rank).unsqueeze(1).view(torch.uint8)]
+        if inside is not None:
+            parts.append(weights.reshape(-1)[order].float().unsqueeze(1).contiguous().view(torch.uint8))
+        got = group.all_to_all_rows(torch.cat(parts, dim=1), send_counts, recv_counts)
+        tail = 12 if inside is not None else 8
+        rows = got[:, :-tail].contiguous().view(x.dtype)
+        local_slot = got[:, -tail:][:, :8].contiguous().view(torch.int64).squeeze(1)
         t1 = time.perf_counter()
         gate_up, down = self.local[i]
-        if rows.shape[0]:
+        if not rows.shape[0]:  # nothing routed here this step; the op is not defined on empty input
+            out = torch.zeros(0, h.shape[1], dtype=torch.float32, device=self.device)
+        elif inside is not None:
+            row_weights = got[:, -4:].contiguous().view(torch.float32)
+            out = inside(rows, row_weights, local_slot.unsqueeze(1), gate_up, down)
+        else:
             ones = torch.ones(rows.shape[0], 1, dtype=torch.float32, device=self.device)
             out = self.accel.moe_experts(rows, ones, local_slot.unsqueeze(1), gate_up, down, self.layer_args[i][2])
-        else:  # nothing routed here this step; the op is not defined on empty input
-            out = torch.zeros(0, h.shape[1], dtype=torch.float32, device=self.device)
         t2 = time.perf_counter()
         back = group.all_to_all_rows(out, recv_counts, send_counts)
         per_slot = torch.empty_like(back)
         per_slot[order] = back
-        result = (per_slot.view(num_tokens, top_k, h.shape[1]) * weights.unsqueeze(-1)).sum(dim=1)
+        per_slot = per_slot.view(num_tokens, top_k, h.shape[1])
+        if inside is None:
+            result = (per_slot * weights.unsqueeze(-1)).sum(dim=1)
+        else:  # weighted already; summed in k order, as the model's single-process experts
+            result = per_slot[:, 0]
+            for j in range(1, top_k):
+                result = result + per_slot[:, j]
         t3 = time.perf_counter()
         self.seconds["sync"] += t_sync - t0
         self.seconds["dispatch"] += t1 - t_sync

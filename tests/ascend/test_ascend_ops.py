@@ -16,10 +16,13 @@ Tolerance: max |ascend - cpu| <= TOL[op] * max |cpu|; 0.0 = bit-identical; ids/t
 | hc_pre/post/head    | Triton                                  | 1e-5            | 2.0e-7/8.6e-8/2.9e-7   |
 | compress_windows    | Triton, re-tiled (AscendC not built)    | 1e-5            | 1.8e-7                 |
 | sparse_attention    | Triton, re-tiled                        | 1e-5            | 3.4e-7                 |
+| dense_attention     | Triton, re-tiled                        | 1e-5            | 8.8e-7                 |
 | route_topk/hash     | Triton + torch.topk                     | 1e-5, ids equal | 2.1e-7/1.8e-7          |
 | route_grouped_topk  | Triton + torch.topk                     | 1e-5, ids equal | 2.7e-7                 |
 | indexer_topk        | Triton + torch stable sort              | ids equal       | equal                  |
 | apply_token_bitmask | Triton                                  | 0               | 0                      |
+| fp8_qdq, fp4_qdq    | Triton (integer rounding)               | 0 (bits)        | 0                      |
+| hc_mixes, hc_collapse, indexer_scores | Triton                | op_checks.V41_OPS |                      |
 | hc_pre_norm, hc_post_pre_norm, rms_norm_rope, swiglu_mlp, compress_entries | base.py composites of the above | 1e-5 | 2.7e-7, 2.5e-7, 0, 6.4e-8, 1.7e-7 |
 
 DeepSeek-V3's inputs to the existing ops, at the same tolerances: sparse_attention with no sink (-inf)
@@ -44,12 +47,12 @@ from deepinfer.backends.base import WeightRole  # noqa: E402
 from deepinfer.backends.quant import QuantizedWeight, quantize_fp4  # noqa: E402
 from deepinfer.backends import reference as ref  # noqa: E402
 from quant_checks import assert_within, dot_bound, weight_kinds, widened  # noqa: E402
-from op_checks import (FUSED_OPS, GROUPED_ROUTINGS, assert_close, check_attention_without_sink,  # noqa: E402
-                       check_fused, check_route_grouped_topk, check_unclamped_experts, grouped_routing_id, indices,
-                       poisoned, randn, run, seeded)
+from op_checks import (FUSED_OPS, GROUPED_ROUTINGS, V41_OPS, assert_close, check_attention_without_sink,  # noqa: E402
+                       check_fused, check_route_grouped_topk, check_unclamped_experts, check_v41_op,
+                       grouped_routing_id, indices, poisoned, randn, run, seeded)
 
 TOL = {"rms_norm": 1e-5, "swiglu": 1e-5, "moe_experts": 1e-5, "rope": 0.0, "hc_pre": 1e-5, "hc_post": 1e-5,
-       "hc_head": 1e-5, "compress_windows": 1e-5, "sparse_attention": 1e-5, "route_topk": 1e-5,
+       "hc_head": 1e-5, "compress_windows": 1e-5, "sparse_attention": 1e-5, "dense_attention": 1e-5, "route_topk": 1e-5,
        "route_grouped_topk": 1e-5, "route_hash": 1e-5,
        # composites of the ops above (base.py): each within the sum of its parts' tolerances
        "hc_pre_norm": 1e-5, "hc_post_pre_norm": 1e-5, "rms_norm_rope": 1e-5, "swiglu_mlp": 1e-5, "compress_entries": 1e-5}
@@ -198,6 +201,14 @@ def test_sparse_attention(asc, t, h, d, k):
     _close("sparse_attention", *run(asc, "sparse_attention", *args))
 
 
+@pytest.mark.parametrize("lens", [(7,), (70, 0, 1, 33)])
+def test_dense_attention(asc, lens):
+    gen = seeded(20, *lens)
+    t, h, d = sum(lens), 2, 40
+    args = (randn(gen, t, h, d, scale=2.0), randn(gen, t, h, d), randn(gen, t, h, d), list(lens), d ** -0.5)
+    _close("dense_attention", *run(asc, "dense_attention", *args))
+
+
 @pytest.mark.parametrize("t", TOKENS)
 @pytest.mark.parametrize("h,d,m,topk", [(16, 16, 40, 8), (4, 16, 5, 16)])
 def test_indexer_topk(asc, t, h, d, m, topk):
@@ -263,3 +274,10 @@ def test_sparse_attention_without_sink(asc, t):
 @pytest.mark.parametrize("t", TOKENS)
 def test_unclamped_experts(asc, t):
     check_unclamped_experts(asc, t, TOL["moe_experts"])
+
+
+@pytest.mark.parametrize("t", TOKENS)
+@pytest.mark.parametrize("op", V41_OPS)
+def test_v41_ops(asc, t, op):
+    """DeepSeek-V4.1's ops: the shared Triton kernels on this backend (op_checks.V41_OPS: tolerances)."""
+    check_v41_op(asc, op, t)

@@ -21,6 +21,7 @@ Exact ops (0.0) must match bit for bit; integer outputs (ids, tokens) must be eq
 | hc_head             | 1e-5   | 1.2e-7                            |
 | compress_windows    | 1e-5   | 8.9e-8                            |
 | sparse_attention    | 1e-5   | 4.8e-7                            |
+| dense_attention     | 1e-5   | 4.6e-7                            |
 | indexer_topk        | ids    | equal (as sets per row)           |
 | route_topk          | 1e-5   | 2.1e-7, ids equal                 |
 | route_hash          | 1e-5   | 2.2e-7                            |
@@ -33,6 +34,10 @@ Exact ops (0.0) must match bit for bit; integer outputs (ids, tokens) must be eq
 | rms_norm_rope       | 1e-5   | 1.4e-7                            |
 | swiglu_mlp          | 1e-5   | 5.4e-7                            |
 | compress_entries    | 1e-5   | 1.7e-7                            |
+| fp8_qdq, fp4_qdq    | 0      | 0 (bit for bit, E8M0 and E4M3)    |
+| hc_mixes            | 1e-5   |                                   |
+| hc_collapse         | 1e-6   |                                   |
+| indexer_scores      | 1e-5   | (and -inf where the reference)    |
 
 DeepSeek-V3's inputs to the existing ops, at the same tolerances: sparse_attention with no sink
 (-inf) over index lists whose first blocks are absent (2.7e-7; a token with no index gets zeros),
@@ -50,14 +55,15 @@ pytest.importorskip("triton", reason="triton is not installed: the nvidia backen
 
 from deepinfer.backends import AcceleratorUnavailable, cuda_usable, get_accelerator  # noqa: E402
 from deepinfer.backends import reference as ref  # noqa: E402
-from op_checks import (FUSED_OPS, GROUPED_ROUTINGS, assert_close, check_attention_without_sink,  # noqa: E402
-                       check_fused, check_route_grouped_topk, check_unclamped_experts, grouped_routing_id, indices,
-                       poisoned, randn, run, seeded)
+from op_checks import (FUSED_OPS, GROUPED_ROUTINGS, V41_OPS, assert_close, check_attention_without_sink,  # noqa: E402
+                       check_fused, check_route_grouped_topk, check_unclamped_experts, check_v41_op,
+                       grouped_routing_id, indices, poisoned, randn, run, seeded)
 
 TOL = {
     "rms_norm": 1e-5, "rope": 1e-6, "swiglu": 1e-5, "linear": 1e-5, "grouped_linear": 1e-5,
     "embedding": 0.0, "hc_pre": 1e-5, "hc_post": 1e-5, "hc_head": 1e-5, "compress_windows": 1e-5,
-    "sparse_attention": 1e-5, "route_topk": 1e-5, "route_grouped_topk": 1e-5, "route_hash": 1e-5, "moe_experts": 1e-5,
+    "sparse_attention": 1e-5, "dense_attention": 1e-5, "route_topk": 1e-5, "route_grouped_topk": 1e-5, "route_hash": 1e-5,
+    "moe_experts": 1e-5,
     "apply_token_bitmask": 0.0,
     # composites of the ops above (base.py): each within the sum of its parts' tolerances
     "hc_pre_norm": 1e-5, "hc_post_pre_norm": 1e-5, "rms_norm_rope": 1e-5, "swiglu_mlp": 1e-5, "compress_entries": 1e-5,
@@ -183,6 +189,16 @@ def test_sparse_attention(nv, t, h, d, k):
     _close("sparse_attention", *run(nv, "sparse_attention", *args))
 
 
+# sequence lengths: one query block, several key blocks with a ragged tail, an empty sequence, one token
+@pytest.mark.parametrize("lens", [(7,), (130, 0, 1, 65), (64, 64)])
+@pytest.mark.parametrize("h,d", [(3, 16), (2, 40)])
+def test_dense_attention(nv, lens, h, d):
+    gen = seeded(20, *lens, h, d)
+    t = sum(lens)
+    args = (randn(gen, t, h, d, scale=2.0), randn(gen, t, h, d), randn(gen, t, h, d), list(lens), d ** -0.5)
+    _close("dense_attention", *run(nv, "dense_attention", *args))
+
+
 @pytest.mark.parametrize("t", TOKENS)
 @pytest.mark.parametrize("h,d,m,topk", [(16, 16, 40, 8), (3, 32, 70, 64), (4, 16, 5, 16)])
 def test_indexer_topk(nv, t, h, d, m, topk):
@@ -299,6 +315,14 @@ def test_batch_invariance(nv):
     alone = torch.cat([attend(q[r:r + 1], idx[r:r + 1]) for r in range(9)])
     assert torch.equal(attend(q, idx), alone)
 
+    # an image's encoder attention does not depend on the other images packed with it
+    lens = [20, 70, 9]
+    q, k, v = (randn(gen, sum(lens), 2, 16).to(nv.device) for _ in range(3))
+    packed = nv.dense_attention(q, k, v, lens, 0.25)
+    bounds = [0, 20, 90, 99]
+    alone = torch.cat([nv.dense_attention(q[a:b], k[a:b], v[a:b], [b - a], 0.25) for a, b in zip(bounds, bounds[1:])])
+    assert torch.equal(packed, alone)
+
 
 def test_nvidia_without_gpu_or_interpreter_is_a_clear_error(monkeypatch):
     if cuda_usable():
@@ -336,3 +360,10 @@ def test_sparse_attention_without_sink(nv, t):
 @pytest.mark.parametrize("t", TOKENS)
 def test_unclamped_experts(nv, t):
     check_unclamped_experts(nv, t, TOL["moe_experts"])
+
+
+@pytest.mark.parametrize("t", TOKENS)
+@pytest.mark.parametrize("op", V41_OPS)
+def test_v41_ops(nv, t, op):
+    """DeepSeek-V4.1's ops (tests/op_checks.py: V41_OPS has the tolerances)."""
+    check_v41_op(nv, op, t)

@@ -18,8 +18,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from v41_goldens import (CONFIGS, GOLDENS, block_tolerance, checkpoint_dir, e2e_tolerance, load, noise,
-                         real_token_map, same_topk_picks, token_map_sha256, topk_boundary_ties, ulp_error)
+from v41_goldens import (CONFIGS, GOLDENS, VL_CONFIG, block_tolerance, checkpoint_dir, e2e_tolerance, load, noise,
+                         real_token_map, same_topk_picks, token_map_sha256, topk_boundary_ties, ulp_error,
+                         vision_e2e_tolerance, vision_tolerance)
 
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 FP4_TABLE = torch.cat([E2M1, -E2M1])
@@ -499,6 +500,73 @@ def test_noise_covers_every_probe_and_gives_usable_tolerances():
         assert 0 < tol["mean"] < 0.5 and 0 < tol["max"] < 5 and 0 < tol["greedy_gap"] < 2
         bound = block_tolerance(config, "L2.out.x")
         assert 1 <= bound["max"] < 1000 and bound["mean"] < bound["max"]
+
+
+# --- image input (mini6vl, vision.*) -----------------------------------------------------------------
+
+def test_vl_checkpoint_is_mini6_with_a_vision_tower():
+    """mini6vl's shard index maps mini6's text tensors to mini6's file and holds the vision tower, the
+    span markers and each MoE gate's image-span routing bias, with the reference's names, shapes and
+    dtypes (vision.py / model.py: bf16 projections with biases, fp32 norms and bias_vl)."""
+    d = checkpoint_dir(VL_CONFIG)
+    cfg = json.loads((d / "config.json").read_text())
+    mini6 = json.loads((checkpoint_dir("mini6") / "config.json").read_text())
+    assert {k: v for k, v in cfg["text_config"].items() if k != "engram_compressed_vocab_size"} == \
+        {k: v for k, v in mini6["text_config"].items() if k != "engram_compressed_vocab_size"}
+    v = cfg["vision_config"]
+    tok = json.loads((d / "tokenizer.json").read_text())
+    assert [t["id"] for t in tok["added_tokens"] if t["content"] == "<｜deepseek_image｜>"] == [cfg["image_token_id"]]
+    weight_map = json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]
+    text = checkpoint("mini6")
+    assert {k for k, f in weight_map.items() if f == "../mini6/model.safetensors"} == set(text)
+    with safe_open(d / "model-vision.safetensors", "pt") as f:
+        own = {k: f.get_tensor(k) for k in f.keys()}
+    assert {k for k, f in weight_map.items() if f == "model-vision.safetensors"} == set(own)
+    dim, inter, p, r, out = (v["hidden_size"], v["intermediate_size"], v["patch_size"], v["downsample_ratio"],
+                             cfg["text_config"]["hidden_size"])
+    bf16, fp32 = torch.bfloat16, torch.float32
+    want = {"vision.patch_embed.proj.weight": (bf16, (dim, 3 * p * p)), "vision.patch_embed.proj.bias": (bf16, (dim,)),
+            "vision.norm.weight": (fp32, (dim,)), "aligner.w1.weight": (bf16, (out, dim * r * r)),
+            "aligner.w1.bias": (bf16, (out,)), "aligner.w2.weight": (bf16, (out, out)), "aligner.w2.bias": (bf16, (out,)),
+            "image_start": (bf16, (out,)), "image_end": (bf16, (out,)), "image_newline": (bf16, (out,))}
+    for b in range(v["num_hidden_layers"]):
+        q = f"vision.blocks.{b}."
+        want.update({q + "norm1.weight": (fp32, (dim,)), q + "norm2.weight": (fp32, (dim,)),
+                     q + "attn.wqkv.weight": (bf16, (3 * dim, dim)), q + "attn.wqkv.bias": (bf16, (3 * dim,)),
+                     q + "attn.wo.weight": (bf16, (dim, dim)), q + "attn.wo.bias": (bf16, (dim,)),
+                     q + "mlp.w1.weight": (bf16, (2 * inter, dim)), q + "mlp.w2.weight": (bf16, (dim, inter))})
+    for gate in [k for k in text if k.endswith("ffn.gate.bias")]:
+        want[gate + "_vl"] = (fp32, tuple(text[gate].shape))
+    assert {k: (t.dtype, tuple(t.shape)) for k, t in own.items()} == want
+
+
+def test_vision_goldens_are_consistent():
+    g = load("vision")
+    for name, settings in g.meta["grids"].items():
+        rows = g[f"grids.{name}"]
+        p, r = settings["vision_patch_size"], settings["vision_downsample_ratio"]
+        llm_h, llm_w, height, width, vit_h, vit_w = rows[:, 2:8].unbind(1)
+        assert torch.equal(vit_h * p, height) and torch.equal(vit_w * p, width)
+        assert torch.equal(llm_h, -(-vit_h // r)) and torch.equal(llm_w, -(-vit_w // r))
+        assert int((llm_h * (llm_w + 1) + 2).max()) <= settings["vision_max_n_token"]
+        assert int(llm_h.min()) >= 1 and int(llm_w.min()) >= 1
+    ids, types = g["prompt.ids"], g["prompt.token_types"]
+    assert torch.equal(ids[types >= 0], torch.full_like(ids[types >= 0], g.meta["image_token_id"]))
+    assert (ids[types < 0] != g.meta["image_token_id"]).all()
+    for j, meta in enumerate(g.meta["images"]):
+        span = g[f"image{j}.types"]
+        assert torch.equal(types[meta["start"]:meta["start"] + meta["span"]], span)
+        h, w = meta["vit_grid"]
+        assert g[f"image{j}.vit"].shape[0] == h * w
+        assert g[f"image{j}.aligner"].shape[0] == int((span == 1).sum()) == -(-h // 3) * -(-w // 3)
+    n = ids.numel()
+    assert g["prompt.prefill.logprobs"].shape == (n - 1,) and g["prompt.greedy.tokens"].shape == (g.meta["new_tokens"],)
+    assert g["prompt.split.logprobs"].shape == (n - g.meta["prompt"]["split_prefill_len"],)
+    tol = vision_e2e_tolerance()
+    assert 0 < tol["mean"] < 0.5 and 0 < tol["max"] < 5 and 0 < tol["greedy_gap"] < 2
+    for j in range(len(g.meta["images"])):
+        bound = vision_tolerance(f"image{j}.aligner")
+        assert 1 <= bound["max"] < 100 and bound["mean"] < bound["max"]
 
 
 # --- the helpers the implementers' tests use ---------------------------------------------------------

@@ -85,6 +85,8 @@ def test_chat_logprobs(client):
     (dict(top_logprobs=2), "top_logprobs"),
     (dict(messages=[]), "messages"),
     (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+     "messages[0].content[0]"),  # the shipped model has no vision encoder
+    (dict(messages=[{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]),
      "messages[0].content"),
     (dict(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), "response_format.json_schema"),
     (dict(max_completion_tokens=0), "max_completion_tokens"),

@@ -13,7 +13,7 @@ import pytest
 from deepinfer.core.tokenizer import Tokenizer
 from deepinfer.entrypoints.chat import ChatFormatError, load_chat_format
 from deepinfer.entrypoints.chat.deepseek_v4 import DeepseekV4ChatFormat
-from deepinfer.entrypoints.chat.dsml import encode_calls, parse_invoke
+from deepinfer.entrypoints.chat.dsml import V4 as V4_DSML
 
 V4 = DeepseekV4ChatFormat()
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
@@ -208,9 +208,9 @@ def test_forced_calls_are_a_grammar_that_starts_after_the_reasoning(ds_tokenizer
 
 def test_dsml_round_trip():
     calls = [("f", {"s": "a \"quoted\" <b>", "n": -1.5, "flag": True, "none": None, "obj": {"k": [1]}}), ("g", {})]
-    block = encode_calls(calls)
+    block = V4_DSML.encode_calls(calls)
     invokes = block.split("\n</｜DSML｜invoke>")
-    parsed = [parse_invoke(part.split("<｜DSML｜tool_calls>\n")[-1].lstrip("\n") + "\n</｜DSML｜invoke>")
+    parsed = [V4_DSML.parse_invoke(part.split("<｜DSML｜tool_calls>\n")[-1].lstrip("\n") + "\n</｜DSML｜invoke>")
               for part in invokes[:-1]]
     assert [(c.name, json.loads(c.arguments)) for c in parsed] == calls
 

@@ -73,3 +73,19 @@ def test_a_prefix_computed_twice_is_cached_once():
     cache.release(b, keys[:1])
     assert len(cache.prefix.page_of) == 1 and len(cache.prefix.idle) == 1
     assert cache.num_free_pages == 4
+
+
+def test_multimodal_spans_key_the_pages_they_overlap():
+    """Image positions all carry one placeholder id: the span's digest keys every page it touches (and,
+    through the chain, every later page), so only the same image in the same place hits."""
+    prefix = _cache(4).prefix
+    tokens = [5] * 10 + [9] * 300 + [6] * 90  # a 300-position image span at 10..310 (pages 0-2)
+    plain = prefix.keys([], tokens)
+    a = prefix.keys([], tokens, [(10, 310, b"image-a")])
+    b = prefix.keys([], tokens, [(10, 310, b"image-b")])
+    assert len(a) == 3 and all(x != y for x, y in zip(a, b)) and all(x != y for x, y in zip(a, plain))
+    assert prefix.keys([], tokens, [(10, 310, b"image-a")]) == a  # deterministic
+    moved = prefix.keys([], tokens, [(11, 311, b"image-a")])  # same image one position later
+    assert moved[0] != a[0]
+    late = prefix.keys([], tokens, [(300, 310, b"image-a")])  # a span only in page 2
+    assert late[:2] == plain[:2] and late[2] != plain[2]

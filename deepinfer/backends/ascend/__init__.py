@@ -15,8 +15,13 @@ Op mapping (a torch_npu operator is used only where its documented semantics equ
 | compress_windows    | AscendC `compress_windows` when built, else Triton (re-tiled)       [a]  |
 | hc_pre              | AscendC `mhc_sinkhorn` + torch when built, else Triton              [a]  |
 | hc_post, hc_head    | Triton (shared kernels)                                             [a]  |
+| hc_mixes, hc_collapse | Triton (shared kernels; V4.1's lagged collapse)                   [a]  |
+| fp8_qdq, fp4_qdq    | Triton (shared kernels, bit-exact integer rounding)                 [i]  |
+| indexer_scores      | Triton (shared kernel)                                              [d]  |
+| sparse_attention_bf16 | Triton (shared kernel, 8 heads a program)                         [c]  |
 | rope                | Triton (shared kernel)                                              [b]  |
 | sparse_attention    | Triton (shared kernel, re-tiled)                                    [c]  |
+| dense_attention     | Triton (shared kernel, re-tiled)                                    [j]  |
 | indexer_topk        | Triton scores + torch stable sort                                   [d]  |
 | route_topk          | Triton scores + torch.topk                                          [e]  |
 | route_grouped_topk  | Triton scores + torch.topk                                          [h]  |
@@ -48,6 +53,11 @@ Why not a fused torch_npu operator:
     memory and are widened per call, never at load (npu_ops.py).
 [h] npu_moe_gating_top_k with sigmoid is this router's fused operator, with [e]'s size limits and no
     documented tie order; not checked on hardware yet.
+[i] npu_dynamic_quant gives int8 with float32 per-token scales; npu_dynamic_mx_quant (Ascend 950 only) takes
+    OCP MX's shared exponent floor(log2 amax) - emax, not DeepSeek's 2^ceil(log2(amax * fp32(1/448))), and
+    has no FP4 mode with E4M3 scales (the compressed KV's).
+[j] npu_fused_infer_attention_score takes packed sequences (actual_seq_lengths) without a mask, but its
+    query/key/value are float16, bfloat16 or int8 only; the Triton kernel keeps float32 as the reference.
 
 The Triton kernels are the ones nvidia runs (backends/triton), launched with tile sizes that fit Ascend's 192 KB unified
 buffer (triton_ops.py re-tiles sparse_attention and compress_windows; the rest fit as they are); none
@@ -68,9 +78,9 @@ from deepinfer.backends.base import Accelerator, WeightRole
 
 try:
     from deepinfer.backends.ascend import triton_ops
-    from deepinfer.backends.triton import attention, elementwise, sampling
+    from deepinfer.backends.triton import attention, elementwise, quant, sampling
 except ImportError:  # no triton: AscendAccelerator() explains
-    attention = elementwise = sampling = triton_ops = None
+    attention = elementwise = quant = sampling = triton_ops = None
 
 
 def _unavailable(message: str):
@@ -118,7 +128,14 @@ class AscendAccelerator(Accelerator):
     rope = _kernel("elementwise", "rope")
     hc_post = _kernel("elementwise", "hc_post")
     hc_head = _kernel("elementwise", "hc_head")
+    hc_mixes = _kernel("elementwise", "hc_mixes")
+    hc_collapse = _kernel("elementwise", "hc_collapse")
+    fp8_qdq = _kernel("quant", "fp8_qdq")
+    fp4_qdq = _kernel("quant", "fp4_qdq")
+    indexer_scores = _kernel("attention", "indexer_scores")
+    sparse_attention_bf16 = _kernel("triton_ops", "sparse_attention_bf16")
     sparse_attention = _kernel("triton_ops", "sparse_attention")
+    dense_attention = _kernel("triton_ops", "dense_attention")
     indexer_topk = _kernel("attention", "indexer_topk")
     route_topk = _kernel("sampling", "route_topk")
     route_grouped_topk = _kernel("sampling", "route_grouped_topk")

@@ -1,4 +1,4 @@
-"""Launchers that re-tile two of the shared Triton kernels (backends/triton) for triton-ascend.
+"""Launchers that re-tile four of the shared Triton kernels (backends/triton) for triton-ascend.
 
 A triton-ascend program keeps its live tiles in the AI core's unified buffer (192 KB on Atlas A2/A3,
 loads may be double-buffered), so tile sizes here are chosen from a byte budget rather than from
@@ -20,6 +20,12 @@ from deepinfer.backends.triton.attention import _compress_kernel
 # = 128 KB (the nvidia launch's BLOCK_K = 32 would need 160 KB + a second kv buffer).
 _ATTN_BLOCK_H = 16
 _ATTN_BLOCK_K = 16
+# sparse_attention_bf16 (DeepSeek-V4.1) keeps its 64-index softmax blocks (its numerics) and loads bf16:
+# at head_dim 512, q [8, 512] + kv [64, 512] bf16 + acc [8, 512] fp32 = 88 KB, 152 KB with kv double-buffered.
+_BF16_ATTN_BLOCK_H = 8
+# dense_attention at head_dim 64 (the V4.1 ViT): q, k, v and acc tiles [32, 64] + scores [32, 32] = 36 KB.
+_DENSE_BLOCK_M = 32
+_DENSE_BLOCK_N = 32
 # compress_windows: gate, exp, weights and kv tiles of _COMPRESS_TILE floats each = 32 KB.
 _COMPRESS_TILE = 2048
 
@@ -27,6 +33,14 @@ _COMPRESS_TILE = 2048
 def sparse_attention(q, kv, indices, sinks, scale):
     return triton_attention.sparse_attention(q, kv, indices, sinks, scale, block_h=_ATTN_BLOCK_H,
                                              block_k=_ATTN_BLOCK_K)
+
+
+def sparse_attention_bf16(q, kv, indices, sinks, scale):
+    return triton_attention.sparse_attention_bf16(q, kv, indices, sinks, scale, block_h=_BF16_ATTN_BLOCK_H)
+
+
+def dense_attention(q, k, v, lens, scale):
+    return triton_attention.dense_attention(q, k, v, lens, scale, block_m=_DENSE_BLOCK_M, block_n=_DENSE_BLOCK_N)
 
 
 def compress_windows(kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:

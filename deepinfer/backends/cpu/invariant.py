@@ -19,15 +19,16 @@ things break that in the fast ops (measured, tests/unit/test_batch_invariance.py
   padding, whatever its width, cannot change a result.
 - A reduction along a non-innermost dim with a small output (the compressor's softmax over a
   window's tokens) is split over threads along the reduced dim: written here as scans.
-Ops not redefined here (embedding, rms_norm, rope, hc_post, sample, apply_token_bitmask) are
-already row-wise with fixed per-row shapes; the tests check them.
+Ops not redefined here (embedding, rms_norm, rope, hc_post, sample, apply_token_bitmask, and
+DeepSeek-V4.1's indexer_scores / sparse_attention_bf16, which already reduce in fixed blocks of a
+token's own row with bmm) are row-wise with fixed per-row shapes; the tests check them.
 """
 
 from __future__ import annotations
 
 import torch
 
-from deepinfer.backends.reference import _QUERY_BLOCK, grouped_topk_ids, rms_norm, topk_by_query_blocks
+from deepinfer.backends.reference import _QUERY_BLOCK, grouped_topk_ids, hc_split, rms_norm, topk_by_query_blocks
 
 ROW_BLOCK = 16
 KEY_BLOCK = 64
@@ -82,19 +83,28 @@ def _hc_mix(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.T
     return linear(rms_norm(streams.flatten(-2), None, norm_eps), fn)
 
 
+def hc_mixes(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters):
+    n = streams.shape[-2]
+    flat = streams.flatten(-2).float()
+    mix = linear(flat, fn) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+    pre_w, post_w, comb_w = mix.split([n, n, n * n], dim=-1)
+    pre_b, post_b, _ = base.split([n, n, n * n])
+    _, _, comb = hc_split(mix, base, scale, n, hc_eps, sinkhorn_iters)  # softmax and sums: row-wise
+    return _sigmoid(pre_w * scale[0] + pre_b) + hc_eps, 2 * _sigmoid(post_w * scale[1] + post_b), comb
+
+
+def hc_collapse(streams, weights):
+    return _weighted_streams(weights.float(), streams.float())
+
+
 def hc_pre(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters):
     n = streams.shape[-2]
     mix = _hc_mix(streams, fn, norm_eps)
-    pre_w, post_w, comb_w = mix.split([n, n, n * n], dim=-1)
-    pre_b, post_b, comb_b = base.split([n, n, n * n])
+    pre_w, post_w, _ = mix.split([n, n, n * n], dim=-1)
+    pre_b, post_b, _ = base.split([n, n, n * n])
+    _, _, comb = hc_split(mix, base, scale, n, hc_eps, sinkhorn_iters)
     pre = _sigmoid(pre_w * scale[0] + pre_b) + hc_eps
-    post = 2 * _sigmoid(post_w * scale[1] + post_b)
-    comb = torch.softmax(comb_w.reshape(-1, n, n) * scale[2] + comb_b.view(n, n), dim=-1) + hc_eps
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
-    for _ in range(sinkhorn_iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
-    return _weighted_streams(pre, streams), post, comb
+    return _weighted_streams(pre, streams), 2 * _sigmoid(post_w * scale[1] + post_b), comb
 
 
 def hc_head(streams, fn, base, scale, norm_eps, hc_eps):
@@ -216,5 +226,6 @@ def compress_windows(kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     return (kv.float() * weight).cumsum(dim=1)[:, -1] / weight.cumsum(dim=1)[:, -1]
 
 
-OPS = ("linear", "grouped_linear", "swiglu", "swiglu_mlp", "hc_pre", "hc_head", "indexer_topk", "sparse_attention",
-       "route_topk", "route_grouped_topk", "route_hash", "moe_experts", "compress_windows")
+OPS = ("linear", "grouped_linear", "swiglu", "swiglu_mlp", "hc_pre", "hc_mixes", "hc_collapse", "hc_head",
+       "indexer_topk", "sparse_attention", "route_topk", "route_grouped_topk", "route_hash", "moe_experts",
+       "compress_windows")

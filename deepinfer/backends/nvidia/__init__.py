@@ -31,7 +31,7 @@ except ImportError as exc:  # the registry turns this into the user-facing error
     raise ImportError("the nvidia backend needs Triton: pip install triton") from exc
 
 from deepinfer.backends.nvidia import cuda_ext  # noqa: E402
-from deepinfer.backends.triton import attention, elementwise, fp8, gemm, sampling  # noqa: E402
+from deepinfer.backends.triton import attention, elementwise, fp8, gemm, quant, sampling  # noqa: E402
 
 def _device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() and torch.cuda.device_count() > 0 \
@@ -85,16 +85,23 @@ class NvidiaAccelerator(Accelerator):
         return gemm.grouped_linear(x, weight)
 
     fp8_block_linear = staticmethod(fp8.fp8_block_linear)
+    fp8_qdq = staticmethod(quant.fp8_qdq)
+    fp4_qdq = staticmethod(quant.fp4_qdq)
     moe_experts = staticmethod(gemm.moe_experts)
     embedding = staticmethod(elementwise.embedding)
     rms_norm = staticmethod(elementwise.rms_norm)
     rope = staticmethod(elementwise.rope)
     swiglu = staticmethod(elementwise.swiglu)
     hc_pre = staticmethod(elementwise.hc_pre)
+    hc_mixes = staticmethod(elementwise.hc_mixes)
+    hc_collapse = staticmethod(elementwise.hc_collapse)
     hc_post = staticmethod(elementwise.hc_post)
     hc_head = staticmethod(elementwise.hc_head)
     compress_windows = staticmethod(attention.compress_windows)
     indexer_topk = staticmethod(attention.indexer_topk)
+    indexer_scores = staticmethod(attention.indexer_scores)
+    sparse_attention_bf16 = staticmethod(attention.sparse_attention_bf16)
+    dense_attention = staticmethod(attention.dense_attention)
     route_topk = staticmethod(sampling.route_topk)
     route_grouped_topk = staticmethod(sampling.route_grouped_topk)
     route_hash = staticmethod(sampling.route_hash)

@@ -1,4 +1,5 @@
-"""Attention-side kernels: compressor window reduction, sparse MQA with sinks, indexer scores."""
+"""Attention-side kernels: compressor window reduction, sparse MQA with sinks, indexer scores, dense
+bidirectional attention over packed sequences (a vision encoder's patch grids)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,15 @@ import triton
 import triton.language as tl
 
 from deepinfer.backends.triton import alloc
+from deepinfer.backends.triton.quant import _bf16
 
 # Fixed block sizes: a token's reduction order never depends on the batch it is in.
 _ATTN_BLOCK_K = 32
+_BF16_BLOCK_K = 64  # DeepSeek-V4.1's online-softmax block: part of its numerics, not a tuning choice
 _ATTN_BLOCK_H = 16  # tl.dot needs >= 16 rows on GPU; padded heads are masked
 _INDEX_BLOCK_M = 32
+_DENSE_BLOCK_M = 64  # queries of one sequence and head per program
+_DENSE_BLOCK_N = 64  # keys folded into the online softmax at a time
 
 
 @triton.jit
@@ -93,9 +98,70 @@ def sparse_attention(q, kv, indices, sinks, scale, block_h: int = _ATTN_BLOCK_H,
 
 
 @triton.jit
+def _sparse_attention_bf16_kernel(q_ptr, kv_ptr, idx_ptr, sinks_ptr, out_ptr, H, D, K, scale,
+                                  BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+                                  BF16_DOT: tl.constexpr):
+    """DeepSeek-V4.1's sparse attention: online softmax over BLOCK_K (64) indices at a time, running
+    max from -1e30, probabilities rounded to bf16 before P.V (the denominator sums them unrounded),
+    the sink joins the denominator at the end. q and kv hold bf16 values, so products are exact and
+    only the float32 accumulation order differs from the reference. BF16_DOT (on a GPU) runs both
+    dots on bf16 operands, as DeepSeek's kernel; the Triton interpreter mishandles bf16 dots, so there
+    they run on the same values in float32 (IEEE)."""
+    t, hg = tl.program_id(0), tl.program_id(1)
+    h = hg * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = h < H
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    q = tl.load(q_ptr + (t * H + h[:, None]) * D + d[None, :], mask=hmask[:, None] & dmask[None, :],
+                other=0.0).to(tl.float32)
+    if BF16_DOT:
+        q = q.to(tl.bfloat16)
+    m = tl.full((BLOCK_H,), -1e30, dtype=tl.float32)
+    denom = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        idx = tl.load(idx_ptr + t * K + kk, mask=kk < K, other=-1)
+        valid = idx >= 0
+        kv = tl.load(kv_ptr + idx[:, None] * D + d[None, :], mask=valid[:, None] & dmask[None, :],
+                     other=0.0).to(tl.float32)
+        if BF16_DOT:
+            kv = kv.to(tl.bfloat16)
+            s = tl.dot(q, tl.trans(kv), out_dtype=tl.float32)
+        else:
+            s = tl.dot(q, tl.trans(kv), input_precision="ieee")
+        s = tl.where(valid[None, :], s, float("-inf")) * scale
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        denom = denom * alpha + tl.sum(p, axis=1)
+        if BF16_DOT:
+            pv = tl.dot(_bf16(p).to(tl.bfloat16), kv, out_dtype=tl.float32)
+        else:
+            pv = tl.dot(_bf16(p), kv, input_precision="ieee")
+        acc = acc * alpha[:, None] + pv
+        m = m_new
+    denom += tl.exp(tl.load(sinks_ptr + h, mask=hmask, other=0.0).to(tl.float32) - m)
+    tl.store(out_ptr + (t * H + h[:, None]) * D + d[None, :], acc / denom[:, None], mask=hmask[:, None] & dmask[None, :])
+
+
+def sparse_attention_bf16(q, kv, indices, sinks, scale, block_h: int = _ATTN_BLOCK_H):
+    t, h, d = q.shape
+    out = alloc.empty(t, h, d, dtype=torch.float32, device=q.device)
+    if t:
+        _sparse_attention_bf16_kernel[(t, triton.cdiv(h, block_h))](
+            q.contiguous(), kv.contiguous(), indices.contiguous(), sinks.float().contiguous(), out,
+            h, d, indices.shape[1], float(scale),
+            BLOCK_H=block_h, BLOCK_K=_BF16_BLOCK_K, BLOCK_D=max(16, triton.next_power_of_2(d)),
+            BF16_DOT=q.is_cuda)
+    return out
+
+
+@triton.jit
 def _indexer_scores_kernel(q_ptr, w_ptr, keys_ptr, cand_ptr, out_ptr, H, D, M, scale,
-                           BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    """score[t, c] = sum_h w[t, h] * relu(q[t, h] . keys[cand[t, c]]) * scale; -inf where cand < 0."""
+                           BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BF16: tl.constexpr):
+    """score[t, c] = sum_h w[t, h] * relu(q[t, h] . keys[cand[t, c]]) * scale; -inf where cand < 0.
+    BF16 (DeepSeek-V4.1): the dot, each weighted head and the sum are rounded to bf16, scale unused."""
     t, pid = tl.program_id(0), tl.program_id(1)
     h = tl.arange(0, BLOCK_H)
     hmask = h < H
@@ -108,13 +174,16 @@ def _indexer_scores_kernel(q_ptr, w_ptr, keys_ptr, cand_ptr, out_ptr, H, D, M, s
     valid = cand >= 0
     keys = tl.load(keys_ptr + cand[:, None] * D + d[None, :], mask=valid[:, None] & dmask[None, :],
                    other=0.0).to(tl.float32)
-    s = tl.maximum(tl.dot(q, tl.trans(keys), input_precision="ieee"), 0.0) * scale  # [H, M]
+    s = tl.dot(q, tl.trans(keys), input_precision="ieee")  # [H, M]
     w = tl.load(w_ptr + t * H + h, mask=hmask, other=0.0).to(tl.float32)
-    score = tl.sum(s * w[:, None], axis=0)
+    if BF16:
+        score = _bf16(tl.sum(_bf16(tl.maximum(_bf16(s), 0.0) * w[:, None]), axis=0))
+    else:
+        score = tl.sum(tl.maximum(s, 0.0) * scale * w[:, None], axis=0)
     tl.store(out_ptr + t * M + c, tl.where(valid, score, float("-inf")), mask=c < M)
 
 
-def indexer_scores(q, weights, keys, candidates, scale) -> torch.Tensor:
+def _scores(q, weights, keys, candidates, scale, bf16: bool) -> torch.Tensor:
     t, h, d = q.shape
     m = candidates.shape[1]
     scores = alloc.empty(t, m, dtype=torch.float32, device=q.device)
@@ -122,8 +191,13 @@ def indexer_scores(q, weights, keys, candidates, scale) -> torch.Tensor:
         _indexer_scores_kernel[(t, triton.cdiv(m, _INDEX_BLOCK_M))](
             q.contiguous(), weights.contiguous(), keys.contiguous(), candidates.contiguous(), scores,
             h, d, m, float(scale), BLOCK_H=max(16, triton.next_power_of_2(h)), BLOCK_M=_INDEX_BLOCK_M,
-            BLOCK_D=max(16, triton.next_power_of_2(d)))
+            BLOCK_D=max(16, triton.next_power_of_2(d)), BF16=bf16)
     return scores
+
+
+def indexer_scores(q, weights, keys, candidates) -> torch.Tensor:
+    """DeepSeek-V4.1's scores (base.py): bf16 rounding after the dot, the weighting and the head sum."""
+    return _scores(q, weights, keys, candidates, 1.0, True)
 
 
 def indexer_topk(q, weights, keys, candidates, topk, scale):
@@ -131,8 +205,64 @@ def indexer_topk(q, weights, keys, candidates, topk, scale):
     k = min(topk, num_cand)
     if k == 0 or num_tokens == 0:
         return torch.full((num_tokens, k), -1, dtype=torch.int64, device=q.device)
-    scores = indexer_scores(q, weights, keys, candidates, scale)
+    scores = _scores(q, weights, keys, candidates, scale, False)
     # selection exactly as the reference: stable sort keeps the earlier column on ties
     values, order = scores.sort(dim=-1, descending=True, stable=True)
     picked = candidates.gather(1, order[:, :k])
     return torch.where(torch.isfinite(values[:, :k]), picked, torch.full_like(picked, -1))
+
+
+@triton.jit
+def _dense_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, starts_ptr, lens_ptr, H, D, scale,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One program per (query block, head, sequence): online softmax over the sequence's keys in fixed
+    BLOCK_N chunks, so a token's result depends on its own sequence only. A query block past the
+    sequence's end runs no key block and stores nothing."""
+    mb, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    start = tl.load(starts_ptr + b)
+    n = tl.load(lens_ptr + b)
+    m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    mmask = m < n
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    rows = (start + m)[:, None] * H + h
+    q = tl.load(q_ptr + rows * D + d[None, :], mask=mmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    hi = tl.where(mb * BLOCK_M < n, n, 0)
+    for n0 in range(0, hi, BLOCK_N):
+        j = n0 + tl.arange(0, BLOCK_N)
+        jmask = j < n
+        cols = (start + j)[:, None] * H + h
+        kmask = jmask[:, None] & dmask[None, :]
+        k = tl.load(k_ptr + cols * D + d[None, :], mask=kmask, other=0.0).to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        s = tl.where(jmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + cols * D + d[None, :], mask=kmask, other=0.0).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        m_i = m_new
+    l_i = tl.where(l_i > 0.0, l_i, 1.0)  # a block past the sequence's end folded no key (and stores nothing)
+    tl.store(out_ptr + rows * D + d[None, :], acc / l_i[:, None], mask=mmask[:, None] & dmask[None, :])
+
+
+def dense_attention(q, k, v, lens, scale, block_m: int = _DENSE_BLOCK_M, block_n: int = _DENSE_BLOCK_N):
+    """block_m / block_n: fixed per backend (ascend passes smaller tiles), never derived from the lengths."""
+    t, h, d = q.shape
+    lens = [int(n) for n in lens]
+    if sum(lens) != t or min(lens, default=0) < 0:
+        raise ValueError(f"dense_attention: lens {lens} must be >= 0 and sum to the {t} tokens")
+    out = alloc.empty(t, h, d, dtype=torch.float32, device=q.device)
+    if t:
+        starts = [0]
+        for n in lens[:-1]:
+            starts.append(starts[-1] + n)
+        meta = torch.tensor([starts, lens], dtype=torch.int64).to(q.device)
+        _dense_attention_kernel[(triton.cdiv(max(lens), block_m), h, len(lens))](
+            q.contiguous(), k.contiguous(), v.contiguous(), out, meta[0], meta[1], h, d, float(scale),
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(d)))
+    return out

@@ -141,9 +141,10 @@ def _collapse(streams_ptr, out_ptr, pre, t, N, D, NP: tl.constexpr, BLOCK_D: tl.
 
 
 @triton.jit
-def _hc_pre_kernel(mix_ptr, base_ptr, scale_ptr, streams_ptr, collapsed_ptr, post_ptr, comb_ptr,
-                   N, D, hc_eps, iters, NP: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One token per program: gates, Sinkhorn on the N x N comb, and the pre-weighted collapse."""
+def _hc_pre_kernel(mix_ptr, base_ptr, scale_ptr, streams_ptr, collapsed_ptr, pre_ptr, post_ptr, comb_ptr,
+                   N, D, hc_eps, iters, NP: tl.constexpr, BLOCK_D: tl.constexpr, COLLAPSE: tl.constexpr):
+    """One token per program: gates, Sinkhorn on the N x N comb, and the pre-weighted collapse
+    (COLLAPSE) or pre itself (hc_mixes)."""
     t = tl.program_id(0)
     width = (2 + N) * N
     mix = mix_ptr + t * width
@@ -172,7 +173,10 @@ def _hc_pre_kernel(mix_ptr, base_ptr, scale_ptr, streams_ptr, collapsed_ptr, pos
         comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)
         comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
     tl.store(comb_ptr + t * N * N + r * N + c, comb, mask=mask)
-    _collapse(streams_ptr, collapsed_ptr, pre, t, N, D, NP, BLOCK_D)
+    if COLLAPSE:
+        _collapse(streams_ptr, collapsed_ptr, pre, t, N, D, NP, BLOCK_D)
+    else:
+        tl.store(pre_ptr + t * N + n, pre, mask=nmask)
 
 
 def _mix(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
@@ -180,18 +184,64 @@ def _mix(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tens
     return linear(flat, fn).contiguous()
 
 
-def hc_pre(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters):
+@triton.jit
+def _row_rsqrt_kernel(x_ptr, out_ptr, D, eps, BLOCK: tl.constexpr):
+    """rsqrt(mean(x^2) + eps) of one row per program, the sum in fixed BLOCK chunks."""
+    row = tl.program_id(0)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for d0 in range(0, D, BLOCK):
+        d = d0 + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * D + d, mask=d < D, other=0.0).to(tl.float32)
+        acc += x * x
+    tl.store(out_ptr + row, tl.rsqrt(tl.sum(acc, axis=0) / D + eps))
+
+
+def _mix_scaled_after(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
+    """DeepSeek-V4.1's mixes: (flat @ fn.T) * rsqrt(mean(flat^2) + eps)."""
+    flat = streams.reshape(streams.shape[0], -1).contiguous()
+    inv = alloc.empty(flat.shape[0], dtype=torch.float32, device=flat.device)
+    _row_rsqrt_kernel[(flat.shape[0],)](flat, inv, flat.shape[1], float(norm_eps), BLOCK=_block(flat.shape[1]))
+    return (linear(flat, fn) * inv[:, None]).contiguous()
+
+
+def _hc_pre(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, collapse: bool):
     t, n, d = streams.shape
     streams = streams.contiguous()
-    collapsed = alloc.empty(t, d, dtype=torch.float32, device=streams.device)
+    first = alloc.empty(t, d, dtype=torch.float32, device=streams.device) if collapse else \
+        alloc.empty(t, n, dtype=torch.float32, device=streams.device)
     post = alloc.empty(t, n, dtype=torch.float32, device=streams.device)
     comb = alloc.empty(t, n, n, dtype=torch.float32, device=streams.device)
     if t:
-        mix = _mix(streams, fn, norm_eps)
-        _hc_pre_kernel[(t,)](mix, base.float().contiguous(), scale.float().contiguous(), streams, collapsed,
+        mix = _mix(streams, fn, norm_eps) if collapse else _mix_scaled_after(streams, fn, norm_eps)
+        _hc_pre_kernel[(t,)](mix, base.float().contiguous(), scale.float().contiguous(), streams, first, first,
                              post, comb, n, d, float(hc_eps), int(sinkhorn_iters),
-                             NP=triton.next_power_of_2(n), BLOCK_D=_block(d, 1024))
-    return collapsed, post, comb
+                             NP=triton.next_power_of_2(n), BLOCK_D=_block(d, 1024), COLLAPSE=collapse)
+    return first, post, comb
+
+
+def hc_pre(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters):
+    return _hc_pre(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, True)
+
+
+def hc_mixes(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters):
+    return _hc_pre(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, False)
+
+
+@triton.jit
+def _hc_collapse_kernel(streams_ptr, w_ptr, out_ptr, N, D, NP: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0)
+    n = tl.arange(0, NP)
+    w = tl.load(w_ptr + t * N + n, mask=n < N, other=0.0).to(tl.float32)
+    _collapse(streams_ptr, out_ptr, w, t, N, D, NP, BLOCK_D)
+
+
+def hc_collapse(streams, weights):
+    t, n, d = streams.shape
+    out = alloc.empty(t, d, dtype=torch.float32, device=streams.device)
+    if t:
+        _hc_collapse_kernel[(t,)](streams.contiguous(), weights.contiguous(), out, n, d,
+                                  NP=triton.next_power_of_2(n), BLOCK_D=_block(d, 1024))
+    return out
 
 
 @triton.jit

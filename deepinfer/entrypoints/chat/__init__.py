@@ -19,11 +19,13 @@ from deepinfer.core.tokenizer import Tokenizer
 from deepinfer.entrypoints.chat.base import ChatDelta, ChatFormat, ChatFormatError, OutputParser, \
     PlainChatFormat, ToolCall
 from deepinfer.entrypoints.chat.deepseek_v4 import DeepseekV4ChatFormat
+from deepinfer.entrypoints.chat.deepseek_v41 import DeepseekV41ChatFormat
 from deepinfer.entrypoints.chat.template import TemplateChatFormat, read_template
 
 # model family -> its format for a tokenizer, or None when the tokenizer lacks its markers
 FAMILY_FORMATS: dict[str, Callable[[Tokenizer], ChatFormat | None]] = {
     "deepseek_v4": DeepseekV4ChatFormat.for_tokenizer,
+    "deepseek_v41": DeepseekV41ChatFormat.for_tokenizer,
 }
 CHOICES = ("auto", "template", "plain", *FAMILY_FORMATS)
 

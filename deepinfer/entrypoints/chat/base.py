@@ -2,7 +2,8 @@
 reasoning and tool calls, incrementally so streaming and non-streaming share one code path.
 
 Messages reach a format as plain dicts in OpenAI's shape, already checked by the protocol
-models: {"role", "content": str | None, "reasoning_content"?, "tool_calls"?, "tool_call_id"?}.
+models: {"role", "content": str | None, "reasoning_content"?, "tool_calls"?, "tool_call_id"?}; an
+image content part is already the model's placeholder text in `content` (serving_chat.py).
 """
 
 from __future__ import annotations
@@ -71,9 +72,10 @@ class ChatFormat:
     def render(self, messages: list[dict], tools: list[dict] | None, options: dict) -> str:
         raise NotImplementedError
 
-    def tokenize(self, tokenizer: Tokenizer, prompt: str) -> list[int]:
-        """Prompt ids. Formats write their special tokens (BOS included) into the text."""
-        return tokenizer.encode(prompt, add_special_tokens=False)
+    def tokenize(self, tokenizer: Tokenizer, prompt: str, placeholders: dict[str, int] | None = None) -> list[int]:
+        """Prompt ids. Formats write their special tokens (BOS included) into the text. `placeholders`:
+        the model's multimodal placeholder texts, each tokenized as its one id (Tokenizer.encode)."""
+        return tokenizer.encode(prompt, add_special_tokens=False, placeholders=placeholders)
 
     def parser(self, prompt: str, tools: bool) -> OutputParser:
         """A parser for one choice; `prompt` tells the format's starting state (e.g. an open
@@ -109,8 +111,8 @@ class PlainChatFormat(ChatFormat):
                                   "tools")
         return "".join(f"{m.get('content') or ''}\n" for m in messages)
 
-    def tokenize(self, tokenizer: Tokenizer, prompt: str) -> list[int]:
-        return tokenizer.encode(prompt)
+    def tokenize(self, tokenizer: Tokenizer, prompt: str, placeholders: dict[str, int] | None = None) -> list[int]:
+        return tokenizer.encode(prompt, placeholders=placeholders)
 
 
 def tool_call_arguments(call: dict, where: str) -> dict:

@@ -75,7 +75,7 @@ class DeepseekV4ChatFormat(ChatFormat):
                 if thinking and (not drop or i > last_user):
                     reasoning = (turn.get("reasoning_content") or "") + END_THINK
                 calls = turn.get("tool_calls") or []
-                block = dsml.encode_calls([
+                block = dsml.V4.encode_calls([
                     (c["function"]["name"], tool_call_arguments(c, f"messages[{turn['index']}].tool_calls[{j}]"))
                     for j, c in enumerate(calls)]) if calls else ""
                 out.append(reasoning + (turn.get("content") or "") + block + EOS)
@@ -90,7 +90,7 @@ class DeepseekV4ChatFormat(ChatFormat):
     def force_tool_calls(self, tools: list[dict], name: str | None, prompt: str, tokenizer: Tokenizer) -> dict:
         """A DSML block that follows the tools' schemas, right after `</think>` when the reply
         starts by reasoning (its token is the grammar's trigger: the reasoning stays free)."""
-        so_args = {"schema_type": "ebnf", "schema": dsml.calls_grammar([t["function"] for t in tools], name)}
+        so_args = {"schema_type": "ebnf", "schema": dsml.V4.calls_grammar([t["function"] for t in tools], name)}
         if prompt.endswith(THINK):
             so_args["trigger_token_ids"] = tokenizer.encode(END_THINK, add_special_tokens=False)
         return so_args
@@ -111,7 +111,7 @@ class DeepseekV4ChatFormat(ChatFormat):
 
 def _tools_section(turn: dict) -> str:
     tools = turn.get("tools")
-    return "\n\n" + dsml.tools_prompt([t["function"] for t in tools]) if tools else ""
+    return "\n\n" + dsml.V4.tools_prompt([t["function"] for t in tools]) if tools else ""
 
 
 def _attach_tools(messages: list[dict], tools: list[dict] | None) -> list[dict]:

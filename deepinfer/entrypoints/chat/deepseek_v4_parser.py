@@ -1,5 +1,5 @@
-"""Parsing DeepSeek-V4's output back into reasoning_content, content and tool_calls, piece by
-piece as it streams (the format itself: deepseek_v4.py)."""
+"""Parsing DeepSeek-V4's (and V4.1's) output back into reasoning_content, content and tool_calls,
+piece by piece as it streams (the formats themselves: deepseek_v4.py, deepseek_v41.py)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ class DeepseekV4Parser(OutputParser):
     too. A call is emitted once its `</invoke>` arrives. A block that is not well formed, or
     never closes, is given back as content: nothing the model wrote is lost."""
 
-    def __init__(self, reasoning: bool, tools: bool):
+    def __init__(self, reasoning: bool, tools: bool, dialect: dsml.Dialect = dsml.V4):
+        self.dsml = dialect  # the family's DSML tag names
         self.state = REASONING if reasoning else CONTENT
         self.tools = tools
         self.buf = ""  # REASONING/CONTENT: text not yet emitted
@@ -81,38 +82,38 @@ class DeepseekV4Parser(OutputParser):
                 out.content += self.buf
                 self.buf = ""
                 return False
-            at = self.buf.find(dsml.CALLS_OPEN)
+            at = self.buf.find(self.dsml.CALLS_OPEN)
             if at >= 0:
                 content = self.buf[:at].rstrip()
                 out.content += content
                 self.gap, self.block, self.parsed, self.buf = self.buf[len(content):at], self.buf[at:], 0, ""
                 self.state = CALLS
                 return True
-            cut = len(self.buf[:len(self.buf) - _held(self.buf, dsml.CALLS_OPEN)].rstrip())
+            cut = len(self.buf[:len(self.buf) - _held(self.buf, self.dsml.CALLS_OPEN)].rstrip())
             out.content += self.buf[:cut]
             self.buf = self.buf[cut:]
             return False
         return self._advance_calls(out)
 
     def _advance_calls(self, out: ChatDelta) -> bool:
-        start = self.parsed or len(dsml.CALLS_OPEN)
+        start = self.parsed or len(self.dsml.CALLS_OPEN)
         rest = self.block[start:].lstrip()
         at = len(self.block) - len(rest)
-        if rest.startswith(dsml.INVOKE_HEAD):
-            end = self.block.find(dsml.INVOKE_CLOSE, at)
+        if rest.startswith(self.dsml.INVOKE_HEAD):
+            end = self.block.find(self.dsml.INVOKE_CLOSE, at)
             if end < 0:
                 return False  # the call is still being written
-            call = dsml.parse_invoke(self.block[at:end + len(dsml.INVOKE_CLOSE)])
+            call = self.dsml.parse_invoke(self.block[at:end + len(self.dsml.INVOKE_CLOSE)])
             if call is None:
                 return self._give_back()
             out.tool_calls.append(call)
-            self.parsed = end + len(dsml.INVOKE_CLOSE)
+            self.parsed = end + len(self.dsml.INVOKE_CLOSE)
             return True
-        if rest.startswith(dsml.CALLS_CLOSE):  # the block is done; what follows is content again
-            self.buf = rest[len(dsml.CALLS_CLOSE):]
+        if rest.startswith(self.dsml.CALLS_CLOSE):  # the block is done; what follows is content again
+            self.buf = rest[len(self.dsml.CALLS_CLOSE):]
             self.block, self.parsed, self.state = "", 0, CONTENT
             return True
-        if not rest or dsml.INVOKE_HEAD.startswith(rest) or dsml.CALLS_CLOSE.startswith(rest):
+        if not rest or self.dsml.INVOKE_HEAD.startswith(rest) or self.dsml.CALLS_CLOSE.startswith(rest):
             return False  # a marker still arriving
         return self._give_back()
 

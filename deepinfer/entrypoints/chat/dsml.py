@@ -1,8 +1,9 @@
-"""DSML, the markup DeepSeek-V4 models write tool calls in, and the tools section of their
-system prompt. The texts below are the model's format, so they must match its training data
-byte for byte (they follow DeepSeek's published V4 encoding); the code is ours.
+"""DSML, the markup DeepSeek-V4 and V4.1 models write tool calls in, and the tools section of their
+system prompt. The texts below are the models' format, so they must match their training data
+byte for byte (they follow DeepSeek's published V4 and V4.1 encodings); the code is ours.
 
-A block of calls, after the assistant's content:
+A block of calls, after the assistant's content (V4's tag names; V4.1 writes `<｜DSML｜ calls>`,
+`<｜DSML｜ invoke ...>`, `<｜DSML｜ parameter ...>`: a space, and "calls"; `Dialect`):
 
     \\n\\n<｜DSML｜tool_calls>
     <｜DSML｜invoke name="get_weather">
@@ -22,28 +23,20 @@ import re
 from deepinfer.entrypoints.chat.base import ToolCall
 
 DSML = "｜DSML｜"
-CALLS_OPEN = f"<{DSML}tool_calls>"
-CALLS_CLOSE = f"</{DSML}tool_calls>"
-INVOKE_HEAD = f"<{DSML}invoke"
-INVOKE_CLOSE = f"</{DSML}invoke>"
-
-_INVOKE = re.compile(rf'<{DSML}invoke\s+name="([^"]*)"\s*>(.*){INVOKE_CLOSE}', re.DOTALL)
-_PARAM = re.compile(rf'<{DSML}parameter\s+name="([^"]*)"\s+string="(true|false)"\s*>(.*?)</{DSML}parameter>',
-                    re.DOTALL)
 
 _TOOLS_PROMPT = """## Tools
 
-You have access to a set of tools to help answer the user's question. You can invoke tools by writing a "<{dsml}tool_calls>" block like the following:
+You have access to a set of tools to help answer the user's question. You can invoke tools by writing a "{calls_open}" block like the following:
 
-<{dsml}tool_calls>
-<{dsml}invoke name="$TOOL_NAME">
-<{dsml}parameter name="$PARAMETER_NAME" string="true|false">$PARAMETER_VALUE</{dsml}parameter>
+{calls_open}
+<{dsml}{invoke} name="$TOOL_NAME">
+<{dsml}{parameter} name="$PARAMETER_NAME" string="true|false">$PARAMETER_VALUE</{dsml}{parameter}>
 ...
-</{dsml}invoke>
-<{dsml}invoke name="$TOOL_NAME2">
+</{dsml}{invoke}>
+<{dsml}{invoke} name="$TOOL_NAME2">
 ...
-</{dsml}invoke>
-</{dsml}tool_calls>
+</{dsml}{invoke}>
+{calls_close}
 
 String parameters should be specified as is and set `string="true"`. For all other types (numbers, booleans, arrays, objects), pass the value in JSON format and set `string="false"`.
 
@@ -63,44 +56,83 @@ def _json(value) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
-def tools_prompt(functions: list[dict]) -> str:
-    """The tools section: one JSON schema per line, as the client sent it (key order kept)."""
-    return _TOOLS_PROMPT.format(dsml=DSML, schemas="\n".join(_json(f) for f in functions))
+class Dialect:
+    """DSML with one family's tag names: `calls` (the block), `invoke` (a call), `parameter`."""
 
+    def __init__(self, calls: str, invoke: str, parameter: str):
+        self.calls, self.invoke, self.parameter = calls, invoke, parameter
+        self.CALLS_OPEN = f"<{DSML}{calls}>"
+        self.CALLS_CLOSE = f"</{DSML}{calls}>"
+        self.INVOKE_HEAD = f"<{DSML}{invoke}"
+        self.INVOKE_CLOSE = f"</{DSML}{invoke}>"
+        head, close = re.escape(self.INVOKE_HEAD), re.escape(self.INVOKE_CLOSE)
+        self._invoke = re.compile(rf'{head}\s+name="([^"]*)"\s*>(.*){close}', re.DOTALL)
+        p_open, p_close = re.escape(f"<{DSML}{parameter}"), re.escape(f"</{DSML}{parameter}>")
+        self._param = re.compile(rf'{p_open}\s+name="([^"]*)"\s+string="(true|false)"\s*>(.*?){p_close}', re.DOTALL)
 
-def encode_calls(calls: list[tuple[str, dict]]) -> str:
-    """A history turn's tool calls, (name, arguments) each, as the model writes them."""
-    invokes = []
-    for name, args in calls:
-        params = "\n".join(
-            f'<{DSML}parameter name="{key}" string="{"true" if isinstance(value, str) else "false"}">'
-            f'{value if isinstance(value, str) else _json(value)}</{DSML}parameter>'
-            for key, value in args.items())
-        invokes.append(f'{INVOKE_HEAD} name="{name}">\n{params}\n{INVOKE_CLOSE}')
-    return f"\n\n{CALLS_OPEN}\n" + "\n".join(invokes) + f"\n{CALLS_CLOSE}"
+    def tools_prompt(self, functions: list[dict]) -> str:
+        """The tools section: one JSON schema per line, as the client sent it (key order kept)."""
+        return _TOOLS_PROMPT.format(dsml=DSML, calls_open=self.CALLS_OPEN, calls_close=self.CALLS_CLOSE,
+                                    invoke=self.invoke, parameter=self.parameter,
+                                    schemas="\n".join(_json(f) for f in functions))
 
+    def encode_calls(self, calls: list[tuple[str, dict]]) -> str:
+        """A history turn's tool calls, (name, arguments) each, as the model writes them."""
+        invokes = []
+        for name, args in calls:
+            params = "\n".join(
+                f'<{DSML}{self.parameter} name="{key}" string="{"true" if isinstance(value, str) else "false"}">'
+                f'{value if isinstance(value, str) else _json(value)}</{DSML}{self.parameter}>'
+                for key, value in args.items())
+            invokes.append(f'{self.INVOKE_HEAD} name="{name}">\n{params}\n{self.INVOKE_CLOSE}')
+        return f"\n\n{self.CALLS_OPEN}\n" + "\n".join(invokes) + f"\n{self.CALLS_CLOSE}"
 
-def parse_invoke(text: str) -> ToolCall | None:
-    """One complete `<invoke ...>...</invoke>`; None when it is not well formed (the caller
-    then keeps the raw text as content)."""
-    m = _INVOKE.fullmatch(text)
-    if m is None:
-        return None
-    name, body = m.groups()
-    args: dict = {}
-    for key, is_string, value in _PARAM.findall(body):
-        if key in args:
+    def parse_invoke(self, text: str) -> ToolCall | None:
+        """One complete `<invoke ...>...</invoke>`; None when it is not well formed (the caller
+        then keeps the raw text as content)."""
+        m = self._invoke.fullmatch(text)
+        if m is None:
             return None
-        if is_string == "true":
-            args[key] = value
-        else:
-            try:
-                args[key] = json.loads(value)
-            except json.JSONDecodeError:  # not JSON after all: keep the text rather than lose it
+        name, body = m.groups()
+        args: dict = {}
+        for key, is_string, value in self._param.findall(body):
+            if key in args:
+                return None
+            if is_string == "true":
                 args[key] = value
-    if _PARAM.sub("", body).strip():
-        return None
-    return ToolCall(name=name, arguments=_json(args))
+            else:
+                try:
+                    args[key] = json.loads(value)
+                except json.JSONDecodeError:  # not JSON after all: keep the text rather than lose it
+                    args[key] = value
+        if self._param.sub("", body).strip():
+            return None
+        return ToolCall(name=name, arguments=_json(args))
+
+    def calls_grammar(self, functions: list[dict], name: str | None = None) -> str:
+        """EBNF of a block of calls that follow the functions' parameter schemas (parameters in
+        schema order, the required ones present): one call of `name`, or one or more of any."""
+        rules, choices = [], []
+        for i, fn in enumerate(functions):
+            if name is not None and fn["name"] != name:
+                continue
+            params = fn.get("parameters") or {}
+            required = set(params.get("required") or ())
+            parts = []
+            for j, (key, schema) in enumerate((params.get("properties") or {}).items()):
+                is_string, value = _value_rule(schema if isinstance(schema, dict) else {})
+                opening = '<%s%s name="%s" string="%s">' % (DSML, self.parameter, key, "true" if is_string else "false")
+                closing = "</%s%s>\n" % (DSML, self.parameter)
+                rules.append(f"p{i}_{j} ::= {_lit(opening)} ({value}) {_lit(closing)}")
+                parts.append(f"p{i}_{j}" + ("" if key in required else "?"))
+            head = '%s name="%s">\n' % (self.INVOKE_HEAD, fn["name"])
+            rules.append(f"call{i} ::= {_lit(head)} {' '.join(parts)} {_lit(self.INVOKE_CLOSE)}")
+            choices.append(f"call{i}")
+        if not choices:
+            raise ValueError(f"no tool named {name!r}")
+        calls = "call" if name is not None else 'call ("\\n" call)*'
+        root = f"root ::= {_lit(chr(10) * 2 + self.CALLS_OPEN + chr(10))} {calls} {_lit(chr(10) + self.CALLS_CLOSE)}"
+        return "\n".join([root, f"call ::= {' | '.join(choices)}", *rules]) + _JSON_RULES
 
 
 # ---------------------------------------------------------------- forcing calls (tool_choice)
@@ -139,27 +171,5 @@ def _value_rule(schema: dict) -> tuple[bool, str]:
     return False, "json"
 
 
-def calls_grammar(functions: list[dict], name: str | None = None) -> str:
-    """EBNF of a block of calls that follow the functions' parameter schemas (parameters in
-    schema order, the required ones present): one call of `name`, or one or more of any."""
-    rules, choices = [], []
-    for i, fn in enumerate(functions):
-        if name is not None and fn["name"] != name:
-            continue
-        params = fn.get("parameters") or {}
-        required = set(params.get("required") or ())
-        parts = []
-        for j, (key, schema) in enumerate((params.get("properties") or {}).items()):
-            is_string, value = _value_rule(schema if isinstance(schema, dict) else {})
-            opening = '<%sparameter name="%s" string="%s">' % (DSML, key, "true" if is_string else "false")
-            closing = "</%sparameter>\n" % DSML
-            rules.append(f"p{i}_{j} ::= {_lit(opening)} ({value}) {_lit(closing)}")
-            parts.append(f"p{i}_{j}" + ("" if key in required else "?"))
-        head = '%s name="%s">\n' % (INVOKE_HEAD, fn["name"])
-        rules.append(f"call{i} ::= {_lit(head)} {' '.join(parts)} {_lit(INVOKE_CLOSE)}")
-        choices.append(f"call{i}")
-    if not choices:
-        raise ValueError(f"no tool named {name!r}")
-    calls = "call" if name is not None else 'call ("\\n" call)*'
-    root = f"root ::= {_lit(chr(10) * 2 + CALLS_OPEN + chr(10))} {calls} {_lit(chr(10) + CALLS_CLOSE)}"
-    return "\n".join([root, f"call ::= {' | '.join(choices)}", *rules]) + _JSON_RULES
+V4 = Dialect("tool_calls", "invoke", "parameter")
+V41 = Dialect(" calls", " invoke", " parameter")

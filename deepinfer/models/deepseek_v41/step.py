@@ -1,0 +1,266 @@
+"""DeepSeek-V4.1's step planning: its cache spec, its view of the pools, and the index tensors of one
+step (StepMeta), planned on the host in numpy from the step's host inputs and the block table.
+
+Who owns what (CSA2): every layer has a window ring of KV (window + rollback margin rows per
+sequence). Only KV sources own paged state: their compressed entries and their index keys, one row
+per `rate` positions. A consumer reads its source's entries, so its window ring lives in its
+source's pool (`layers.S.kv`: per sequence slot, one ring per member of the source's group, then the
+step's scratch rows, then the source's pages): attention takes one tensor and one index list, as in
+DeepSeek-V4. A ratio-2 source also keeps the raw (kv, gate) projections of a pair's first token until
+its second arrives. Engram keeps the last tokens' classes (its n-gram look-back), as integers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from deepinfer.core.cache import CacheSpec, Pool, PoolSpec, StateCache
+from deepinfer.models.base import StepInput
+from deepinfer.models.deepseek_v41.config import DeepseekV41Config
+
+
+def kv_groups(cfg: DeepseekV41Config) -> dict[int, list[int]]:
+    """KV source -> the layers reading its compressed entries (itself first), in layer order."""
+    groups: dict[int, list[int]] = {}
+    for role in cfg.roles:
+        if role.rate:
+            groups.setdefault(role.kv_source, []).append(role.layer)
+    return groups
+
+
+def engram_ring(cfg: DeepseekV41Config, margin: int) -> int:
+    return cfg.engram_max_ngram_size - 1 + margin
+
+
+def cache_spec(cfg: DeepseekV41Config, margin: int) -> CacheSpec:
+    hd, ring = cfg.head_dim, cfg.sliding_window + margin
+    groups = kv_groups(cfg)
+    pools = []
+    for role in cfg.roles:
+        p = f"layers.{role.layer}."
+        if role.rate == 0:
+            pools.append(PoolSpec(p + "kv", hd, ring=ring, scratch=True, kind="swa", layer=role.layer))
+        elif role.owns_kv:
+            members = len(groups[role.layer])
+            pools.append(PoolSpec(p + "kv", hd, ring=members * ring, scratch=True, stride=role.rate,
+                                  kind="kv_source", layer=role.layer))
+            pools.append(PoolSpec(p + "index_keys", cfg.index_head_dim, stride=role.rate, kind="index_keys",
+                                  layer=role.layer))
+            if role.rate > 1:  # the raw [kv | gate] of the tokens of an unfinished group
+                pools.append(PoolSpec(p + "compressor", 2 * hd, ring=role.rate + margin, scratch=True,
+                                      kind="compressor", layer=role.layer))
+    if cfg.engram_layer_ids:
+        pools.append(PoolSpec("engram.classes", 1, ring=engram_ring(cfg, margin), scratch=True, kind="engram",
+                              dtype=torch.int64))
+    return CacheSpec(tuple(pools))
+
+
+@dataclass(slots=True)
+class LayerView:
+    """One layer's place in the pools: its window ring is member `member` of `pool`'s per-slot rings."""
+
+    pool: Pool
+    member: int  # which of the pool's per-slot rings is this layer's
+    members: int  # rings per slot in the pool
+    source: Pool | None = None  # rate > 0: the pool holding the compressed entries (= pool)
+    index_keys: Pool | None = None  # the latest KV source's index keys (index sources read them)
+    compressor: Pool | None = None  # a ratio-2 KV source's staging ring
+
+
+class CacheView:
+    """The generic StateCache as DeepSeek-V4.1's layers see it."""
+
+    def __init__(self, cache: StateCache, config: DeepseekV41Config):
+        self.cache, self.config = cache, config
+        self.ring_slots, self.max_step_tokens = cache.ring_slots, cache.max_step_tokens  # + the padding slot
+        self.dtype, self.device = cache.dtype, cache.device
+        pools = cache.pools
+        groups = kv_groups(config)
+        first = next(p for p in pools.values() if p.spec.name.endswith(".kv"))
+        self.ring = first.spec.ring // (len(groups[first.spec.layer]) if first.spec.kind == "kv_source" else 1)
+        self.layers: list[LayerView] = []
+        for role in config.roles:
+            if role.rate == 0:
+                self.layers.append(LayerView(pools[f"layers.{role.layer}.kv"], 0, 1))
+                continue
+            s = role.kv_source
+            pool = pools[f"layers.{s}.kv"]
+            self.layers.append(LayerView(pool, groups[s].index(role.layer), len(groups[s]), pool,
+                                         pools[f"layers.{s}.index_keys"], pools.get(f"layers.{s}.compressor")))
+        self.engram = pools.get("engram.classes")
+
+
+def arange_within(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For groups of sizes `counts`: (group index of each element, index within its group)."""
+    group = np.repeat(np.arange(len(counts)), counts)
+    first = np.cumsum(counts) - counts
+    return group, np.arange(len(group)) - first[group]
+
+
+class Rows:
+    """The index arrays of a set of the step's tokens (all of them, or the decoder's subset under the
+    CED split), planned on the host and moved to the device once: positions, RoPE tables, window rows
+    per pool layout, the compressed entries each token may see, Engram's look-back rows."""
+
+    def __init__(self, meta: "StepMeta", tokens: np.ndarray | None, floor: np.ndarray | None):
+        self.meta = meta
+        self.tokens = tokens  # flat token indices (None: every token)
+        self.seq = meta.seq if tokens is None else meta.seq[tokens]
+        self.positions = meta.positions if tokens is None else meta.positions[tokens]
+        self.flat = np.arange(meta.num_tokens) if tokens is None else tokens
+        self.count = len(self.positions)
+        self.floor = floor  # per token: window keys below it were never computed and read as absent
+        cfg, cache = meta.config, meta.cache
+        self.rope = {"main": cfg.rope_main.cos_sin(self.positions),
+                     "compress": cfg.rope_compress.cos_sin(self.positions)}
+        # window keys oldest first, absent ones (-1) last: the order of DeepSeek's prefill index lists,
+        # which decides what falls in each 64-index block of the online softmax
+        pos = self.key_positions(cfg.sliding_window - 1)
+        shift = (pos < 0).sum(axis=1, keepdims=True)
+        pos = np.take_along_axis(pos, (np.arange(pos.shape[1]) + shift) % pos.shape[1], axis=1)
+        self.window = {m: meta.ring_rows(pos, self.seq[:, None], cache.ring, m) for m in meta.ring_members}
+        self.entries = {rate: self._entries(rate) for rate in meta.rates}
+        self.visible = {rate: (self.positions + 1) // rate for rate in meta.rates}
+        self.commit = {m: meta.commit(cache.ring, m, self) for m in meta.ring_members}
+        if cache.engram is not None:
+            ring, n = cache.engram.spec.ring, cfg.engram_max_ngram_size - 1
+            pos = self.key_positions(n)[:, :-1][:, ::-1]  # p - 1, p - 2, ...
+            self.engram = np.where(pos >= 0, meta.ring_rows(pos, self.seq[:, None], ring, 1)[0], -1)
+        self.dev = self._to_device(cache.device)
+
+    def key_positions(self, back: int) -> np.ndarray:
+        """[n, back + 1] positions p - back .. p of each token, -1 where absent (before the start, or
+        below the token's floor)."""
+        pos = self.positions[:, None] + np.arange(-back, 1)
+        if self.floor is not None:
+            floor = np.where(self.positions >= self.floor, self.floor, 0)
+            pos = np.where(pos >= floor[:, None], pos, -1)
+        return np.where(pos >= 0, pos, -1)
+
+    def _entries(self, rate: int) -> np.ndarray:
+        """[n, M] page rows (relative to the page region) of the compressed entries each token may see:
+        entry j is visible to position p once (j + 1) * rate <= p + 1; -1 elsewhere."""
+        meta = self.meta
+        visible = (self.positions + 1) // rate
+        width = int(visible.max()) if self.count else 0
+        j = np.arange(width)[None, :]
+        rows = meta.cache.cache.page_rows(meta.paged_pool(rate), meta.slots[self.seq][:, None], j)
+        return np.where(j < visible[:, None], rows, -1)
+
+    def _to_device(self, device: torch.device) -> dict:
+        def move(t):
+            t = torch.from_numpy(np.ascontiguousarray(t)) if isinstance(t, np.ndarray) else t
+            return t if device.type == "cpu" else t.to(device, non_blocking=True)
+
+        out = {"rope": {k: tuple(map(move, v)) for k, v in self.rope.items()},
+               "window": {m: tuple(map(move, v)) for m, v in self.window.items()},
+               "commit": {m: tuple(map(move, v)) for m, v in self.commit.items()},
+               "entries": {r: move(v) for r, v in self.entries.items()},
+               "visible": {r: move(v) for r, v in self.visible.items()},
+               "tokens": None if self.tokens is None else move(self.tokens),
+               "flat": move(self.flat)}
+        if hasattr(self, "engram"):
+            out["engram"] = move(self.engram)
+        return out
+
+
+class StepMeta:
+    """Index tensors of one step. Planned on the host from host tensors (no device sync), moved to the
+    device in one go; `ids` is the device copy of the step's token ids, which the engine may patch
+    with the previous step's samples before the forward."""
+
+    def __init__(self, inp: StepInput, cache: CacheView, config: DeepseekV41Config):
+        self.inp, self.cache, self.config = inp, cache, config
+        self.starts, self.slots = inp.starts.numpy(), inp.slots.numpy()
+        self.lens = inp.lens.numpy()
+        self.first = np.cumsum(self.lens) - self.lens
+        self.ends = self.starts + self.lens
+        self.num_tokens = int(self.lens.sum())
+        if self.num_tokens > cache.max_step_tokens:
+            raise ValueError(f"step has {self.num_tokens} tokens, cache scratch holds {cache.max_step_tokens}")
+        self.seq, within = arange_within(self.lens)
+        self.positions = self.starts[self.seq] + within
+        self.floor = inp.window_floor.numpy()[self.seq] if inp.window_floor is not None else None
+        self.restored = inp.num_restored.numpy() if inp.num_restored is not None else np.zeros_like(self.starts)
+        self.rates = sorted({r.rate for r in config.roles if r.rate})
+        self.ring_members = sorted({v.members for v in cache.layers})
+        device = cache.device
+        self.ids = inp.ids if device.type == "cpu" else inp.ids.to(device, non_blocking=True)
+        # read the block table now: overlapped scheduling may hand a freed page to another request
+        self.all = Rows(self, None, self.floor)
+        self.decoder = self.all  # plan_decoder: the decoder layers' rows under the CED split
+        self.writes = {rate: self._entry_writes(rate) for rate in self.rates}
+
+    def paged_pool(self, rate: int) -> Pool:
+        """A pool with one row per `rate` positions (all such pools share the page-row arithmetic)."""
+        return next(p for p in self.cache.cache.pools.values() if p.spec.stride == rate)
+
+    def ring_rows(self, pos: np.ndarray, seq: np.ndarray, ring: int, members: int) -> tuple[np.ndarray, np.ndarray]:
+        """(rows, in_ring) of token position `pos` of batch sequence `seq` in a pool [slot rings | scratch]
+        with `members` rings of `ring` rows per slot (member 0's ring; a layer adds member * ring where
+        in_ring): the step's own tokens come from the scratch (one row per flat token), older ones
+        from the ring; negative positions give -1."""
+        start = self.starts[seq]
+        scratch = self.cache.ring_slots * members * ring + self.first[seq] + (pos - start)
+        ringed = self.slots[seq] * members * ring + pos % ring
+        rows = np.where(pos >= start, scratch, ringed)
+        return np.where(pos >= 0, rows, -1), (pos < start) & (pos >= 0)
+
+    def commit(self, ring: int, members: int, rows: "Rows") -> tuple[np.ndarray, np.ndarray]:
+        """(scratch rows, member-0 ring rows) of the tokens of `rows` a ring keeps after the step."""
+        keep = np.flatnonzero(rows.positions >= (self.ends[rows.seq] - ring))
+        pos, seq, flat = rows.positions[keep], rows.seq[keep], rows.flat[keep]
+        return self.cache.ring_slots * members * ring + flat, self.slots[seq] * members * ring + pos % ring
+
+    def _entry_writes(self, rate: int) -> dict:
+        """The compressed entries finished in this step (KV sources of `rate`): their page rows, the rows
+        of their tokens (ratio 1: the step's flat row; ratio 2: the staging ring), RoPE at each entry's
+        position (entry j stands for position j * rate)."""
+        first = np.maximum(self.starts, self.restored)  # restored pages are shared: read-only
+        lo = first // rate
+        counts = np.maximum(self.ends // rate - lo, 0)
+        seq, within = arange_within(counts)
+        entry = lo[seq] + within
+        info = {"out_rows": self.cache.cache.page_rows(self.paged_pool(rate), self.slots[seq], entry),
+                "cos_sin": self.config.rope_compress.cos_sin(entry * rate)}
+        if rate > 1:
+            ring = rate + self.cache.ring - self.config.sliding_window  # rate + rollback margin
+            tok_pos = entry[:, None] * rate + np.arange(rate)
+            info["tok_rows"] = self.ring_rows(tok_pos, seq[:, None], ring, 1)[0]
+            info["commit"] = self.commit(ring, 1, self.all)
+            info["scratch"] = self.cache.ring_slots * ring
+        else:
+            info["tok_rows"] = self.first[seq] + (entry - self.starts[seq])
+        device = self.cache.device
+
+        def move(t):
+            t = torch.from_numpy(np.ascontiguousarray(t)) if isinstance(t, np.ndarray) else t
+            return t if device.type == "cpu" else t.to(device, non_blocking=True)
+
+        return {k: (tuple(map(move, v)) if isinstance(v, tuple) else v if isinstance(v, int) else move(v))
+                for k, v in info.items()}
+
+    def split_decoder(self, logit_rows: np.ndarray, mode: str, keep: int) -> None:
+        """The CED split (model.py's doc): the decoder layers run on each long chunk's last `keep` rows
+        (compact), or on every row with the same masking (mask, a check); off: every row, exact. A
+        sequence whose step needs logits of any row but its last (prompt logprobs) runs in full: the
+        decoder's window, and everything it feeds, would reach below the tail for those rows. (The
+        DSpark drafter's context rows, the last window + margin positions, lie in the tail.)"""
+        if mode == "off":
+            return
+        last = self.first + self.lens - 1
+        seq_of = np.searchsorted(last, logit_rows)
+        full = np.zeros(len(self.lens), dtype=bool)
+        full[seq_of[logit_rows != last[seq_of]]] = True
+        cut = (self.lens > keep) & ~full
+        if not cut.any():
+            return
+        floor = self.floor.copy() if self.floor is not None else np.zeros(self.num_tokens, dtype=np.int64)
+        tail_pos = (self.ends - keep)[self.seq]
+        in_tail = cut[self.seq] & (self.positions >= tail_pos)
+        floor = np.where(in_tail, tail_pos, floor)
+        tokens = np.arange(self.num_tokens) if mode == "mask" else np.flatnonzero(~cut[self.seq] | in_tail)
+        self.decoder = Rows(self, tokens, floor[tokens])

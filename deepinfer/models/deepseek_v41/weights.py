@@ -1,0 +1,127 @@
+"""DeepSeek-V4.1's checkpoint: the tensors the model reads, by their bare checkpoint names
+(`layers.L.attn.wq_a.weight`, no `model.` prefix; IMPLEMENTING.md, section 0), and where the
+per-expert tensors go.
+
+FP8 (32x32 E8M0) and FP4 (per-32 E8M0) weights are dequantized to float32 by the loader (exact:
+power-of-two scales) and the model quantizes the activations that meet them, so a GEMM computes
+dequant(act_quant(x)) @ dequant(W) -- what DeepSeek's FP8 GEMM computes, up to summation order.
+When quantized weights become a tensor kind the ops take directly (issue 22), these stay the names;
+only the storage changes. The Engram tables stay as stored, memory-mapped from the file
+(`TensorSpec.mapped`): the released tables are ~98 GB a layer, and a step reads a few rows.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from deepinfer.models.base import Slot, TensorSpec
+from deepinfer.models.deepseek_v41 import vision
+from deepinfer.models.deepseek_v41.config import DeepseekV41Config
+
+_EXPERT_RE = re.compile(r"(layers\.\d+\.ffn\.experts)\.(\d+)\.(w[123])\.weight")
+_EXPERT_PARTS = {"w1": ("gate_up", 0), "w3": ("gate_up", 1), "w2": ("down", None)}
+
+
+def checkpoint_name(name: str) -> Slot | None:
+    """A routed expert's w1/w3/w2 fill its slice of the layer's fused [E, 2I, D] / [E, D, I] stacks."""
+    if m := _EXPERT_RE.fullmatch(name):
+        stack, half = _EXPERT_PARTS[m.group(3)]
+        return f"{m.group(1)}.{stack}", (int(m.group(2)), half)
+    return None
+
+
+def checkpoint_source(name: str, part: tuple[int, int | None] | None = None) -> str | None:
+    """The checkpoint name of one expert's slice of a fused stack (for error messages)."""
+    if part is None:
+        return None
+    m = re.fullmatch(r"(layers\.\d+\.ffn\.experts)\.(gate_up|down)", name)
+    if m is None:
+        return None
+    w = next(w for w, (stack, half) in _EXPERT_PARTS.items() if stack == m.group(2) and half == part[1])
+    return f"{m.group(1)}.{part[0]}.{w}.weight"
+
+
+def block_tensors(cfg: DeepseekV41Config, p: str, n_experts: int) -> dict[str, TensorSpec]:
+    """The tensors of one block (a backbone layer or a DSpark stage) under prefix `p`, without the
+    compressor and indexer (a backbone layer's roles add those)."""
+    d, hd, hc, heads = cfg.hidden_size, cfg.head_dim, cfg.hc_mult, cfg.num_attention_heads
+    mix, inter = (2 + hc) * hc, cfg.moe_intermediate_size
+    a, f = p + "attn.", p + "ffn."
+    out = {
+        p + "attn_norm.weight": TensorSpec((d,)), p + "ffn_norm.weight": TensorSpec((d,)),
+        a + "attn_sink": TensorSpec((heads,)),
+        a + "wq_a.weight": TensorSpec((cfg.q_lora_rank, d)), a + "q_norm.weight": TensorSpec((cfg.q_lora_rank,)),
+        a + "wq_b.weight": TensorSpec((heads * hd, cfg.q_lora_rank)),
+        a + "wkv.weight": TensorSpec((hd, d)), a + "kv_norm.weight": TensorSpec((hd,)),
+        a + "wo_a.weight": TensorSpec((cfg.o_groups * cfg.o_lora_rank, heads * hd // cfg.o_groups)),
+        a + "wo_b.weight": TensorSpec((d, cfg.o_groups * cfg.o_lora_rank)),
+        f + "gate.weight": TensorSpec((n_experts, d)), f + "gate.bias": TensorSpec((n_experts,)),
+        f + "experts.gate_up": TensorSpec((n_experts, 2 * inter, d), experts=True),
+        f + "experts.down": TensorSpec((n_experts, d, inter), experts=True),
+        f + "shared_experts.w1.weight": TensorSpec((inter, d)), f + "shared_experts.w3.weight": TensorSpec((inter, d)),
+        f + "shared_experts.w2.weight": TensorSpec((d, inter)),
+    }
+    for sub in ("attn", "ffn"):
+        out.update({f"{p}hc_{sub}_fn": TensorSpec((mix, hc * d)), f"{p}hc_{sub}_base": TensorSpec((mix,)),
+                    f"{p}hc_{sub}_scale": TensorSpec((3,))})
+    return out
+
+
+def checkpoint_tensors(cfg: DeepseekV41Config) -> dict[str, TensorSpec]:
+    """Every backbone tensor the model reads (the DSpark stages `mtp.*` are the drafter's); with a vision
+    tower also its tensors (vision.py) and each gate's `bias_vl`, which routes image-span positions."""
+    d, hd = cfg.hidden_size, cfg.head_dim
+    out = {"embed.weight": TensorSpec((cfg.vocab_size, d)), "head.weight": TensorSpec((cfg.vocab_size, d)),
+           "norm.weight": TensorSpec((d,))}
+    for role in cfg.roles:
+        p = f"layers.{role.layer}."
+        out.update(block_tensors(cfg, p, cfg.n_routed_experts))
+        a = p + "attn."
+        if role.owns_kv:
+            out.update({a + "compressor.wkv.weight": TensorSpec((hd, d)),
+                        a + "compressor.norm.weight": TensorSpec((hd,)),
+                        a + "indexer.wk.weight": TensorSpec((cfg.index_head_dim, hd)),
+                        a + "indexer.k_norm.weight": TensorSpec((cfg.index_head_dim,))})
+            if role.rate > 1:
+                out[a + "compressor.wgate.weight"] = TensorSpec((hd, d))
+        if role.owns_index:
+            heads = cfg.index_n_heads * cfg.index_head_dim
+            out.update({a + "indexer.wq_b.weight": TensorSpec((heads, cfg.q_lora_rank)),
+                        a + "indexer.weights_proj.weight": TensorSpec((cfg.index_n_heads, d))})
+        if role.engram:
+            e = p + "engram."
+            rows = cfg.engram_num_embeddings[cfg.engram_layer_ids.index(role.layer)]
+            cols = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads
+            out.update({
+                e + "embed.weight": TensorSpec((rows, cfg.engram_head_dim), torch.float8_e4m3fn, mapped=True),
+                e + "embed.scale": TensorSpec((rows, cfg.engram_head_dim // 32), torch.float8_e8m0fnu, mapped=True),
+                e + "wkv.weight": TensorSpec(((cfg.hc_mult + 1) * d, cols * cfg.engram_head_dim)),
+                e + "q_weight": TensorSpec((cfg.hc_mult, d)), e + "k_weight": TensorSpec((cfg.hc_mult, d)),
+            })
+        if cfg.vision is not None:
+            out[p + "ffn.gate.bias_vl"] = TensorSpec((cfg.n_routed_experts,))
+    if cfg.vision is not None:
+        out.update(vision.checkpoint_tensors(cfg.vision))
+    return out
+
+
+def dspark_tensors(cfg: DeepseekV41Config) -> dict[str, TensorSpec]:
+    """The DSpark stages' tensors (`mtp.K.*`): window-only blocks with the DSpark expert counts; stage 0
+    adds the context projection, the last stage the norm, Markov head and confidence head. No
+    embedding or LM head: the stages use the backbone's."""
+    d, n = cfg.hidden_size, cfg.num_nextn_predict_layers
+    rank = cfg.dspark.get("dspark_markov_rank", 256)
+    targets = len(cfg.dspark.get("dspark_target_layer_ids", ()))
+    out = {}
+    for k in range(n):
+        out.update(block_tensors(cfg, f"mtp.{k}.", cfg.dspark_experts[0]))
+    last = f"mtp.{n - 1}."
+    out.update({"mtp.0.main_proj.weight": TensorSpec((d, targets * d)), "mtp.0.main_norm.weight": TensorSpec((d,)),
+                last + "norm.weight": TensorSpec((d,)),
+                last + "markov_head.embed.weight": TensorSpec((cfg.vocab_size, rank)),
+                last + "markov_head.head.weight": TensorSpec((cfg.vocab_size, rank)),
+                last + "confidence_head.proj.weight": TensorSpec((1, d + rank))})
+    return out
+
