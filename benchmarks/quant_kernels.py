@@ -7,12 +7,10 @@ crossover. Prints tables and writes benchmarks/results/quant_kernels.json.
 Decode: each tiny test config (tests/tiny_models.py) stored as V4-Flash stores it (FP4 experts,
 FP8 dense projections, bf16 router / embedding / head: tests/quant_checks.py) against the same
 weights dequantized to a float32 checkpoint, both served by the engine (LLMEngine) at batch 1; the
-time of decode steps only. The float32 model runs the cpu step program (one C++ call per step),
-which takes float32 weights only; the stored model runs the Python graph op by op. So the table
-has the float32 model both ways (DEEPINFER_CPU_STEP_PROGRAM=1 / 0): the second is the same code path
-as the stored model. The shipped model, stored in bf16, is measured the same way against a
-float32 copy of itself at batch 1 and 32 (what keeping bf16 weights costs it until a step replay
-takes them).
+time of decode steps only. Both run as the engine runs them (decode steps replayed from their
+recordings, core/graphs.py), and the float32 model also eagerly (DEEPINFER_ENFORCE_EAGER=1: the
+Python graph op by op), which shows what the replay saves. The shipped model, stored in bf16, is
+measured the same way against a float32 copy of itself at batch 1 and 32.
 
 Crossover: quant_kernels.linear's GEMV kernels against widening the weight in row chunks + MKL's
 GEMM, by rows per call (T), at V4-Flash shapes (bf16 LM-head rows, FP8 projection, FP4 expert).
@@ -46,7 +44,8 @@ def _timed(fn, repeats: int) -> float:
 
 
 def crossover(repeats: int) -> dict:
-    from deepinfer.backends.cpu import kernels, quant_kernels as qk
+    from deepinfer.backends.cpu import kernels
+    from deepinfer.backends.cpu import quant_kernels as qk
     from deepinfer.backends.quant import quantize_fp4, quantize_fp8
 
     kernels.load()
@@ -93,12 +92,12 @@ def _decode_rate(model_dir: str, steps: int, prompts: list[list[int]]) -> float:
 
 
 def _graph_only(fn):
-    """fn() with the cpu step program off (the code path stored weights take)."""
-    os.environ["DEEPINFER_CPU_STEP_PROGRAM"] = "0"
+    """fn() with step graphs off: the Python graph runs op by op."""
+    os.environ["DEEPINFER_ENFORCE_EAGER"] = "1"
     try:
         return fn()
     finally:
-        del os.environ["DEEPINFER_CPU_STEP_PROGRAM"]
+        del os.environ["DEEPINFER_ENFORCE_EAGER"]
 
 
 def shipped(steps: int) -> list[dict]:
@@ -110,7 +109,7 @@ def shipped(steps: int) -> list[dict]:
     from deepinfer.llm import DEFAULT_MODEL_DIR
 
     rows = []
-    print(f"{'shipped model':<16} {'batch':>5} {'bf16 tok/s':>11} {'float32 tok/s':>14} {'float32, no step program':>25}")
+    print(f"{'shipped model':<16} {'batch':>5} {'bf16 tok/s':>11} {'float32 tok/s':>14} {'float32, eager':>25}")
     with tempfile.TemporaryDirectory() as tmp:
         fdir = Path(tmp, "float32")
         shutil.copytree(DEFAULT_MODEL_DIR, fdir)
@@ -128,15 +127,15 @@ def shipped(steps: int) -> list[dict]:
 
 
 def decode(steps: int) -> list[dict]:
+    from quant_checks import dequantized, flash_layout, save_upstream
     from safetensors.torch import save_file
+    from tiny_models import CONFIGS, make_hf_model
 
     from deepinfer.models.deepseek_v4 import DeepseekV4Config, DeepseekV4Model
     from deepinfer.models.deepseek_v4.weights import checkpoint_source
-    from quant_checks import dequantized, flash_layout, save_upstream
-    from tiny_models import CONFIGS, make_hf_model
 
     rows = []
-    print(f"{'config':<16} {'stored tok/s':>12} {'float32 tok/s':>14} {'float32, no step program':>25}")
+    print(f"{'config':<16} {'stored tok/s':>12} {'float32 tok/s':>14} {'float32, eager':>25}")
     for name in CONFIGS:
         hf, hfc = make_hf_model(name, seed=0)
         cfg = DeepseekV4Config.from_dict(hfc.to_dict())
@@ -162,7 +161,7 @@ def decode(steps: int) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--crossover", action="store_true")
-    parser.add_argument("--steps", type=int, default=48)
+    parser.add_argument("--steps", type=int, default=192)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default=str(HERE / "results" / "quant_kernels.json"))
     args = parser.parse_args()

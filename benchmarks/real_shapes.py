@@ -167,8 +167,9 @@ def write_checkpoint(out: Path) -> dict:
     return w.bytes
 
 
-def copy_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
-    """Bytes read + written per second by a `gib` GiB tensor copy (median of `repeats`)."""
+def copy_bandwidth(gib: float = 1.0, repeats: int = 10) -> float:
+    """Bytes read + written per second by a `gib` GiB tensor copy: the best of `repeats` (the
+    limit a step's reads are held to; on a shared machine the median moved 13-21 GB/s run to run)."""
     n = int(gib * (1 << 30)) // 4
     src, dst = torch.ones(n), torch.empty(n)
     dst.copy_(src)  # first touch
@@ -178,7 +179,7 @@ def copy_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
         dst.copy_(src)
         times.append(time.perf_counter() - t0)
     del src, dst
-    return 2 * n * 4 / sorted(times)[len(times) // 2]
+    return 2 * n * 4 / min(times)
 
 
 def rss() -> int:
@@ -198,7 +199,8 @@ def expert_bytes(w) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", default="/tmp/deepinfer_real_shapes", help="where the checkpoint is written (~9 GB)")
-    parser.add_argument("--steps", type=int, default=6, help="decode steps timed per batch size")
+    parser.add_argument("--steps", type=int, default=16, help="decode steps timed per batch size")
+    parser.add_argument("--warmup", type=int, default=16, help="decode steps before timing (step graphs record)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--prompt", type=int, default=16, help="prompt tokens per sequence")
     parser.add_argument("--out", default=str(HERE / "results" / "real_shapes.json"))
@@ -242,23 +244,26 @@ def main() -> None:
 
     results = []
     gen = torch.Generator().manual_seed(1)
-    params = SamplingParams(temperature=0.0, max_tokens=args.steps + 1, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=args.warmup + args.steps + 1, ignore_eos=True)
+    moe_layers = sum(1 for _, mlp, _ in LAYERS if mlp)
     for batch in args.batches:
         prompts = [torch.randint(3, VOCAB, (args.prompt,), generator=gen).tolist() for _ in range(batch)]
         reqs = [engine.add_request(p, params) for p in prompts]
-        while any(len(r.output_token_ids) == 0 or r.pending for r in reqs):  # prefill to the first token
-            engine.step()
         Counting.hits.clear()
-        times = []
-        while engine.has_unfinished():
-            t = time.perf_counter()
+        # prefill, then warm-up decode steps: the engine records each step bucket (eagerly, so the
+        # Counting override sees their routing) before it replays it from C++, where no Python runs
+        while any(len(r.output_token_ids) <= args.warmup or r.pending for r in reqs):
             engine.step()
-            times.append(time.perf_counter() - t)
+        eager_steps = len(Counting.hits) / moe_layers - 1  # the prefill step's calls included
+        hit_per_step = (sum(Counting.hits) - sum(Counting.hits[:moe_layers])) / max(eager_steps, 1)
+        done = sum(len(r.output_token_ids) for r in reqs)
+        t = time.perf_counter()
+        while engine.has_unfinished():
+            engine.step()
+        decode_s = time.perf_counter() - t
+        steps = (sum(len(r.output_token_ids) for r in reqs) - done) // batch  # multi-step calls run several
         engine.pop_finished()
-        steps = len(times)
-        decode_s = sum(times)
-        hit_per_step = sum(Counting.hits) / steps  # distinct experts read per step, summed over layers
-        step_bytes = dense + hit_per_step * per_expert
+        step_bytes = dense + hit_per_step * per_expert  # distinct experts read per step, summed over layers
         tok_s = batch * steps / decode_s
         roofline = batch * bandwidth / step_bytes
         results.append({"batch": batch, "decode_steps": steps, "decode_seconds": decode_s, "tokens_per_s": tok_s,
