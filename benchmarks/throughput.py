@@ -166,8 +166,8 @@ def main() -> None:
     parser.add_argument("--layout", choices=("dp", "threads"), default="dp",
                         help="deepinfer on several cores: data-parallel ranks of one thread, or one process whose "
                              "replayed steps give their large calls every core")
-    parser.add_argument("--baseline", default=None, metavar="REF",
-                        help="also run deepinfer as built at this git ref (e.g. main), same prompts, same run")
+    parser.add_argument("--baseline", default=None, metavar="REF[,REF...]",
+                        help="also run deepinfer as built at these git refs (e.g. main), same prompts, same run")
     parser.add_argument("--repeats", type=int, default=1, help="timed runs per engine and batch (median)")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -175,19 +175,23 @@ def main() -> None:
     vocab = json.load(open(os.path.join(model_dir, "config.json")))["vocab_size"]
     load = os.getloadavg()  # other work on the cores skews every figure: recorded with them
     engines = ["deepinfer"]
-    if args.baseline:
+    refs = args.baseline.split(",") if args.baseline else []
+    labels = {"deepinfer": "deepinfer", "transformers": "transformers"}
+    if refs:
         from baseline import call, describe
 
-        baseline_name = f"deepinfer @ {describe(args.baseline)}"
-        engines.append("baseline")
+        for i, ref in enumerate(refs):
+            key = "baseline" if i == 0 else f"baseline{i + 1}"  # the first keeps the key older JSON has
+            labels[key] = f"deepinfer @ {describe(ref)}"
+            engines.append(key)
     engines.append("transformers")
     rows = []
     for batch in [int(b) for b in args.batches.split(",")]:
         prompts = _prompts(vocab, batch, args.prompt_len)
         run = (model_dir, prompts, args.new_tokens, args.cores, args.repeats)
         row = dict(batch=batch, deepinfer=run_deepinfer(*run, layout=args.layout))
-        if args.baseline:
-            row["baseline"] = call(args.baseline, "throughput", "run_deepinfer", *run, args.layout)
+        for key, ref in zip(engines[1:], refs):
+            row[key] = call(ref, "throughput", "run_deepinfer", *run, args.layout)
         row["transformers"] = run_transformers(*run)
         row["load_average_after"] = os.getloadavg()
         expected = row["transformers"]["tokens"]
@@ -207,7 +211,7 @@ def main() -> None:
     for r in rows:
         for name in engines:
             m = r[name]
-            label = baseline_name if name == "baseline" else name
+            label = labels[name]
             tpot = "n/a" if m["tpot_s"] is None else f"{m['tpot_s'] * 1e3:.1f}"
             print(f"| {r['batch']} | {label} | {m['tok_s']:.1f} | {m['ttft_s']:.3f} | {tpot} | "
                   f"{m['tok_s'] / r['transformers']['tok_s']:.2f}x | "
@@ -216,7 +220,8 @@ def main() -> None:
     with open(args.json, "w") as f:
         json.dump(dict(model=model_label(args), vocab_size=vocab, device=where, cores=args.cores, layout=args.layout,
                        repeats=args.repeats,
-                       baseline=baseline_name if args.baseline else None, prompt_len=args.prompt_len,
+                       baseline=labels.get("baseline"), baselines={k: v for k, v in labels.items() if k.startswith("baseline")},
+                       prompt_len=args.prompt_len,
                        new_tokens=args.new_tokens, load_average=load, rows=rows), f, indent=2)
 
 
