@@ -33,20 +33,11 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE.parent / "tests"))
 
 
-def _timed(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
-
-
 def crossover(repeats: int) -> dict:
     from deepinfer.backends.cpu import kernels
     from deepinfer.backends.cpu import quant_kernels as qk
     from deepinfer.backends.quant import quantize_fp4, quantize_fp8
+    from deepinfer.core.spec.planner import time_call  # median after a warm-up call, as the planner times
 
     kernels.load()
     gen = torch.Generator().manual_seed(0)
@@ -60,8 +51,8 @@ def crossover(repeats: int) -> dict:
         rows[label] = []
         for t in (1, 2, 4, 8, 16, 32, 64):
             x = torch.randn(t, k, generator=gen)
-            gemv = _timed(lambda: qk.linear(x, w, max_tokens=1 << 30), repeats)
-            wide = _timed(lambda: qk.linear(x, w, max_tokens=0), repeats)
+            gemv = time_call(lambda: qk.linear(x, w, max_tokens=1 << 30), repeats)
+            wide = time_call(lambda: qk.linear(x, w, max_tokens=0), repeats)
             rows[label].append({"tokens": t, "gemv_s": gemv, "widen_gemm_s": wide})
             print(f"{label:<34} {t:>4} {gemv * 1e3:>9.2f} {wide * 1e3:>14.2f}")
     return rows

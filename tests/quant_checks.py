@@ -38,6 +38,18 @@ def weight_kinds(w: torch.Tensor, fp4: bool = True) -> dict[str, object]:
     return out
 
 
+def moe_case(kind: str, t: int, e: int = 6, d: int = 64, i: int = 48, k: int = 2, seed: int = 8):
+    """A routed-experts problem: tokens x [t, d], routing weights and expert ids [t, k] (distinct per
+    token), and stored weights of `kind`: gate_up [e, 2i, d], down [e, d, i]."""
+    gen = torch.Generator().manual_seed(seed)
+    gu = weight_kinds(torch.randn(e, 2 * i, d, generator=gen) * 0.1)[kind]
+    dn = weight_kinds(torch.randn(e, d, i, generator=gen) * 0.1)[kind]
+    x = torch.randn(t, d, generator=gen)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
+    weights = torch.rand(t, k, generator=gen)
+    return x, weights, ids, gu, dn
+
+
 def widened(w) -> torch.Tensor:
     return w.dequantize() if isinstance(w, QuantizedWeight) else w.float()
 

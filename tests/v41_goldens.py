@@ -47,6 +47,27 @@ def checkpoint_dir(config: str) -> Path:
     return GOLDENS / config
 
 
+def vl_registered() -> bool:
+    """Whether the registry reads the VL checkpoint (DeepSeek-V4.1 with a vision tower): the image
+    tests skip where it does not."""
+    from deepinfer.models.base import ConfigError
+    from deepinfer.models.registry import load_config
+
+    try:
+        load_config(checkpoint_dir(VL_CONFIG))
+    except ConfigError:
+        return False
+    return True
+
+
+VL_SKIP_REASON = "DeepSeek-V4.1 with a vision tower is not in this tree yet (the V4.1 text model, issue 23)"
+
+
+def vision_pngs() -> list[bytes]:
+    """The two PNG files of the vision goldens, as stored."""
+    return [load("vision")[f"image{j}.png"].numpy().tobytes() for j in (0, 1)]
+
+
 def noise() -> dict:
     """The reference's own noise, measured by the tool (README, "Tolerances")."""
     return json.loads((GOLDENS / "noise.json").read_text())

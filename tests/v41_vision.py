@@ -9,6 +9,7 @@ import json
 import torch
 from safetensors.torch import load_file
 
+from deepinfer.models.deepseek_v41.image_processor import ProcessedImage, process_image
 from deepinfer.models.deepseek_v41.vision import VisionEncoder, checkpoint_tensors
 from deepinfer.models.deepseek_v41.vision_config import VisionConfig
 from v41_goldens import VL_CONFIG, checkpoint_dir, load, ulp_error, vision_tolerance
@@ -48,3 +49,15 @@ def assert_within_noise(out: torch.Tensor, expected: torch.Tensor, key: str) -> 
     print(f"\n{key}: bf16 ulps {got} (tolerance {tol})", end="")
     for m in ("max", "p999", "mean"):
         assert got[m] <= tol[m], f"{key}: {m} {got[m]:.3f} bf16 ulps > {tol[m]:.3f} (twice the reference's own noise)"
+
+
+def check_image(enc: VisionEncoder, j: int) -> tuple[ProcessedImage, torch.Tensor]:
+    """Golden image j through `enc`: its ViT features and aligner rows each within the reference's
+    noise. Returns (the processed image, the aligner rows)."""
+    g = load("vision")
+    image = process_image(png(j), vl_config())
+    feats = enc.features([image.patches], [image.grid])
+    assert_within_noise(feats, g[f"image{j}.vit"], f"image{j}.vit")
+    (rows,) = enc.align(feats, [image.grid])
+    assert_within_noise(rows, g[f"image{j}.aligner"], f"image{j}.aligner")
+    return image, rows

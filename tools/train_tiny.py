@@ -216,21 +216,26 @@ class BiasBalancer:
 
 # ----------------------------------------------------------------------------- eval
 @torch.no_grad()
-def heldout_nll(model, stream: torch.Tensor, seq_len: int, batch: int = 4):
-    """Sum of NLL (nats) and count over next-token targets of non-overlapping chunks."""
+def hf_logits(model, x: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=x, use_cache=False).logits
+
+
+def heldout_nll(model, stream: torch.Tensor, seq_len: int, batch: int = 4, logits_of=hf_logits):
+    """Sum of NLL (nats) and count over next-token targets of non-overlapping chunks;
+    `logits_of(model, ids [B, L])` runs the model (transformers' by default)."""
     model.eval()
     n_chunks = max(1, (len(stream) - 1) // seq_len)
     chunks = [stream[i * seq_len : (i + 1) * seq_len].long() for i in range(n_chunks)]
     tot, cnt = 0.0, 0
-    for i in range(0, len(chunks), batch):
-        group = chunks[i : i + batch]
-        L = min(len(c) for c in group)
-        x = torch.stack([c[:L] for c in group])
-        logits = model(input_ids=x, use_cache=False).logits.float()
-        lp = torch.log_softmax(logits[:, :-1], dim=-1)
-        nll = -lp.gather(-1, x[:, 1:, None]).squeeze(-1)
-        tot += nll.sum().item()
-        cnt += nll.numel()
+    with torch.no_grad():
+        for i in range(0, len(chunks), batch):
+            group = chunks[i : i + batch]
+            L = min(len(c) for c in group)
+            x = torch.stack([c[:L] for c in group])
+            lp = torch.log_softmax(logits_of(model, x).float()[:, :-1], dim=-1)
+            nll = -lp.gather(-1, x[:, 1:, None]).squeeze(-1)
+            tot += nll.sum().item()
+            cnt += nll.numel()
     model.train()
     return tot, cnt
 
@@ -254,6 +259,27 @@ def lr_at(step, total, peak, warmup, floor):
     return floor + 0.5 * (peak - floor) * (1 + math.cos(math.pi * min(1.0, t)))
 
 
+def run_options(ap: argparse.ArgumentParser) -> None:
+    """The options every tiny trainer takes besides its model's and schedule's."""
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--log-every", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--eval-seq-len", type=int, default=512)
+
+
+def start_run(args: argparse.Namespace) -> tuple[pathlib.Path, float]:
+    """200 steps unless --steps or --minutes say otherwise, the thread count and the seed set, the
+    output folder made: (that folder, the start time)."""
+    if args.steps is None and args.minutes is None:
+        args.steps = 200
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    return out, time.time()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="deepinfer/assets/tiny-dsv4")
@@ -268,20 +294,9 @@ def main():
     ap.add_argument("--warmup", type=int, default=50)
     ap.add_argument("--wd", type=float, default=0.1)
     ap.add_argument("--bias-rate", type=float, default=1e-3)
-    ap.add_argument("--vocab", type=int, default=8192)
-    ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--log-every", type=int, default=10)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--eval-seq-len", type=int, default=512)
+    run_options(ap)
     args = ap.parse_args()
-    if args.steps is None and args.minutes is None:
-        args.steps = 200
-
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    t_start = time.time()
+    out, t_start = start_run(args)
 
     from transformers import DeepseekV4ForCausalLM
 

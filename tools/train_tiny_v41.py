@@ -59,6 +59,7 @@ from deepinfer.models.deepseek_v41.engram import EngramHash, bucket_primes, engr
 from deepinfer.models.deepseek_v41.weights import checkpoint_tensors, dspark_tensors  # noqa: E402
 from train_tiny import BOS, EOS, PAD, collect_corpus, encode_docs, eval_targets, lr_at, train_tokenizer, \
     unigram_ppl  # noqa: E402
+from train_tiny import heldout_nll as chunked_nll, run_options, start_run  # noqa: E402
 
 NOISE_TOKEN = PAD  # the DSpark block's filler
 
@@ -496,17 +497,7 @@ class TinyV41(torch.nn.Module):
 
 # ----------------------------------------------------------------------------- training
 def heldout_nll(model, stream, seq_len, batch=2):
-    model.eval()
-    tot, cnt = 0.0, 0
-    chunks = [stream[i * seq_len:(i + 1) * seq_len].long() for i in range(max(1, (len(stream) - 1) // seq_len))]
-    with torch.no_grad():
-        for i in range(0, len(chunks), batch):
-            x = torch.stack(chunks[i:i + batch])
-            lp = model(x)[0][:, :-1].log_softmax(-1)
-            nll = -lp.gather(-1, x[:, 1:, None]).squeeze(-1)
-            tot, cnt = tot + nll.sum().item(), cnt + nll.numel()
-    model.train()
-    return tot, cnt
+    return chunked_nll(model, stream, seq_len, batch, logits_of=lambda m, x: m(x)[0])
 
 
 def deepinfer_nll(out_dir: pathlib.Path, stream: torch.Tensor, seq_len: int) -> tuple[float, int]:
@@ -549,21 +540,11 @@ def main():
     ap.add_argument("--indexer-loss", type=float, default=0.1)
     ap.add_argument("--dspark-loss", type=float, default=0.5)
     ap.add_argument("--anchors", type=int, default=8, help="DSpark blocks per sequence and step")
-    ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--bf16", action="store_true", help="no FP8/FP4: a bf16 checkpoint (no quantization_config)")
-    ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--log-every", type=int, default=10)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--eval-seq-len", type=int, default=512)
     ap.add_argument("--eval-tokens", type=int, default=None, help="score only the first N held-out tokens")
+    run_options(ap)
     args = ap.parse_args()
-    if args.steps is None and args.minutes is None:
-        args.steps = 200
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    t_start = time.time()
+    out, t_start = start_run(args)
 
     root, train_docs, held_docs = collect_corpus()
     tok = train_tokenizer([t for _, t in train_docs], args.vocab, str(out))

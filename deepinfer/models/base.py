@@ -14,10 +14,12 @@ schedules by positions and keys the prefix cache by each item's digest.
 
 from __future__ import annotations
 
+import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -43,6 +45,14 @@ class StepInput:
     # multimodal input: (first flat row of `ids`, rows [n, hidden] float32 on the device) that replace the
     # token embeddings of those rows (an image's span positions); None = text only
     embeds: list[tuple[int, torch.Tensor]] | None = None
+
+
+def to_device(t: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """One of a step's planned arrays as a tensor on `device`: on the host the array's memory is
+    shared, not copied; elsewhere it is copied without waiting (the step reads it after the copy,
+    in stream order)."""
+    t = torch.from_numpy(np.ascontiguousarray(t)) if isinstance(t, np.ndarray) else t
+    return t if device.type == "cpu" else t.to(device, non_blocking=True)
 
 
 @dataclass(slots=True, eq=False)
@@ -95,6 +105,19 @@ class TensorSpec:
 # half)) for a slice of a fused expert stack, half 0/1 for the gate/up rows of a gate_up stack and
 # None for a down stack.
 Slot = tuple[str, "tuple[int, int | None] | None"]
+
+
+def expert_slice_source(stack: str, part: tuple[int, int | None], pattern: str,
+                        parts: dict[str, tuple[str, int | None]]) -> tuple[re.Match, str] | None:
+    """The inverse of a Slot into a fused expert stack (for error messages): `pattern` matches the
+    stack's model name, its last group the stack's kind; `parts` maps each per-expert tensor's
+    checkpoint part name to (stack kind, half). Returns (the match, the part name that fills
+    `part`'s half), or None when `stack` is no fused stack."""
+    m = re.fullmatch(pattern, stack)
+    if m is None:
+        return None
+    kind = m.group(m.lastindex)
+    return m, next(w for w, (fused, half) in parts.items() if fused == kind and half == part[1])
 
 
 @dataclass(slots=True)
@@ -194,6 +217,21 @@ class CausalLM(ABC):
         """The span embeddings [item.length, hidden] (float32, on the device) of items this model
         laid out, in one encoder pass."""
         raise NotImplementedError(f"{type(self).__name__} has no multimodal encoder")
+
+
+class ViewCache:
+    """A model's view of the engine's state cache (`make(cache, config)`), built once per cache and
+    reused while the engine hands the same cache to every step."""
+
+    __slots__ = ("_make", "_config", "_cache", "_view")
+
+    def __init__(self, make: Callable, config):
+        self._make, self._config, self._cache, self._view = make, config, None, None
+
+    def get(self, cache: "StateCache"):
+        if self._cache is not cache:
+            self._cache, self._view = cache, self._make(cache, self._config)
+        return self._view
 
 
 @dataclass(frozen=True, slots=True)

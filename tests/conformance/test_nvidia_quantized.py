@@ -23,7 +23,7 @@ pytest.importorskip("triton", reason="triton is not installed: the nvidia backen
 from deepinfer.backends import reference as ref  # noqa: E402
 from deepinfer.backends.quant import ActQuant, QuantizedWeight, act_quant, quantize_fp8  # noqa: E402
 from op_checks import assert_close, poisoned  # noqa: E402
-from quant_checks import act_quant_bound, assert_within, dot_bound, weight_kinds, widened  # noqa: E402
+from quant_checks import act_quant_bound, assert_within, dot_bound, moe_case, weight_kinds, widened  # noqa: E402
 
 SHAPES = [(130, 258), (40, 96), (17, 40)]
 
@@ -95,13 +95,7 @@ def test_plain_narrow_linear(nv, kind, t):
 def test_moe_experts(nv, kind, t):
     """Routed experts stay as stored (FP4 e2m1 two a byte, FP8 block-scaled, bf16): the MoE GEMMs
     widen each weight tile in registers."""
-    e, d, i, k = 6, 64, 48, 2
-    gen = torch.Generator().manual_seed(8)
-    gu = weight_kinds(torch.randn(e, 2 * i, d, generator=gen) * 0.1)[kind]
-    dn = weight_kinds(torch.randn(e, d, i, generator=gen) * 0.1)[kind]
-    x = torch.randn(t, d, generator=gen)
-    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
-    weights = torch.rand(t, k, generator=gen)
+    x, weights, ids, gu, dn = moe_case(kind, t)
     out = nv.moe_experts(x, weights, ids, nv.prepare_weight(gu), nv.prepare_weight(dn), 7.0)
     assert_close(f"moe_experts {kind} T={t}", out, ref.moe_experts(x, weights, ids, widened(gu), widened(dn), 7.0),
                  1e-5)

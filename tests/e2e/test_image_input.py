@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from deepinfer import LLM, SamplingParams
+from v41_goldens import VL_SKIP_REASON, vision_pngs, vl_registered
 
 GREEDY = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
 
@@ -66,26 +67,7 @@ def test_text_prompt_dicts_equal_strings(text_llm):
 # mini6vl: the tiny DeepSeek-V4.1 with a 2-layer ViT, against DeepSeek's reference (tests/goldens/v41,
 # README "Image input"; the encoder alone is checked in tests/oracle/test_v41_vision.py).
 
-def _vl_registered() -> bool:
-    from deepinfer.models.base import ConfigError
-    from deepinfer.models.registry import load_config
-    from v41_goldens import VL_CONFIG, checkpoint_dir
-
-    try:
-        load_config(checkpoint_dir(VL_CONFIG))
-    except ConfigError:
-        return False
-    return True
-
-
-vl = pytest.mark.skipif(not _vl_registered(), reason="DeepSeek-V4.1 with a vision tower is not in this tree yet "
-                                                     "(the V4.1 text model, issue 23)")
-
-
-def golden_pngs() -> list[bytes]:
-    from v41_goldens import load
-
-    return [load("vision")[f"image{j}.png"].numpy().tobytes() for j in (0, 1)]
+vl = pytest.mark.skipif(not vl_registered(), reason=VL_SKIP_REASON)
 
 
 def vl_llm(**kwargs) -> LLM:
@@ -129,7 +111,7 @@ def test_two_image_prompt_matches_the_reference(vl_model, shape):
 
     g = load("vision")
     params = SamplingParams(max_tokens=g.meta["new_tokens"], temperature=0.0, ignore_eos=True, prompt_logprobs=0)
-    text, images = g.meta["prompt_text"], {"image": golden_pngs()}
+    text, images = g.meta["prompt_text"], {"image": vision_pngs()}
     if shape == "prompt_dict":
         out = vl_model.generate([{"prompt": text, "multi_modal_data": images}], params, use_tqdm=False)[0]
     elif shape == "argument":  # upstream's multi_modal_data=, the alias placeholder
@@ -150,7 +132,7 @@ def test_chunked_prefill_splits_spans_and_encodes_each_image_once():
 
     g = load("vision")
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
-    prompt = [{"prompt": g.meta["prompt_text"], "multi_modal_data": {"image": golden_pngs()}}]
+    prompt = [{"prompt": g.meta["prompt_text"], "multi_modal_data": {"image": vision_pngs()}}]
     whole = vl_llm().generate(prompt, params, use_tqdm=False)[0]
     chunked_llm = vl_llm(max_num_batched_tokens=16)
     chunked = chunked_llm.generate(prompt, params, use_tqdm=False)[0]
@@ -168,7 +150,7 @@ def test_images_are_read(vl_model):
 
     g = load("vision")
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
-    a, b = golden_pngs()
+    a, b = vision_pngs()
 
     def run(images):
         prompt = {"prompt": g.meta["prompt_text"], "multi_modal_data": {"image": images}}
@@ -205,7 +187,7 @@ def test_an_image_that_cannot_fit_the_context_is_refused():
     small = vl_llm(max_model_len=48)  # the prompt's two spans alone take 55 positions
     from v41_goldens import load
 
-    prompt = {"prompt": load("vision").meta["prompt_text"], "multi_modal_data": {"image": golden_pngs()}}
+    prompt = {"prompt": load("vision").meta["prompt_text"], "multi_modal_data": {"image": vision_pngs()}}
     with pytest.raises(ValueError, match=r"prompt 0 has 102 tokens \(55 of them for its 2 multimodal item\(s\)\); "
                                          r"max_model_len=48 .* send fewer images"):
         small.generate([prompt], GREEDY, use_tqdm=False)
@@ -218,7 +200,7 @@ def test_prefix_cache_hits_only_for_the_same_image(monkeypatch):
     replayed tail, is not encoded again); another image of the same size in the same place does not hit."""
     monkeypatch.setenv("DEEPINFER_YOCO_PREFILL_KEEP_TOKENS", "40")  # >= window 32 + backtracking 6
     llm = vl_llm(max_num_seqs=1)
-    a = golden_pngs()[0]
+    a = vision_pngs()[0]
     text = "<｜deepseek_image｜> " + "def lookup(self, tokens):\n    return [self.table[t] for t in tokens]\n" * 12
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
 
@@ -243,7 +225,7 @@ def test_drafting_with_images_is_lossless(monkeypatch):
     equal those of plain decoding (the drafter reads the backbone's features of the image positions)."""
     from v41_goldens import load
 
-    prompts = [{"prompt": load("vision").meta["prompt_text"], "multi_modal_data": {"image": golden_pngs()}},
+    prompts = [{"prompt": load("vision").meta["prompt_text"], "multi_modal_data": {"image": vision_pngs()}},
                "def lookup(self, tokens):"]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     plain = [o.outputs[0].token_ids for o in vl_llm().generate(prompts, params, use_tqdm=False)]

@@ -18,7 +18,7 @@ from deepinfer.models.deepseek_v41.image_processor import IMAGE, IMAGE_NEW_LINE,
 from deepinfer.models.deepseek_v41.multimodal import expand_prompt
 from deepinfer.models.deepseek_v41.vision_config import VisionConfig
 from v41_goldens import load
-from v41_vision import IMAGES, VL_DIR, assert_within_noise, encoder, png, stored_tensors, vl_config
+from v41_vision import IMAGES, VL_DIR, check_image, encoder, png, stored_tensors, vl_config
 
 
 def settings_config(settings: dict) -> VisionConfig:
@@ -86,12 +86,7 @@ def cpu_encoder():
 @pytest.mark.parametrize("j", IMAGES)
 def test_vision_encoder_matches_the_reference(cpu_encoder, j):
     enc, stored = cpu_encoder, stored_tensors()
-    g = load("vision")
-    image = process_image(png(j), vl_config())
-    feats = enc.features([image.patches], [image.grid])
-    assert_within_noise(feats, g[f"image{j}.vit"], f"image{j}.vit")
-    (rows,) = enc.align(feats, [image.grid])
-    assert_within_noise(rows, g[f"image{j}.aligner"], f"image{j}.aligner")
+    image, rows = check_image(enc, j)
     (span,) = enc.encode([image.patches], [image.grid])
     types = torch.tensor(image.grid.span_types())
     assert torch.equal(span[types == IMAGE], rows)

@@ -12,6 +12,7 @@ import shutil
 
 import pytest
 
+from chat_goldens import CALLS, TOOLS_SECTION_TAIL, WEATHER
 from deepinfer.core.tokenizer import Tokenizer
 from deepinfer.entrypoints.chat import ChatFormatError, load_chat_format
 from deepinfer.entrypoints.chat.deepseek_v41 import DeepseekV41ChatFormat
@@ -19,8 +20,6 @@ from deepinfer.entrypoints.chat.deepseek_v41 import DeepseekV41ChatFormat
 V41 = DeepseekV41ChatFormat()
 BOS, EOS, SYS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜System｜>"
 EFFORT = "Reasoning Effort: {} (range 1-100, the higher the value, the more thorough the reasoning)\n\n"
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 TOOLS_SECTION = """## Tools
 
 You have access to a set of tools to help answer the user's question. You can invoke tools by writing a "<｜DSML｜ calls>" block like the following:
@@ -35,20 +34,7 @@ You have access to a set of tools to help answer the user's question. You can in
 </｜DSML｜ invoke>
 </｜DSML｜ calls>
 
-String parameters should be specified as is and set `string="true"`. For all other types (numbers, booleans, arrays, objects), pass the value in JSON format and set `string="false"`.
-
-If thinking_mode is enabled (triggered by <think>), you MUST output your complete reasoning inside <think>...</think> BEFORE any tool calls or final response.
-
-Otherwise, output directly after </think> with tool calls or final response.
-
-### Available Tool Schemas
-
-{"name": "get_weather", "description": "Weather of a city", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
-
-You MUST strictly follow the above defined tool name and parameter schemas to invoke tool calls.
-"""
-CALLS = [{"id": "a", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'}},
-         {"id": "b", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Rome"}'}}]
+""" + TOOLS_SECTION_TAIL
 DSML_CALLS = ('\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name="get_weather">\n'
               '<｜DSML｜ parameter name="city" string="true">Paris</｜DSML｜ parameter>\n'
               '<｜DSML｜ parameter name="days" string="false">2</｜DSML｜ parameter>\n</｜DSML｜ invoke>\n'

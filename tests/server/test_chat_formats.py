@@ -10,6 +10,7 @@ import shutil
 
 import pytest
 
+from chat_goldens import CALLS, TOOLS_SECTION_TAIL, WEATHER
 from deepinfer.core.tokenizer import Tokenizer
 from deepinfer.entrypoints.chat import ChatFormatError, load_chat_format
 from deepinfer.entrypoints.chat.deepseek_v4 import DeepseekV4ChatFormat
@@ -17,8 +18,6 @@ from deepinfer.entrypoints.chat.dsml import V4 as V4_DSML
 
 V4 = DeepseekV4ChatFormat()
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 TOOLS_SECTION = """## Tools
 
 You have access to a set of tools to help answer the user's question. You can invoke tools by writing a "<｜DSML｜tool_calls>" block like the following:
@@ -33,20 +32,7 @@ You have access to a set of tools to help answer the user's question. You can in
 </｜DSML｜invoke>
 </｜DSML｜tool_calls>
 
-String parameters should be specified as is and set `string="true"`. For all other types (numbers, booleans, arrays, objects), pass the value in JSON format and set `string="false"`.
-
-If thinking_mode is enabled (triggered by <think>), you MUST output your complete reasoning inside <think>...</think> BEFORE any tool calls or final response.
-
-Otherwise, output directly after </think> with tool calls or final response.
-
-### Available Tool Schemas
-
-{"name": "get_weather", "description": "Weather of a city", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
-
-You MUST strictly follow the above defined tool name and parameter schemas to invoke tool calls.
-"""
-CALLS = [{"id": "a", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'}},
-         {"id": "b", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Rome"}'}}]
+""" + TOOLS_SECTION_TAIL
 DEVELOPER = [{"role": "developer", "content": "D1"}, {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
              {"role": "developer", "content": "D2"}, {"role": "user", "content": "c"}]
 

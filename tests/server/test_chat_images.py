@@ -11,36 +11,19 @@ import openai
 import pytest
 
 from conftest import running_server
-from v41_goldens import VL_CONFIG, checkpoint_dir, load
+from v41_goldens import VL_CONFIG, VL_SKIP_REASON, checkpoint_dir, vision_pngs, vl_registered
 
 GREEDY = dict(model="mini6vl", temperature=0.0, max_tokens=6)
 
-
-def _vl_registered() -> bool:
-    from deepinfer.models.base import ConfigError
-    from deepinfer.models.registry import load_config
-
-    try:
-        load_config(checkpoint_dir(VL_CONFIG))
-    except ConfigError:
-        return False
-    return True
-
-
-pytestmark = pytest.mark.skipif(not _vl_registered(), reason="DeepSeek-V4.1 with a vision tower is not in this "
-                                                             "tree yet (the V4.1 text model, issue 23)")
-
-
-def pngs() -> list[bytes]:
-    return [load("vision")[f"image{j}.png"].numpy().tobytes() for j in (0, 1)]
+pytestmark = pytest.mark.skipif(not vl_registered(), reason=VL_SKIP_REASON)
 
 
 def image_part(data: bytes, kind: str = "png") -> dict:
     return {"type": "image_url", "image_url": {"url": f"data:image/{kind};base64," + base64.b64encode(data).decode()}}
 
 
-MESSAGES = [{"role": "user", "content": [{"type": "text", "text": "Compare"}, image_part(pngs()[0]),
-                                         {"type": "text", "text": "with"}, image_part(pngs()[1])]}]
+MESSAGES = [{"role": "user", "content": [{"type": "text", "text": "Compare"}, image_part(vision_pngs()[0]),
+                                         {"type": "text", "text": "with"}, image_part(vision_pngs()[1])]}]
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +46,7 @@ def test_chat_with_images_equals_generate(client):
     streamed = "".join(c.choices[0].delta.content or "" for c in
                        client.chat.completions.create(messages=MESSAGES, stream=True, **GREEDY) if c.choices)
     llm = LLM(checkpoint_dir(VL_CONFIG), max_model_len=512, num_cache_pages=32)
-    prompt = {"prompt": "Compare\n<image>\nwith\n<image>\n", "multi_modal_data": {"image": pngs()}}
+    prompt = {"prompt": "Compare\n<image>\nwith\n<image>\n", "multi_modal_data": {"image": vision_pngs()}}
     out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)[0]
     assert whole.choices[0].message.content == streamed == out.outputs[0].text
     assert whole.usage.prompt_tokens == len(out.prompt_token_ids)  # the spans count as prompt tokens
@@ -89,6 +72,6 @@ def test_bad_image_parts_are_400s_and_the_server_keeps_serving(client, part, par
 
 def test_a_placeholder_in_the_text_is_counted(client):
     """Text that spells the placeholder itself adds a place without an image: a 400, not a silent shift."""
-    messages = [{"role": "user", "content": [{"type": "text", "text": "<image> and"}, image_part(pngs()[0])]}]
+    messages = [{"role": "user", "content": [{"type": "text", "text": "<image> and"}, image_part(vision_pngs()[0])]}]
     with pytest.raises(openai.BadRequestError, match=r"2 image placeholder\(s\) .* has 1 image"):
         client.chat.completions.create(messages=messages, **GREEDY)

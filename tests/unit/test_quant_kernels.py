@@ -12,7 +12,7 @@ import torch
 from deepinfer.backends import reference as ref
 from deepinfer.backends.cpu import kernels
 from deepinfer.backends.quant import ActQuant, QuantizedWeight, act_quant, quantize_fp8
-from quant_checks import assert_within, dot_bound, weight_kinds, widened
+from quant_checks import assert_within, dot_bound, moe_case, weight_kinds, widened
 
 pytestmark = pytest.mark.skipif(not kernels.load(), reason="the cpu C++ kernels do not build here")
 
@@ -79,13 +79,8 @@ def test_swiglu_mlp(kind, t):
 @pytest.mark.parametrize("kind", ["bf16", "fp8_128_f32", "fp8_32_ue8m0", "fp4_ue8m0", "fp4_f32_scales"])
 @pytest.mark.parametrize("t", [1, 9])
 def test_moe_experts(kind, t):
-    e, d, i, k = 6, 64, 48, 2
-    gen = torch.Generator().manual_seed(8)
-    gu = weight_kinds(torch.randn(e, 2 * i, d, generator=gen) * 0.1)[kind]
-    dn = weight_kinds(torch.randn(e, d, i, generator=gen) * 0.1)[kind]
-    x = torch.randn(t, d, generator=gen)
-    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
-    weights = torch.rand(t, k, generator=gen)
+    d, i, k = 64, 48, 2
+    x, weights, ids, gu, dn = moe_case(kind, t, d=d, i=i, k=k)
     out = kernels.moe_experts(x, weights, ids, gu, dn, 7.0)
     expected = ref.moe_experts(x, weights, ids, widened(gu), widened(dn), 7.0)
     # each expert's output carries the rounding of two products: bound by the float32 reference's

@@ -38,12 +38,14 @@ class DeepseekV4ChatFormat(ChatFormat):
     name = "deepseek_v4"
     supports_tools = True
     options = ("thinking", "enable_thinking", "reasoning_effort", "drop_thinking")
+    dialect = dsml.V4  # how tool lists and tool calls are spelled
+    markers = (BOS, EOS, USER, ASSISTANT, THINK, END_THINK)  # single tokens in the family's vocabulary
 
     @classmethod
     def for_tokenizer(cls, tokenizer: Tokenizer) -> "DeepseekV4ChatFormat | None":
         """The format, if the vocabulary has its markers as single tokens (a V4 checkpoint's
         tokenizer does; the shipped tiny model's does not: it was never trained to chat)."""
-        for marker in (BOS, EOS, USER, ASSISTANT, THINK, END_THINK):
+        for marker in cls.markers:
             if len(tokenizer.encode(marker, add_special_tokens=False)) != 1:
                 return None
         return cls()
@@ -61,57 +63,63 @@ class DeepseekV4ChatFormat(ChatFormat):
         for i, turn in enumerate(turns):
             role = turn["role"]
             if role == "system":
-                out.append((turn.get("content") or "") + _tools_section(turn))
+                out.append((turn.get("content") or "") + self._tools_section(turn))
             elif role in ("user", "developer"):
                 if role == "developer" and not turn.get("content"):
                     raise ChatFormatError("a developer message needs content", f"messages[{turn['index']}].content")
                 body = turn["content"] if role == "developer" else "\n\n".join(turn["parts"])
-                out.append(USER + body + _tools_section(turn))
+                out.append(USER + body + self._tools_section(turn))
                 if i + 1 == len(turns) or turns[i + 1]["role"] == "assistant":
                     opens = thinking and (not drop or i >= last_user)
                     out.append(ASSISTANT + (THINK if opens else END_THINK))
             elif role == "assistant":
-                reasoning = ""
-                if thinking and (not drop or i > last_user):
-                    reasoning = (turn.get("reasoning_content") or "") + END_THINK
-                calls = turn.get("tool_calls") or []
-                block = dsml.V4.encode_calls([
-                    (c["function"]["name"], tool_call_arguments(c, f"messages[{turn['index']}].tool_calls[{j}]"))
-                    for j, c in enumerate(calls)]) if calls else ""
-                out.append(reasoning + (turn.get("content") or "") + block + EOS)
+                out.append(self._assistant(turn, thinking and (not drop or i > last_user)))
             else:
                 raise ChatFormatError(f"role {role!r} is not part of the DeepSeek-V4 chat format",
                                       f"messages[{turn['index']}].role")
         return "".join(out)
 
+    def _assistant(self, turn: dict, reasoning: bool) -> str:
+        """An assistant turn: `{reasoning}</think>` where its reasoning is kept, the content, the tool
+        calls as a DSML block, the end of sentence."""
+        head = (turn.get("reasoning_content") or "") + END_THINK if reasoning else ""
+        calls = turn.get("tool_calls") or []
+        block = self.dialect.encode_calls([
+            (c["function"]["name"], tool_call_arguments(c, f"messages[{turn['index']}].tool_calls[{j}]"))
+            for j, c in enumerate(calls)]) if calls else ""
+        return head + (turn.get("content") or "") + block + EOS
+
+    def _tools_section(self, turn: dict) -> str:
+        tools = turn.get("tools")
+        return "\n\n" + self.dialect.tools_prompt([t["function"] for t in tools]) if tools else ""
+
     def parser(self, prompt: str, tools: bool) -> OutputParser:
-        return DeepseekV4Parser(reasoning=prompt.endswith(THINK), tools=tools)
+        return DeepseekV4Parser(reasoning=prompt.endswith(THINK), tools=tools, dialect=self.dialect)
 
     def force_tool_calls(self, tools: list[dict], name: str | None, prompt: str, tokenizer: Tokenizer) -> dict:
         """A DSML block that follows the tools' schemas, right after `</think>` when the reply
         starts by reasoning (its token is the grammar's trigger: the reasoning stays free)."""
-        so_args = {"schema_type": "ebnf", "schema": dsml.V4.calls_grammar([t["function"] for t in tools], name)}
+        so_args = {"schema_type": "ebnf", "schema": self.dialect.calls_grammar([t["function"] for t in tools], name)}
         if prompt.endswith(THINK):
             so_args["trigger_token_ids"] = tokenizer.encode(END_THINK, add_special_tokens=False)
         return so_args
 
-    def _mode(self, options: dict) -> tuple[bool, str | None, bool]:
+    def _thinking(self, options: dict) -> bool:
+        """Whether thinking is asked for (the default), once the options are known and the switches booleans."""
         self.check_options(options)
         for key in ("thinking", "enable_thinking", "drop_thinking"):
             if key in options and not isinstance(options[key], bool):
                 raise ChatFormatError(f"chat_template_kwargs.{key} must be true or false",
                                       f"chat_template_kwargs.{key}")
-        thinking = options.get("thinking", options.get("enable_thinking", True))
+        return options.get("thinking", options.get("enable_thinking", True))
+
+    def _mode(self, options: dict) -> tuple[bool, str | None, bool]:
+        thinking = self._thinking(options)
         effort = options.get("reasoning_effort")
         if effort not in EFFORTS:
             raise ChatFormatError(f"reasoning_effort must be one of {list(EFFORTS[1:])}, got {effort!r}",
                                   "reasoning_effort")
         return thinking and effort != "none", effort, options.get("drop_thinking", True)
-
-
-def _tools_section(turn: dict) -> str:
-    tools = turn.get("tools")
-    return "\n\n" + dsml.V4.tools_prompt([t["function"] for t in tools]) if tools else ""
 
 
 def _attach_tools(messages: list[dict], tools: list[dict] | None) -> list[dict]:

@@ -6,9 +6,9 @@ conversation renders as
     <｜User｜>{user}<｜Assistant｜><think>          <- thinking (the default): reasoning comes first
     <｜User｜>{user}<｜Assistant｜></think>         <- chat mode: the reply is content
 
-(no newlines between the parts). What differs from V4 (deepseek_v4.py, whose tool-result merging
-this reuses): a `<｜System｜>` marker opens the conversation when it starts with a system message
-or carries the reasoning effort (thinking mode only: `Reasoning Effort: N (range 1-100, the higher
+(no newlines between the parts). What differs from V4 (deepseek_v4.py, whose format this extends:
+tool-result merging, assistant turns, the output parser): a `<｜System｜>` marker opens the
+conversation when it starts with a system message or carries the reasoning effort (thinking mode only: `Reasoning Effort: N (range 1-100, the higher
 the value, the more thorough the reasoning)`, N an integer in [1, 100] or low 25 / high 50 (the
 default) / xhigh 75 / max 100; "none" turns thinking off); a system message later in the
 conversation is `<｜System｜>{content}` and, like a user turn, is followed by the assistant header;
@@ -21,12 +21,10 @@ unless the conversation has tools).
 
 from __future__ import annotations
 
-from deepinfer.core.tokenizer import Tokenizer
 from deepinfer.entrypoints.chat import dsml
-from deepinfer.entrypoints.chat.base import ChatFormat, ChatFormatError, OutputParser, tool_call_arguments
-from deepinfer.entrypoints.chat.deepseek_v4 import _merge_tool_results
-from deepinfer.entrypoints.chat.deepseek_v4_parser import ASSISTANT, BOS, END_THINK, EOS, THINK, USER, \
-    DeepseekV4Parser
+from deepinfer.entrypoints.chat.base import ChatFormatError
+from deepinfer.entrypoints.chat.deepseek_v4 import DeepseekV4ChatFormat, _merge_tool_results
+from deepinfer.entrypoints.chat.deepseek_v4_parser import ASSISTANT, BOS, END_THINK, THINK, USER
 
 SYSTEM = "<｜System｜>"
 LATEST_REMINDER = "<｜latest_reminder｜>"
@@ -35,18 +33,10 @@ DEFAULT_EFFORT = "high"
 EFFORT_TEMPLATE = "Reasoning Effort: {} (range 1-100, the higher the value, the more thorough the reasoning)\n\n"
 
 
-class DeepseekV41ChatFormat(ChatFormat):
+class DeepseekV41ChatFormat(DeepseekV4ChatFormat):
     name = "deepseek_v41"
-    supports_tools = True
-    options = ("thinking", "enable_thinking", "reasoning_effort", "drop_thinking")
-
-    @classmethod
-    def for_tokenizer(cls, tokenizer: Tokenizer) -> "DeepseekV41ChatFormat | None":
-        """The format, if the vocabulary has its markers as single tokens (V4.1's tokenizer does)."""
-        for marker in (BOS, EOS, USER, ASSISTANT, THINK, END_THINK, SYSTEM, dsml.DSML):
-            if len(tokenizer.encode(marker, add_special_tokens=False)) != 1:
-                return None
-        return cls()
+    dialect = dsml.V41
+    markers = DeepseekV4ChatFormat.markers + (SYSTEM, dsml.DSML)  # V4.1's tokenizer has them as single tokens
 
     def render(self, messages: list[dict], tools: list[dict] | None, options: dict) -> str:
         thinking, effort, drop = self._mode(options)
@@ -62,22 +52,15 @@ class DeepseekV41ChatFormat(ChatFormat):
             if i == 0 and (head or role == "system"):
                 out.append(SYSTEM + head)
             if role == "system":
-                out.append((SYSTEM if i > 0 else "") + (turn.get("content") or "") + _tools_section(turn))
+                out.append((SYSTEM if i > 0 else "") + (turn.get("content") or "") + self._tools_section(turn))
             elif role == "developer":
                 if not turn.get("content"):
                     raise ChatFormatError("a developer message needs content", f"messages[{turn['index']}].content")
-                out.append(USER + turn["content"] + _tools_section(turn))
+                out.append(USER + turn["content"] + self._tools_section(turn))
             elif role == "user":
                 out.append(USER + "\n\n".join(turn["parts"]))
             elif role == "assistant":
-                reasoning = ""
-                if thinking and (not drop or i > last_user):
-                    reasoning = (turn.get("reasoning_content") or "") + END_THINK
-                calls = turn.get("tool_calls") or []
-                block = dsml.V41.encode_calls([
-                    (c["function"]["name"], tool_call_arguments(c, f"messages[{turn['index']}].tool_calls[{j}]"))
-                    for j, c in enumerate(calls)]) if calls else ""
-                out.append(reasoning + (turn.get("content") or "") + block + EOS)
+                out.append(self._assistant(turn, thinking and (not drop or i > last_user)))
             else:
                 raise ChatFormatError(f"role {role!r} is not part of the DeepSeek-V4.1 chat format",
                                       f"messages[{turn['index']}].role")
@@ -89,24 +72,8 @@ class DeepseekV41ChatFormat(ChatFormat):
                 out.append(ASSISTANT + (THINK if thinking and (not drop or i >= last_user) else END_THINK))
         return "".join(out)
 
-    def parser(self, prompt: str, tools: bool) -> OutputParser:
-        return DeepseekV4Parser(reasoning=prompt.endswith(THINK), tools=tools, dialect=dsml.V41)
-
-    def force_tool_calls(self, tools: list[dict], name: str | None, prompt: str, tokenizer: Tokenizer) -> dict:
-        """A DSML block that follows the tools' schemas, right after `</think>` when the reply starts
-        by reasoning (its token is the grammar's trigger: the reasoning stays free)."""
-        so_args = {"schema_type": "ebnf", "schema": dsml.V41.calls_grammar([t["function"] for t in tools], name)}
-        if prompt.endswith(THINK):
-            so_args["trigger_token_ids"] = tokenizer.encode(END_THINK, add_special_tokens=False)
-        return so_args
-
     def _mode(self, options: dict) -> tuple[bool, int, bool]:
-        self.check_options(options)
-        for key in ("thinking", "enable_thinking", "drop_thinking"):
-            if key in options and not isinstance(options[key], bool):
-                raise ChatFormatError(f"chat_template_kwargs.{key} must be true or false",
-                                      f"chat_template_kwargs.{key}")
-        thinking = options.get("thinking", options.get("enable_thinking", True))
+        thinking = self._thinking(options)
         effort = options.get("reasoning_effort")
         if effort == "none":
             thinking, effort = False, None
@@ -117,11 +84,6 @@ class DeepseekV41ChatFormat(ChatFormat):
             raise ChatFormatError(f"reasoning_effort for DeepSeek-V4.1 must be one of {list(EFFORTS)}, 'none' or an "
                                   f"integer in [1, 100], got {effort!r}", "reasoning_effort")
         return thinking, EFFORTS.get(effort, effort), options.get("drop_thinking", True)
-
-
-def _tools_section(turn: dict) -> str:
-    tools = turn.get("tools")
-    return "\n\n" + dsml.V41.tools_prompt([t["function"] for t in tools]) if tools else ""
 
 
 def _attach_tools(messages: list[dict], tools: list[dict] | None) -> list[dict]:

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from deepinfer.models.base import ConfigError
+from deepinfer.models.config_util import ConfigReader, check_token_ids, failer
 from deepinfer.models.deepseek_v4.config import RopeConfig  # DeepSeek's YaRN, shared with V4
 
 if TYPE_CHECKING:
@@ -106,22 +107,10 @@ class DeepseekV3Config:
         if model_type != "deepseek_v3":
             raise ConfigError(f"{source}: model_type is {model_type!r}; this parser reads 'deepseek_v3' models")
 
-        def need(key: str, kind=int, default=None, positive: bool = True):
-            value = data.get(key, default)
-            if value is None:
-                raise ConfigError(f"{source}: missing required key {key!r}")
-            if kind is float and isinstance(value, int) and not isinstance(value, bool):
-                value = float(value)
-            if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
-                raise ConfigError(f"{source}: {key!r} must be {kind.__name__}, got {value!r}")
-            if kind in (int, float) and (value <= 0 if positive else value < 0):
-                raise ConfigError(f"{source}: {key!r} must be {'> 0' if positive else '>= 0'}, got {value!r}")
-            return value
-
-        for key, want in (("hidden_act", "silu"), ("scoring_func", "sigmoid"), ("topk_method", "noaux_tc"),
-                          ("moe_layer_freq", 1), ("attention_bias", False)):
-            if key in data and data[key] != want:
-                raise ConfigError(f"{source}: {key}={data[key]!r} is not supported (DeepSeek-V3 uses {want!r})")
+        read = ConfigReader(data, source, positive=True)
+        need = read.need
+        read.check_fixed({"hidden_act": "silu", "scoring_func": "sigmoid", "topk_method": "noaux_tc",
+                          "moe_layer_freq": 1, "attention_bias": False}, "DeepSeek-V3")
 
         q_lora = data.get("q_lora_rank", 1536)
         if q_lora is not None and (not isinstance(q_lora, int) or isinstance(q_lora, bool) or q_lora < 0):
@@ -134,8 +123,6 @@ class DeepseekV3Config:
             m = yarn_mscale(yarn["factor"], mscale_all_dim)
             scale = scale * m * m  # in transformers' order (yarn_apply_mscale): the same float
 
-        eos = data.get("eos_token_id", 1)
-        eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
         cfg = cls(
             vocab_size=need("vocab_size"),
             hidden_size=need("hidden_size"),
@@ -165,7 +152,7 @@ class DeepseekV3Config:
             softmax_scale=scale,
             rope_interleave=need("rope_interleave", bool, True),
             bos_token_id=data.get("bos_token_id", 0),
-            eos_token_ids=eos_ids,
+            eos_token_ids=read.eos_token_ids(),
             tie_word_embeddings=bool(data.get("tie_word_embeddings", False)),
             num_nextn_predict_layers=int(data.get("num_nextn_predict_layers", data.get("num_mtp_layers")) or 0),
             quantization=data.get("quantization_config"),
@@ -175,8 +162,7 @@ class DeepseekV3Config:
         return cfg
 
     def validate(self, source: str = "config") -> None:
-        def fail(msg: str):
-            raise ConfigError(f"{source}: {msg}")
+        fail = failer(source)
 
         e, g = self.n_routed_experts, self.n_group
         if e % g:
@@ -194,9 +180,7 @@ class DeepseekV3Config:
         if self.first_k_dense_replace > self.num_hidden_layers:
             fail(f"first_k_dense_replace ({self.first_k_dense_replace}) exceeds num_hidden_layers "
                  f"({self.num_hidden_layers})")
-        for eos in self.eos_token_ids:
-            if not isinstance(eos, int) or not 0 <= eos < self.vocab_size:
-                fail(f"eos_token_id {eos!r} is not a token id in [0, vocab_size={self.vocab_size})")
+        check_token_ids(self.eos_token_ids, self.vocab_size, source)
 
 
 def _rope(data: dict, source: str) -> tuple[float, dict | None, float, float | None]:

@@ -3,12 +3,14 @@ tensors of one step (StepMeta), shared by every layer."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
 from deepinfer.core.cache import CacheSpec, PoolSpec, StateCache
 from deepinfer.core.graphs import size_bucket
-from deepinfer.models.base import StepInput
+from deepinfer.models.base import StepInput, to_device
 from deepinfer.models.deepseek_v3.config import DeepseekV3Config
 
 
@@ -87,11 +89,7 @@ class StepMeta:
         self._to_device(cache.device)
 
     def _to_device(self, device: torch.device) -> None:
-        on_host = device.type == "cpu"
-
-        def move(t):
-            t = torch.from_numpy(t) if isinstance(t, np.ndarray) else t
-            return t if on_host else t.to(device, non_blocking=True)
+        move = functools.partial(to_device, device=device)
 
         self.ids = move(self.ids)
         self.write_rows = move(self.write_rows)

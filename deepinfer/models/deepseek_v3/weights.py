@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 
-from deepinfer.models.base import Slot, TensorSpec
+from deepinfer.models.base import Slot, TensorSpec, expert_slice_source
 from deepinfer.models.deepseek_v3.config import DeepseekV3Config
 
 # DeepSeek's module name -> transformers' (inference/convert.py's mapping, inverted)
@@ -67,12 +67,10 @@ def checkpoint_name(name: str) -> Slot | None:
 def checkpoint_source(hf: str, part: tuple[int, int | None] | None = None) -> str | None:
     """The hub name of one expert's slice of a fused stack (for error messages), else None: the
     other HF names are the hub's own."""
-    if part is None:
+    stacks = r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)"
+    if part is None or (hit := expert_slice_source(hf, part, stacks, _EXPERT_PARTS)) is None:
         return None
-    m = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)", hf)
-    if m is None:
-        return None
-    proj = next(p for p, (fused, half) in _EXPERT_PARTS.items() if fused == m.group(2) and half == part[1])
+    m, proj = hit
     return f"model.layers.{m.group(1)}.mlp.experts.{part[0]}.{proj}.weight"
 
 

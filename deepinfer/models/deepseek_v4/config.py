@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from deepinfer.models.base import ConfigError
+from deepinfer.models.config_util import ConfigReader, check_token_ids, failer
 
 if TYPE_CHECKING:
     import numpy as np
@@ -157,17 +158,8 @@ class DeepseekV4Config:
         if model_type != "deepseek_v4":
             raise ConfigError(f"{source}: model_type is {model_type!r}; deepinfer runs 'deepseek_v4' models")
 
-        def need(key: str, kind=int, default=None):
-            value = data.get(key, default)
-            if value is None:
-                raise ConfigError(f"{source}: missing required key {key!r}")
-            if kind is float and isinstance(value, int) and not isinstance(value, bool):
-                value = float(value)
-            if not isinstance(value, kind) or isinstance(value, bool):
-                raise ConfigError(f"{source}: {key!r} must be {kind.__name__}, got {value!r}")
-            if kind in (int, float) and value < 0:
-                raise ConfigError(f"{source}: {key!r} must be >= 0, got {value!r}")
-            return value
+        read = ConfigReader(data, source)
+        need = read.need
 
         n_layers = need("num_hidden_layers")
         head_dim = need("head_dim", default=512)
@@ -224,9 +216,6 @@ class DeepseekV4Config:
                     raise ConfigError(f"{source}: yarn rope scaling needs {key!r}")
             yarn = {k: yarn.get(k) for k in ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow")}
 
-        eos = data.get("eos_token_id", 1)
-        eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-
         cfg = cls(
             vocab_size=need("vocab_size"),
             hidden_size=need("hidden_size"),
@@ -257,7 +246,7 @@ class DeepseekV4Config:
             rope_main=RopeConfig(main_theta, rope_dim),
             rope_compress=RopeConfig(comp_theta, rope_dim, yarn),
             bos_token_id=data.get("bos_token_id"),
-            eos_token_ids=eos_ids,
+            eos_token_ids=read.eos_token_ids(),
             tie_word_embeddings=bool(data.get("tie_word_embeddings", False)),
             scoring_func=data.get("scoring_func", "sqrtsoftplus"),
             dspark={k: v for k, v in data.items() if k.startswith("dspark_")},
@@ -269,8 +258,7 @@ class DeepseekV4Config:
         return cfg
 
     def validate(self, source: str = "config") -> None:
-        def fail(msg: str):
-            raise ConfigError(f"{source}: {msg}")
+        fail = failer(source)
 
         if self.scoring_func != "sqrtsoftplus":
             fail(f"scoring_func {self.scoring_func!r} is not supported (DeepSeek-V4 uses 'sqrtsoftplus')")
@@ -289,6 +277,4 @@ class DeepseekV4Config:
             fail("sliding_window, hc_mult and hc_sinkhorn_iters must be positive")
         if self.index_head_dim < self.rope_dim and CSA in self.layer_types:
             fail(f"index_head_dim ({self.index_head_dim}) must be >= the rope dim ({self.rope_dim})")
-        for eos in self.eos_token_ids:
-            if not isinstance(eos, int) or not 0 <= eos < self.vocab_size:
-                fail(f"eos_token_id {eos!r} is not a token id in [0, vocab_size={self.vocab_size})")
+        check_token_ids(self.eos_token_ids, self.vocab_size, source)

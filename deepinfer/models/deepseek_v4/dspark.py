@@ -21,7 +21,6 @@ the per-position calibration temperature.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import torch
@@ -30,20 +29,15 @@ from deepinfer.backends.base import Accelerator, WeightRole
 from deepinfer.backends.quant import Weight, fuse_rows, stack, widen
 from deepinfer.models.deepseek_v4 import fused
 from deepinfer.models.deepseek_v4.config import DeepseekV4Config
+from deepinfer.models.dspark_config import DSparkSettings, mtp_stages
 
 
 @dataclass(frozen=True, slots=True)
-class DSparkConfig:
-    block_size: int
-    noise_token_id: int
-    target_layer_ids: tuple[int, ...]
-    markov_rank: int
-    num_stages: int
-
+class DSparkConfig(DSparkSettings):
     @classmethod
     def from_model(cls, cfg: DeepseekV4Config, extra: dict[str, torch.Tensor]) -> "DSparkConfig | None":
         """None when the checkpoint has no DSpark drafter (no dspark_* keys or no mtp.* tensors)."""
-        stages = {int(m.group(1)) for name in extra if (m := re.match(r"mtp\.(\d+)\.", name))}
+        stages = mtp_stages(extra)
         if not cfg.dspark or not stages:
             return None
         d = cfg.dspark

@@ -21,7 +21,7 @@ import torch
 from deepinfer.backends.base import Accelerator, WeightRole
 from deepinfer.backends.quant import Weight, fuse_rows, scale_weight
 from deepinfer.core.cache import CacheSpec, StateCache
-from deepinfer.models.base import CausalLM, ParallelContext, StepInput, TensorSpec
+from deepinfer.models.base import CausalLM, ParallelContext, StepInput, TensorSpec, ViewCache
 from deepinfer.models.deepseek_v4 import fused, weights as checkpoint
 from deepinfer.models.deepseek_v4.config import CSA, SLIDING, DeepseekV4Config
 from deepinfer.models.deepseek_v4.step import CacheView, LayerState, StepMeta, cache_spec
@@ -63,7 +63,7 @@ class DeepseekV4Model(CausalLM):
             else:  # the ranks keep only their own experts: the full stacks are not held here
                 self.experts.append(ep.add_layer(self.w.pop(p + "gate_up_proj"), self.w.pop(p + "down_proj"),
                                                  config.num_experts_per_tok, config.swiglu_limit))
-        self._views: tuple[StateCache, CacheView] | None = None
+        self._views = ViewCache(CacheView, config)
 
     # ------------------------------------------------------------ the model interface
     @classmethod
@@ -78,9 +78,7 @@ class DeepseekV4Model(CausalLM):
 
     def view(self, cache: StateCache) -> CacheView:
         """This model's view of `cache` (built once per cache)."""
-        if self._views is None or self._views[0] is not cache:
-            self._views = (cache, CacheView(cache, self.config))
-        return self._views[1]
+        return self._views.get(cache)
 
     def make_drafter(self, extra: dict[str, torch.Tensor], max_seqs: int, margin: int):
         from deepinfer.models.deepseek_v4.dspark import DSparkConfig, DSparkDrafter

@@ -3,6 +3,7 @@ the index tensors of one step (StepMeta), shared by every layer of the same kind
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -10,7 +11,7 @@ import torch
 
 from deepinfer.core.cache import CacheSpec, Pool, PoolSpec, StateCache
 from deepinfer.core.graphs import size_bucket
-from deepinfer.models.base import StepInput
+from deepinfer.models.base import StepInput, to_device
 from deepinfer.models.deepseek_v4.config import CSA, DeepseekV4Config
 
 
@@ -204,11 +205,7 @@ class StepMeta:
                 info[k] = tuple(map(f, v)) if isinstance(v, tuple) else f(v)
 
     def _to_device(self, device: torch.device) -> None:
-        on_host = device.type == "cpu"
-
-        def move(t):
-            t = torch.from_numpy(t) if isinstance(t, np.ndarray) else t
-            return t if on_host else t.to(device, non_blocking=True)
+        move = functools.partial(to_device, device=device)
 
         self.ids = move(self.ids)
         self._map(move)

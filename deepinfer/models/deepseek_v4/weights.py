@@ -14,7 +14,7 @@ import re
 
 import torch
 
-from deepinfer.models.base import Slot, TensorSpec
+from deepinfer.models.base import Slot, TensorSpec, expert_slice_source
 from deepinfer.models.deepseek_v4.config import CSA, SLIDING, DeepseekV4Config
 
 # Upstream (DeepSeek inference/model.py) name -> HF name: the renames of transformers'
@@ -92,8 +92,8 @@ def checkpoint_source(hf: str, part: tuple[int, int | None] | None = None) -> st
     """The upstream name of an HF-named tensor, or of one expert's slice of a fused stack (for
     error messages): the inverse of `checkpoint_name`."""
     if part is not None:
-        m = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)", hf)
-        w = next(w for w, (fused, half) in _EXPERT_PARTS.items() if fused == m.group(2) and half == part[1])
+        m, w = expert_slice_source(hf, part, r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)",
+                                   _EXPERT_PARTS)
         return f"layers.{m.group(1)}.ffn.experts.{part[0]}.{w}.weight"
     if up := next((u for u, h in _TOP_RENAMES.items() if h == hf), None):
         return up

@@ -16,6 +16,7 @@ import os
 from dataclasses import dataclass, field
 
 from deepinfer.models.base import ConfigError
+from deepinfer.models.config_util import ConfigReader, check_token_ids, failer
 from deepinfer.models.deepseek_v4.config import RopeConfig
 from deepinfer.models.deepseek_v41.vision_config import VisionConfig
 
@@ -141,32 +142,11 @@ class DeepseekV41Config:
         if model_type not in ("deepseek_v41", None) or data.get("model_type") not in ("deepseek_v41_text", None):
             raise ConfigError(f"{source}: model_type is {model_type!r}; this parser reads 'deepseek_v41' configs")
 
-        def need(key: str, kind=int, default=None):
-            value = data.get(key, default)
-            if value is None:
-                raise ConfigError(f"{source}: missing required text_config key {key!r}")
-            if kind is float and isinstance(value, int) and not isinstance(value, bool):
-                value = float(value)
-            if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
-                raise ConfigError(f"{source}: text_config {key!r} must be {kind.__name__}, got {value!r}")
-            if kind in (int, float) and value < 0:
-                raise ConfigError(f"{source}: text_config {key!r} must be >= 0, got {value!r}")
-            return value
-
-        def int_list(key: str, default=None) -> list[int]:
-            value = data.get(key, default)
-            if value is None:
-                raise ConfigError(f"{source}: missing required text_config key {key!r}")
-            if not isinstance(value, list) or any(not isinstance(v, int) or isinstance(v, bool) for v in value):
-                raise ConfigError(f"{source}: text_config {key!r} must be a list of ints, got {value!r}")
-            return list(value)
-
-        fixed = {"num_key_value_heads": 1, "hidden_act": "silu", "attention_bias": False, "n_shared_experts": 1,
-                 "scoring_func": "sqrtsoftplus", "topk_method": "noaux_tc", "tie_word_embeddings": False}
-        for key, value in fixed.items():
-            if key in data and data[key] != value:
-                raise ConfigError(f"{source}: text_config {key!r} = {data[key]!r} is not supported "
-                                  f"(DeepSeek-V4.1 uses {value!r})")
+        read = ConfigReader(data, source, label="text_config ")
+        need, int_list = read.need, read.int_list
+        read.check_fixed({"num_key_value_heads": 1, "hidden_act": "silu", "attention_bias": False,
+                          "n_shared_experts": 1, "scoring_func": "sqrtsoftplus", "topk_method": "noaux_tc",
+                          "tie_word_embeddings": False}, "DeepSeek-V4.1")
 
         rope_dim = need("qk_rope_head_dim")
         scaling = data.get("rope_scaling")
@@ -195,8 +175,6 @@ class DeepseekV41Config:
                 raise ConfigError(f"{source}: quantization_config 'expert_dtype' must be 'fp4' or 'fp8', "
                                   f"got {expert_dtype!r}")
 
-        eos = data.get("eos_token_id", 1)
-        eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
         n_layers = need("num_hidden_layers")
         engram_layers = int_list("engram_layer_ids", [])
         cfg = cls(
@@ -245,7 +223,7 @@ class DeepseekV41Config:
             quantized=quantized,
             expert_dtype=expert_dtype,
             bos_token_id=data.get("bos_token_id"),
-            eos_token_ids=eos_ids,
+            eos_token_ids=read.eos_token_ids(),
             pad_token_id=data.get("pad_token_id"),
             checkpoint_dir=os.path.dirname(os.path.abspath(source)) if os.path.isfile(source) else None,
             raw=top,
@@ -257,8 +235,7 @@ class DeepseekV41Config:
 
     # ------------------------------------------------------------ checks
     def validate(self, source: str = "config") -> None:
-        def fail(msg: str):
-            raise ConfigError(f"{source}: {msg}")
+        fail = failer(source)
 
         n, ratios = self.num_hidden_layers, self.compress_ratios
         n_mtp = self.num_nextn_predict_layers
@@ -342,9 +319,7 @@ class DeepseekV41Config:
                 fail(f"dspark_target_layer_ids {d['dspark_target_layer_ids']} must be backbone layers")
         if self.vision is not None and not 0 <= self.vision.image_token_id < self.vocab_size:
             fail(f"image_token_id {self.vision.image_token_id} is not a token id in [0, vocab_size={self.vocab_size})")
-        for eos in self.eos_token_ids:
-            if not isinstance(eos, int) or not 0 <= eos < self.vocab_size:
-                fail(f"eos_token_id {eos!r} is not a token id in [0, vocab_size={self.vocab_size})")
+        check_token_ids(self.eos_token_ids, self.vocab_size, source)
 
     def _roles(self) -> list[LayerRole]:
         roles = []

@@ -28,17 +28,13 @@ from deepinfer.models.deepseek_v41 import moe
 from deepinfer.models.deepseek_v41.config import ACT_BLOCK
 from deepinfer.models.deepseek_v41.model import bf16
 from deepinfer.models.deepseek_v41.weights import dspark_tensors
+from deepinfer.models.dspark_config import DSparkSettings, mtp_stages
 
 _EXPERT = re.compile(r"(mtp\.\d+\.ffn\.experts)\.(\d+)\.(w[123])\.weight")
 
 
 @dataclass(frozen=True, slots=True)
-class DSparkConfig:
-    block_size: int
-    noise_token_id: int
-    target_layer_ids: tuple[int, ...]
-    markov_rank: int
-    num_stages: int
+class DSparkConfig(DSparkSettings):
     num_experts: int
     top_k: int
 
@@ -90,7 +86,7 @@ class DSparkDrafter:
     @classmethod
     def create(cls, model, extra: dict[str, torch.Tensor], max_seqs: int, margin: int) -> "DSparkDrafter | None":
         cfg = model.config
-        stages = {int(m.group(1)) for n in extra if (m := re.match(r"mtp\.(\d+)\.", n))}
+        stages = mtp_stages(extra)
         if not cfg.num_nextn_predict_layers or not stages:
             return None
         if stages != set(range(cfg.num_nextn_predict_layers)):

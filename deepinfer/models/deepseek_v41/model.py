@@ -33,7 +33,7 @@ from deepinfer import envs
 from deepinfer.backends.base import Accelerator, WeightRole
 from deepinfer.core.cache import CacheSpec, StateCache
 from deepinfer.models.base import (CausalLM, ConfigError, MultimodalItem, MultimodalPrompt, ParallelContext,
-                                   StepInput, TensorSpec)
+                                   StepInput, TensorSpec, ViewCache)
 from deepinfer.models.deepseek_v41 import moe, weights as checkpoint
 from deepinfer.models.deepseek_v41.config import ACT_BLOCK, DeepseekV41Config
 from deepinfer.models.deepseek_v41.engram import EngramHash, checkpoint_token_map, engram_update, lookup_rows
@@ -103,7 +103,7 @@ class DeepseekV41Model(CausalLM):
         self.engram = None
         if config.engram_layer_ids:
             self.engram = EngramHash(config, checkpoint_token_map(config), accel.device)
-        self._views: tuple[StateCache, CacheView] | None = None
+        self._views = ViewCache(CacheView, config)
 
     def _expert_rows(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
                      down: torch.Tensor) -> torch.Tensor:
@@ -129,9 +129,7 @@ class DeepseekV41Model(CausalLM):
         return cache_spec(self.config, margin)
 
     def view(self, cache: StateCache) -> CacheView:
-        if self._views is None or self._views[0] is not cache:
-            self._views = (cache, CacheView(cache, self.config))
-        return self._views[1]
+        return self._views.get(cache)
 
     # Its plan (CSA2 source groups, candidate blocks, Engram's history) is built per step; planning
     # several steps ahead is not written yet.

@@ -12,13 +12,14 @@ its second arrives. Engram keeps the last tokens' classes (its n-gram look-back)
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from deepinfer.core.cache import CacheSpec, Pool, PoolSpec, StateCache
-from deepinfer.models.base import StepInput
+from deepinfer.models.base import StepInput, to_device
 from deepinfer.models.deepseek_v41.config import DeepseekV41Config
 
 
@@ -151,9 +152,7 @@ class Rows:
         return np.where(j < visible[:, None], rows, -1)
 
     def _to_device(self, device: torch.device) -> dict:
-        def move(t):
-            t = torch.from_numpy(np.ascontiguousarray(t)) if isinstance(t, np.ndarray) else t
-            return t if device.type == "cpu" else t.to(device, non_blocking=True)
+        move = functools.partial(to_device, device=device)
 
         out = {"rope": {k: tuple(map(move, v)) for k, v in self.rope.items()},
                "window": {m: tuple(map(move, v)) for m, v in self.window.items()},
@@ -236,9 +235,7 @@ class StepMeta:
             info["tok_rows"] = self.first[seq] + (entry - self.starts[seq])
         device = self.cache.device
 
-        def move(t):
-            t = torch.from_numpy(np.ascontiguousarray(t)) if isinstance(t, np.ndarray) else t
-            return t if device.type == "cpu" else t.to(device, non_blocking=True)
+        move = functools.partial(to_device, device=device)
 
         return {k: (tuple(map(move, v)) if isinstance(v, tuple) else v if isinstance(v, int) else move(v))
                 for k, v in info.items()}

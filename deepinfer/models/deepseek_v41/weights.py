@@ -16,7 +16,7 @@ import re
 
 import torch
 
-from deepinfer.models.base import Slot, TensorSpec
+from deepinfer.models.base import Slot, TensorSpec, expert_slice_source
 from deepinfer.models.deepseek_v41 import vision
 from deepinfer.models.deepseek_v41.config import DeepseekV41Config
 
@@ -34,12 +34,10 @@ def checkpoint_name(name: str) -> Slot | None:
 
 def checkpoint_source(name: str, part: tuple[int, int | None] | None = None) -> str | None:
     """The checkpoint name of one expert's slice of a fused stack (for error messages)."""
-    if part is None:
+    if part is None or (hit := expert_slice_source(name, part, r"(layers\.\d+\.ffn\.experts)\.(gate_up|down)",
+                                                   _EXPERT_PARTS)) is None:
         return None
-    m = re.fullmatch(r"(layers\.\d+\.ffn\.experts)\.(gate_up|down)", name)
-    if m is None:
-        return None
-    w = next(w for w, (stack, half) in _EXPERT_PARTS.items() if stack == m.group(2) and half == part[1])
+    m, w = hit
     return f"{m.group(1)}.{part[0]}.{w}.weight"
 
 
