@@ -23,18 +23,31 @@ import os
 import numpy as np
 import pytest
 import torch
+from v41_goldens import (
+    CONFIGS,
+    checkpoint_dir,
+    load,
+    real_token_map,
+    same_topk_picks,
+    token_map_sha256,
+    ulp_error,
+)
+from v41_models import model, new_cache
+from v41_released import text_only
 
 from deepinfer.backends import reference as ref
 from deepinfer.backends.quant import FP4, FP4_GROUP, FP8, QuantizedWeight
 from deepinfer.models.base import StepInput
-from deepinfer.models.deepseek_v4.config import RopeConfig
 from deepinfer.models.deepseek_v41 import DeepseekV41Config
-from deepinfer.models.deepseek_v41.engram import EngramHash, EngramLayout, lookup_rows, token_classes
+from deepinfer.models.deepseek_v41.engram import (
+    EngramHash,
+    EngramLayout,
+    lookup_rows,
+    token_classes,
+)
 from deepinfer.models.deepseek_v41.indexer import select_candidate_blocks, topk_picks
 from deepinfer.models.deepseek_v41.model import bf16
-from v41_goldens import CONFIGS, checkpoint_dir, load, real_token_map, same_topk_picks, token_map_sha256, ulp_error
-from v41_models import model, new_cache
-from v41_released import text_only
+from deepinfer.models.rope import RopeConfig
 
 OPS = load("ops")
 

@@ -33,7 +33,9 @@ def test_legacy_keys_parse_like_transformers():
     assert modern.layer_types == legacy.layer_types and modern.mlp_layer_types == legacy.mlp_layer_types
     for ours in (legacy, modern):
         # the exact float32 frequencies transformers' rotary embedding computes
-        from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RotaryEmbedding
+        from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
+            DeepseekV4RotaryEmbedding,
+        )
 
         rotary = DeepseekV4RotaryEmbedding(hf)
         assert torch.equal(ours.rope_compress.inv_freq(), rotary.compress_inv_freq)
@@ -45,7 +47,7 @@ def test_rope_cos_sin_come_from_a_table_with_the_computed_values(monkeypatch):
     values are those of position * inv_freq in float32, also past the table's cap."""
     import numpy as np
 
-    from deepinfer.models.deepseek_v4 import config as config_module
+    from deepinfer.models import rope as config_module
 
     rope = DeepseekV4Config.from_dict(LEGACY).rope_compress
     monkeypatch.setattr(config_module, "_COS_SIN_TABLES", {})

@@ -10,7 +10,7 @@ The numbers that are easy to get wrong (transformers 5.24, modeling_deepseek_v3.
 modeling_rope_utils.py):
 - `head_dim` in transformers' config is the rope dim (qk_rope_head_dim), not a head size.
 - YaRN inverse frequencies: DeepSeek's formula (floor/ceil correction range, linear ramp), the
-  same as V4's compressor rope (deepseek_v4.config.RopeConfig, reused).
+  same as V4's compressor rope (models/rope.py RopeConfig, shared).
 - cos and sin are multiplied by the rope "attention factor": the config's own `attention_factor`,
   else mscale(f, mscale) / mscale(f, mscale_all_dim) when both are set, else mscale(f), with
   mscale(f, m) = 0.1 m ln f + 1 (1 for f <= 1). V3 / R1 ship mscale = mscale_all_dim, so 1.
@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 from deepinfer.models.base import ConfigError
 from deepinfer.models.config_util import ConfigReader, check_token_ids, failer
-from deepinfer.models.deepseek_v4.config import RopeConfig  # DeepSeek's YaRN, shared with V4
+from deepinfer.models.rope import RopeConfig  # DeepSeek's YaRN, shared with V4
 
 if TYPE_CHECKING:
     import numpy as np

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 from deepinfer.models.base import ConfigError
 from deepinfer.models.config_util import ConfigReader, check_token_ids, failer
-from deepinfer.models.deepseek_v4.config import RopeConfig
 from deepinfer.models.deepseek_v41.vision_config import VisionConfig
+from deepinfer.models.rope import RopeConfig
 
 QUANTIZATION = {"quant_method": "fp8", "weight_block_size": [32, 32], "scale_fmt": "ue8m0"}
 ACT_BLOCK = 32  # FP8 activation quantization group (and the weight tile side)
