@@ -836,16 +836,8 @@ at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& weights_in, con
   // for all its rows; a row's arithmetic does not depend on the grouping, and the sum over a
   // token's experts below runs in slot order, as the reference.
   const int64_t R = T * k;
-  std::vector<int64_t> first(E + 1, 0), by_expert(R);
-  for (int64_t r = 0; r < R; ++r) {
-    TORCH_CHECK(ID[r] >= 0 && ID[r] < E, "expert id ", ID[r], " out of range for ", E, " experts");
-    ++first[ID[r] + 1];
-  }
-  for (int64_t e = 0; e < E; ++e) first[e + 1] += first[e];
-  {
-    std::vector<int64_t> next(first.begin(), first.end() - 1);
-    for (int64_t r = 0; r < R; ++r) by_expert[next[ID[r]]++] = r;
-  }
+  const RowsByExpert grouped(ID, R, E);
+  const std::vector<int64_t>&first = grouped.first, &by_expert = grouped.by_expert;
   std::vector<float> expert_rows(R * D);  // expert_{ids[t, j]}(x[t]) at row t * k + j
   float* ER = expert_rows.data();
   // expert by expert (one task each), its rows in groups of kRowGroup through swiglu_rows

@@ -10,6 +10,8 @@
 #include <numeric>
 #include <vector>
 
+#include <c10/util/Exception.h>
+
 namespace deepinfer_cpu {
 
 // exp(x) for float32 in straight-line code GCC can vectorise (std::exp is a scalar libm call,
@@ -100,5 +102,21 @@ inline void pick_route(float* score, float* biased, int64_t* order, const float*
   }
   normalize_route(weights_out, top_k, scaling);
 }
+
+// The (token, slot) rows of a routing `ids` [R = T * k] grouped by expert, a counting sort:
+// expert e's rows are by_expert[first[e] .. first[e + 1]), in row order, so each expert's weights
+// are read once for all its rows. An id out of [0, E) is an error.
+struct RowsByExpert {
+  std::vector<int64_t> first, by_expert;
+  RowsByExpert(const int64_t* ids, int64_t R, int64_t E) : first(E + 1, 0), by_expert(R) {
+    for (int64_t r = 0; r < R; ++r) {
+      TORCH_CHECK(ids[r] >= 0 && ids[r] < E, "expert id ", ids[r], " out of range for ", E, " experts");
+      ++first[ids[r] + 1];
+    }
+    for (int64_t e = 0; e < E; ++e) first[e + 1] += first[e];
+    std::vector<int64_t> next(first.begin(), first.end() - 1);
+    for (int64_t r = 0; r < R; ++r) by_expert[next[ids[r]]++] = r;
+  }
+};
 
 }  // namespace deepinfer_cpu

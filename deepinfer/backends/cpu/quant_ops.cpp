@@ -501,16 +501,8 @@ at::Tensor qmoe_experts(const at::Tensor& x_in, const at::Tensor& weights_in, co
   float* O = out.data_ptr<float>();
   const float lim = static_cast<float>(limit);
   const int64_t R = T * k;
-  std::vector<int64_t> first(E + 1, 0), by_expert(R);
-  for (int64_t r = 0; r < R; ++r) {
-    TORCH_CHECK(ID[r] >= 0 && ID[r] < E, "expert id ", ID[r], " out of range for ", E, " experts");
-    ++first[ID[r] + 1];
-  }
-  for (int64_t e = 0; e < E; ++e) first[e + 1] += first[e];
-  {
-    std::vector<int64_t> next(first.begin(), first.end() - 1);
-    for (int64_t r = 0; r < R; ++r) by_expert[next[ID[r]]++] = r;
-  }
+  const RowsByExpert grouped(ID, R, E);
+  const std::vector<int64_t>&first = grouped.first, &by_expert = grouped.by_expert;
   std::vector<int64_t> hit;
   for (int64_t e = 0; e < E; ++e)
     if (first[e + 1] > first[e]) hit.push_back(e);
