@@ -267,11 +267,14 @@ def main() -> None:
             return weights, ids
 
     accel = Counting()
+    if v41:
+        real_shapes_v41.evict(table_file)
     rss0 = rss()
     t0 = time.perf_counter()
     engine = LLMEngine(str(ckpt), accel, EngineConfig(max_num_seqs=max(args.batches), max_model_len=256,
                                                       max_num_batched_tokens=max(args.batches) * args.prompt))
     load_s = time.perf_counter() - t0
+    print(f"loaded in {load_s:.1f} s", flush=True)
     rss_loaded = rss()
     table_loaded = real_shapes_v41.engram_resident(table_file) if v41 else 0
     report = engine.memory
@@ -296,6 +299,7 @@ def main() -> None:
         # Counting override sees their routing) before it replays it from C++, where no Python runs
         while any(len(r.output_token_ids) <= args.warmup or r.pending for r in reqs):
             engine.step()
+        print(f"batch {batch}: prefilled and warmed up", flush=True)
         eager_steps = len(Counting.hits) / moe_layers - 1  # the prefill step's calls included
         hit_per_step = (sum(Counting.hits) - sum(Counting.hits[:moe_layers])) / max(eager_steps, 1)
         done = sum(len(r.output_token_ids) for r in reqs)

