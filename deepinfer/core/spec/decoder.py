@@ -130,9 +130,9 @@ class SpecDecoder:
     # ------------------------------------------------------------ per step
     def forward(self, inp, cache, logit_rows: torch.Tensor, meta) -> torch.Tensor:
         """The target forward of any step while drafting is on: also captures the drafter's
-        context features of the positions its rings keep and writes them there. Steps of decode
-        and verify chunks only (at most max_draft + 1 tokens per sequence) are recorded and
-        replayed from the step graphs, bucketed like decode steps by their shapes."""
+        context features of the positions its rings keep and writes them there. Steps in which every
+        sequence feeds the same number of tokens, at most max_draft + 1 (plain decode steps, verify
+        steps of full-length drafts), are recorded and replayed from the step graphs."""
         lens = inp.lens.cpu().numpy()
         starts = inp.starts.cpu().numpy()
         # the fed positions each ring keeps (the last `ring` of every sequence), planned on the host:
@@ -152,7 +152,9 @@ class SpecDecoder:
             return logits
 
         g = self.graphs
-        if g is None or lens.max(initial=0) > self.max_draft + 1 or len(lens) > g.max_tokens:
+        # static shapes only: every sequence feeds the same count (1, or anchor + the full draft
+        # length); steps of mixed lengths would each be a new bucket, recorded twice and rarely replayed
+        if g is None or not 0 < len(lens) <= g.max_tokens or lens.max() != lens.min() or lens[0] > self.max_draft + 1:
             return run(meta, logit_rows, *feed)
         tensors, sizes = step_inputs(meta)
         return g.run(("verify", sizes), lambda: run(meta, logit_rows, *feed), tensors + [logit_rows] + feed,
