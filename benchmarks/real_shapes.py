@@ -2,6 +2,7 @@
 checkpoint. Prints a table and writes benchmarks/results/real_shapes.json.
 
     python benchmarks/real_shapes.py                     # writes /tmp/deepinfer_real_shapes once (~9 GB)
+    python benchmarks/real_shapes.py --model v41         # DeepSeek-V4.1-Flash instead (real_shapes_v41.py, ~12 GB)
     /work/quiet.sh python benchmarks/real_shapes.py      # the reported figures (nothing else running)
 
 The checkpoint is two consecutive decoder layers of V4-Flash in DeepSeek's upstream naming: layer
