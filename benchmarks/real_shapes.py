@@ -199,10 +199,11 @@ def expert_bytes(w) -> int:
 
 
 SLICES = {  # per --model: default dir, JSON, the weights' names, MoE layers, how routed experts are counted
-    "v4": dict(dir="/tmp/deepinfer_real_shapes", out="real_shapes.json", experts=".mlp.experts.",
-               embed="model.embed_tokens.weight", layer0="model.layers.0.", moe_layers=len(LAYERS), title="V4-Flash"),
-    "v41": dict(dir="/tmp/deepinfer_real_shapes_v41", out="real_shapes_v41.json", experts=".ffn.experts.",
-                embed="embed.weight", layer0="layers.0.", moe_layers=2, title="V4.1-Flash"),
+    "v4": {"dir": "/tmp/deepinfer_real_shapes", "out": "real_shapes.json", "experts": ".mlp.experts.",
+           "embed": "model.embed_tokens.weight", "layer0": "model.layers.0.", "moe_layers": len(LAYERS),
+           "title": "V4-Flash"},
+    "v41": {"dir": "/tmp/deepinfer_real_shapes_v41", "out": "real_shapes_v41.json", "experts": ".ffn.experts.",
+            "embed": "embed.weight", "layer0": "layers.0.", "moe_layers": 2, "title": "V4.1-Flash"},
 }
 
 
@@ -361,10 +362,10 @@ def main() -> None:
         print(f"Engram table          {table_bytes / gb:.2f} GB file ({facts['engram_rows']:,} rows = "
               f"{facts['engram_rows_fraction_of_released']:.1%} of the released), memory-mapped: "
               f"{table_loaded / 1e6:.1f} MB resident after load, {table_served / 1e6:.1f} MB after decoding; "
-              f"the rest: RSS grew {r['rss_growth_without_table'] / gb:.2f} GB for {r['other_file_bytes'] / gb:.2f} GB "
-              f"of files")
-        print(f"experts               {facts['experts_per_layer']} of the released {facts['released_experts_per_layer']} "
-              "per layer (each at its released shape)")
+              f"the rest: RSS grew {r['rss_growth_without_table'] / gb:.2f} GB for "
+              f"{r['other_file_bytes'] / gb:.2f} GB of files")
+        print(f"experts               {facts['experts_per_layer']} of the released "
+              f"{facts['released_experts_per_layer']} per layer (each at its released shape)")
     print(f"copy bandwidth        {bandwidth / gb:.1f} GB/s (read + write)")
     print(f"{'batch':>5} {'tok/s':>8} {'experts/step':>13} {'GB/step':>8} {'GB/s':>6} {'roofline tok/s':>15} {'of roofline':>12}")
     for r in results:

@@ -205,7 +205,8 @@ def main() -> None:
     vocab = config.get("vocab_size") or config["text_config"]["vocab_size"]  # V4.1 nests its text config
     peer = transformers_runs(config)
     if not peer and not args.baseline:
-        parser.error(f"transformers has no model class for {config.get('model_type')!r}: give --baseline REF as the peer")
+        parser.error(f"transformers has no model class for {config.get('model_type')!r}: "
+                     "give --baseline REF as the peer")
     load = os.getloadavg()  # other work on the cores skews every figure: recorded with them
     engines = ["deepinfer"]
     refs = args.baseline.split(",") if args.baseline else []
@@ -256,7 +257,8 @@ def main() -> None:
     for name in engines:
         held = rows[0][name].get("weight_bytes")
         if held:
-            print(f"{labels[name]}: weights held {held / 1e6:.2f} MB ({', '.join(f'{k} {v / 1e6:.2f}' for k, v in rows[0][name]['weights_by_kind'].items())})")
+            kinds = ", ".join(f"{k} {v / 1e6:.2f}" for k, v in rows[0][name]["weights_by_kind"].items())
+            print(f"{labels[name]}: weights held {held / 1e6:.2f} MB ({kinds})")
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(dict(model=model_label(args), vocab_size=vocab, device=where, cores=args.cores, layout=args.layout,

@@ -14,8 +14,8 @@ positions, flattened into one [T, ...] batch; per-sequence structure lives in in
 Attention: one K = V head over the layer's window ring plus, on compressed layers, the indexer's
 top-k of the KV source's compressed entries (CSA2: Full / Reuse / Reindex, config.py). Numerics as
 trained: FP8 GEMM inputs quantized per 32 (by the weight op: the FP8 weights stay packed and carry
-that quantization, numerics.py), window KV FP8-QDQ'd after RoPE, index queries and keys FP4 (E8M0 per 32), compressed entries FP4
-(E4M3 per 16). Activations are rounded to bfloat16 wherever the reference (which runs in bf16)
+that quantization, numerics.py), window KV FP8-QDQ'd after RoPE, index queries and keys FP4 (E8M0
+per 32), compressed entries FP4 (E4M3 per 16). Activations are rounded to bfloat16 wherever the reference (which runs in bf16)
 holds them (`bf16`: op outputs, the residual copies), while every op computes in float32 inside: the
 trained numerics, and within a few bf16 ulps of DeepSeek's code block by block (tests/oracle).
 
