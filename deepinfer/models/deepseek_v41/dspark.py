@@ -70,7 +70,8 @@ def stage_weights(extra: dict[str, Weight], cfg, dcfg: DSparkConfig) -> dict[str
                    if (e, w) not in per]
         if missing:
             raise ValueError(f"DSpark drafter: missing tensor {missing[0]}")
-        out[p + "experts.gate_up"] = stack([cat_rows([per[(e, "w1")], per[(e, "w3")]], f"DSpark {p}experts.{e} w1 / w3")
+        out[p + "experts.gate_up"] = stack([cat_rows([per[(e, "w1")], per[(e, "w3")]],
+                                                     f"DSpark {p}experts.{e} w1 / w3")
                                             for e in range(dcfg.num_experts)])
         out[p + "experts.down"] = stack([per[(e, "w2")] for e in range(dcfg.num_experts)])
     fuse_shared_experts(out, [f"mtp.{k}.ffn." for k in range(dcfg.num_stages)])
