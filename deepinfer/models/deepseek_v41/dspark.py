@@ -43,7 +43,7 @@ def stage_weights(extra: dict[str, Weight], cfg, dcfg: DSparkConfig) -> dict[str
     """The stages' tensors with each stage's per-expert w1/w3/w2 fused into [E, 2I, D] / [E, D, I]
     stacks and the shared expert's w1/w3 into one [2I, D], shapes checked against the config. The
     matrices weight ops read stay as stored (FP8 / FP4 QuantizedWeight, bf16), as the backbone's
-    (weights.py); the other tensors become float32."""
+    (weights.py); the other tensors take their spec's dtype (float32; wo_a bf16)."""
     expected = dspark_tensors(cfg)
     out: dict[str, Weight] = {}
     experts: dict[str, dict[tuple[int, str], Weight]] = {}
@@ -53,7 +53,7 @@ def stage_weights(extra: dict[str, Weight], cfg, dcfg: DSparkConfig) -> dict[str
         if m := _EXPERT.fullmatch(name):
             experts.setdefault(m.group(1), {})[(int(m.group(2)), m.group(3))] = t
         elif name in expected and not expected[name].stored and t.is_floating_point():
-            out[name] = widen(t)
+            out[name] = widen(t).to(expected[name].dtype)
         else:
             out[name] = t
     for name, spec in expected.items():

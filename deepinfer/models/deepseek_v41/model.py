@@ -69,9 +69,8 @@ class StepState:
         return t[index]
 
 
-# The FP8 weights whose GEMM input DeepSeek quantizes to FP8 per 32 (its linear()). wo_a is not among
-# them (the reference dequantizes it to bf16 at load and multiplies bf16 inputs), nor are the bf16
-# compressor, indexer-key, router and head weights.
+# The FP8 weights whose GEMM input DeepSeek quantizes to FP8 per 32 (its linear()). Not wo_a (held in
+# bf16, weights.py), nor the bf16 compressor, indexer-key, router and head weights.
 _QUANTIZED_INPUT = ("attn.wq_a.weight", "attn.wq_b.weight", "attn.wkv.weight", "attn.wo_b.weight",
                     "indexer.wq_b.weight", "engram.wkv.weight", "shared_experts.gate_up", "shared_experts.down",
                     "main_proj.weight")

@@ -5,7 +5,7 @@ per-expert tensors go.
 Every matrix a weight op reads (projections, routers, experts, embedding, head) is kept as the
 checkpoint stores it (`TensorSpec.stored`): FP8 e4m3 with E8M0 per 32x32 block and FP4 e2m1 with
 E8M0 per 32 inputs stay a backends.quant.QuantizedWeight, bf16 stays bf16; the ops widen them in
-registers (exact: power-of-two scales). The model attaches its activation quantization to the FP8
+registers (exact: power-of-two scales); wo_a is the exception (block_tensors). The model attaches its activation quantization to the FP8
 weights it quantizes inputs for (model.py), so a GEMM computes dequant(act_quant(x)) @ dequant(W)
 -- what DeepSeek's FP8 GEMM computes, up to summation order. Norms, biases, sinks and mixing
 matrices become float32. The Engram tables stay as stored, memory-mapped from the file
@@ -60,7 +60,9 @@ def block_tensors(cfg: DeepseekV41Config, p: str, n_experts: int) -> dict[str, T
         a + "wq_a.weight": _weight((cfg.q_lora_rank, d)), a + "q_norm.weight": TensorSpec((cfg.q_lora_rank,)),
         a + "wq_b.weight": _weight((heads * hd, cfg.q_lora_rank)),
         a + "wkv.weight": _weight((hd, d)), a + "kv_norm.weight": TensorSpec((hd,)),
-        a + "wo_a.weight": _weight((cfg.o_groups * cfg.o_lora_rank, heads * hd // cfg.o_groups)),
+        # FP8 on disk, bf16 in memory as DeepSeek's reference holds it (exact): it multiplies bf16 inputs
+        # unquantized, where an FP8 weight would get nvidia's FP8 GEMM's own input quantization
+        a + "wo_a.weight": TensorSpec((cfg.o_groups * cfg.o_lora_rank, heads * hd // cfg.o_groups), torch.bfloat16),
         a + "wo_b.weight": _weight((d, cfg.o_groups * cfg.o_lora_rank)),
         f + "gate.weight": _weight((n_experts, d)), f + "gate.bias": TensorSpec((n_experts,)),
         f + "experts.gate_up": TensorSpec((n_experts, 2 * inter, d), experts=True),
