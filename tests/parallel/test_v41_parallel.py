@@ -50,11 +50,12 @@ def no_prompt_logprobs(max_tokens: int):
 
 
 # chunked: 64-token prefill chunks in balanced pieces beside decode rows (mixed batches), prompt logprobs
-# (whole sequences through every layer); its last decode steps (one sequence) leave a rank with no rows,
-# which under expert parallelism still serves the other's experts. ced: the 300- and 150-token prompts
+# (whole sequences through every layer); the short prompt's last decode steps (it alone) leave a rank with
+# no rows, which still writes every cache and, under expert parallelism, serves the other's experts. ced: the 300- and 150-token prompts
 # in one step each, no prompt logprobs: the CED split runs the decoder layers on each prompt's last 140
 # rows, each rank on its share of them.
-CASES = {"chunked": (lambda: greedy_params(8), 64), "ced": (lambda: no_prompt_logprobs(8), 512)}
+CASES = {"chunked": (lambda: [greedy_params(8), greedy_params(8), greedy_params(14)], 64),
+         "ced": (lambda: no_prompt_logprobs(8), 512)}
 _REFERENCES: dict[str, list] = {}  # case -> its single-process outputs
 
 
@@ -73,3 +74,20 @@ def test_cp2_matches_one_process(case, layout):
     own = [s["cp_rows"]["own"] for s in stats]
     assert sum(own) == stats[0]["cp_rows"]["step"]  # every token computed exactly once
     assert min(own) > 0.4 * sum(own)  # and the work is split, not done by one rank
+
+
+def test_images_under_context_parallelism_are_refused():
+    """The model's forward takes image rows under context parallelism like any other row, but the
+    vision encoder would run on every rank: images stay single-process, with an error that says so."""
+    from deepinfer import LLM
+
+    from v41_goldens import vision_pngs
+
+    llm = LLM(str(checkpoint_dir("mini6vl")), max_num_seqs=2, max_num_batched_tokens=256, context_parallel_size=2)
+    try:
+        with pytest.raises(ValueError, match="multi_modal_data is not supported with parallel layouts.*one process"):
+            llm.generate([{"prompt": "a <image> b", "multi_modal_data": {"image": vision_pngs()[0]}}], use_tqdm=False)
+        assert llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=no_prompt_logprobs(2),
+                            use_tqdm=False)[0].outputs[0].token_ids  # and text still runs
+    finally:
+        llm.close()

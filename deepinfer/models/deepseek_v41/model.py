@@ -272,7 +272,7 @@ class DeepseekV41Model(CausalLM):
         out = self.rope(out, cos, sin, inverse=True)
         src, dst = rows.write.dev["commit"][view.members]
         pool.data.index_copy_(0, dst + ring_offset, pool.data.index_select(0, src))
-        out = bf16(ops.grouped_linear(out.reshape(n, cfg.o_groups, -1), w[p + "wo_a.weight"]))
+        out = bf16(ops.grouped_linear(out.reshape(n, cfg.o_groups, heads * hd // cfg.o_groups), w[p + "wo_a.weight"]))
         return self.qlinear(out.flatten(1), w[p + "wo_b.weight"])
 
     def _compress(self, i: int, h: torch.Tensor, meta: StepMeta, rows: Rows) -> None:
