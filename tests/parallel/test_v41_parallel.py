@@ -31,16 +31,20 @@ def long_prompts() -> list[list[int]]:
             [7, 8, 9]]
 
 
-def run_with_stats(prompts, params, max_num_batched_tokens: int, **layout):
+def run_with_stats(prompts, params, max_num_batched_tokens: int, then=None, **layout):
+    """Outputs of `prompts` (then of `then`, served after them: prefix-cache hits) and per-rank stats."""
     from deepinfer import LLM
 
     llm = LLM(str(checkpoint_dir("ced10")), max_num_seqs=4, max_num_batched_tokens=max_num_batched_tokens, **layout)
     try:
         outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        if then is not None:
+            outputs = llm.generate(prompt_token_ids=then, sampling_params=params, use_tqdm=False)
         stats = llm.parallel.collective_rpc(worker_stats) if llm.parallel is not None else None
+        hits = llm.stats().get("prefix_cache_hits")
     finally:
         llm.close()
-    return outputs, stats
+    return outputs, stats, hits
 
 
 def no_prompt_logprobs(max_tokens: int):
@@ -54,20 +58,27 @@ def no_prompt_logprobs(max_tokens: int):
 # no rows, which still writes every cache and, under expert parallelism, serves the other's experts. ced: the 300- and 150-token prompts
 # in one step each, no prompt logprobs: the CED split runs the decoder layers on each prompt's last 140
 # rows, each rank on its share of them.
-CASES = {"chunked": (lambda: [greedy_params(8), greedy_params(8), greedy_params(14)], 64),
-         "ced": (lambda: no_prompt_logprobs(8), 512)}
+# prefix: then the long prompts extended by 20 tokens, which hit the prefix cache (their first 256
+# tokens' compressed pages) and replay the window tail.
+CASES = {"chunked": (lambda: [greedy_params(8), greedy_params(8), greedy_params(14)], 64, None),
+         "ced": (lambda: no_prompt_logprobs(8), 512, None),
+         "prefix": (lambda: no_prompt_logprobs(8), 64, lambda p: [q + list(range(30, 50)) for q in p[:2]])}
 _REFERENCES: dict[str, list] = {}  # case -> its single-process outputs
 
 
 @pytest.mark.parametrize("case, layout", [("chunked", dict(context_parallel_size=2)),
                                           ("ced", dict(context_parallel_size=2)),
-                                          ("chunked", dict(context_parallel_size=2, expert_parallel_size=2))],
-                         ids=["cp2-chunked", "cp2-ced-tail", "cp2-ep2-chunked"])
+                                          ("chunked", dict(context_parallel_size=2, expert_parallel_size=2)),
+                                          ("prefix", dict(context_parallel_size=2))],
+                         ids=["cp2-chunked", "cp2-ced-tail", "cp2-ep2-chunked", "cp2-prefix-hit"])
 def test_cp2_matches_one_process(case, layout):
-    params, tokens = CASES[case]
+    params, tokens, then = CASES[case]
+    then = then(long_prompts()) if then is not None else None
     if case not in _REFERENCES:
-        _REFERENCES[case] = run_with_stats(long_prompts(), params(), tokens)[0]
-    outputs, stats = run_with_stats(long_prompts(), params(), tokens, **layout)
+        _REFERENCES[case] = run_with_stats(long_prompts(), params(), tokens, then)[0]
+    outputs, stats, hits = run_with_stats(long_prompts(), params(), tokens, then, **layout)
+    if then is not None:
+        assert hits  # the extended prompts reused cached pages
     # bit-identical: every row computes the same ops on the same inputs as in one process (the cpu ops
     # compute a row independently of the rows beside it), and the gathered keys are the ones computed
     assert_same_outputs(_REFERENCES[case], outputs, tol=0.0)
