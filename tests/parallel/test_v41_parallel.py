@@ -55,9 +55,9 @@ def no_prompt_logprobs(max_tokens: int):
 
 # chunked: 64-token prefill chunks in balanced pieces beside decode rows (mixed batches), prompt logprobs
 # (whole sequences through every layer); the short prompt's last decode steps (it alone) leave a rank with
-# no rows, which still writes every cache and, under expert parallelism, serves the other's experts. ced: the 300- and 150-token prompts
-# in one step each, no prompt logprobs: the CED split runs the decoder layers on each prompt's last 140
-# rows, each rank on its share of them.
+# no rows, which still writes every cache and, under expert parallelism, serves the other's experts.
+# ced: the 300- and 150-token prompts in one step each, no prompt logprobs: the CED split runs the
+# decoder layers on each prompt's last 140 rows, each rank on its share of them.
 # prefix: then the long prompts extended by 20 tokens, which hit the prefix cache (their first 256
 # tokens' compressed pages) and replay the window tail.
 CASES = {"chunked": (lambda: [greedy_params(8), greedy_params(8), greedy_params(14)], 64, None),
@@ -88,8 +88,8 @@ def test_cp2_matches_one_process(case, layout):
 
 
 def test_images_under_context_parallelism_are_refused():
-    """The model's forward takes image rows under context parallelism like any other row, but the
-    vision encoder would run on every rank: images stay single-process, with an error that says so."""
+    """Images stay single-process under every parallel layout (each rank would run the vision encoder,
+    and image rows under CP are untested): a clear error, and the engine keeps serving text."""
     from deepinfer import LLM
 
     from v41_goldens import vision_pngs
