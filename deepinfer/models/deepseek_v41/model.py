@@ -33,7 +33,7 @@ from deepinfer import envs
 from deepinfer.backends.base import Accelerator, WeightRole
 from deepinfer.backends.quant import ActQuant, cat_rows, with_act
 from deepinfer.core.cache import CacheSpec, StateCache
-from deepinfer.models.base import (CausalLM, ConfigError, MultimodalItem, MultimodalPrompt, ParallelContext,
+from deepinfer.models.base import (CausalLM, MultimodalItem, MultimodalPrompt, ParallelContext,
                                    StepInput, TensorSpec, ViewCache)
 from deepinfer.models.deepseek_v41 import moe, weights as checkpoint
 from deepinfer.models.deepseek_v41.config import ACT_BLOCK, DeepseekV41Config
@@ -99,9 +99,6 @@ class DeepseekV41Model(CausalLM):
                  parallel: ParallelContext | None = None):
         self.config, self.accel = config, accel
         self.parallel = parallel or ParallelContext()
-        if self.parallel.context_parallel is not None:
-            raise ConfigError("context parallelism is not supported for DeepSeek-V4.1 (deepseek_v41) yet: "
-                              "run it without --context-parallel-size")
         self.replay_window = config.sliding_window  # the window rings are not in the prefix cache
         self.quantized = config.quantized
         self.experts_quantized = config.expert_dtype != "bf16"
@@ -162,7 +159,9 @@ class DeepseekV41Model(CausalLM):
     def prepare(self, inp: StepInput, cache: StateCache, steps: int | None = None) -> StepMeta:
         if steps is not None:
             raise ValueError("DeepSeek-V4.1 plans one decode step at a time (multi_step_decode is False)")
-        return StepMeta(inp, self.view(cache), self.config)
+        cp = self.parallel.context_parallel
+        split = cp.split(inp.lens.tolist(), cache.device) if cp is not None else None
+        return StepMeta(inp, self.view(cache), self.config, split=split)
 
     def make_drafter(self, extra: dict[str, torch.Tensor], max_seqs: int, margin: int):
         from deepinfer.models.deepseek_v41.dspark import DSparkDrafter
@@ -201,31 +200,34 @@ class DeepseekV41Model(CausalLM):
         cfg, ops, w = self.config, self.accel, self.w
         meta = meta if meta is not None else self.prepare(inp, cache)
         logit_rows = logit_rows.cpu().numpy()
-        if meta.decoder is meta.all and cfg.first_decoder_layer < cfg.num_hidden_layers:
+        if meta.decoder is meta.encoder and cfg.first_decoder_layer < cfg.num_hidden_layers:
             meta.split_decoder(logit_rows, envs.get("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE"),
                                envs.get("DEEPINFER_YOCO_PREFILL_KEEP_TOKENS"))
-        rows, state = meta.all, StepState()
+        rows, state = meta.encoder, StepState()
         x = bf16(ops.embedding(meta.ids, w["embed.weight"]))
         image = self._image_rows(inp, x.shape[0], x.device)
         for row, embeds in inp.embeds or ():  # image spans: the learned markers and the aligner's rows
             x[row:row + embeds.shape[0]] = bf16(embeds)
+        # Engram's n-grams reach back over every token of the step: hashed for all of them on every rank
         hashes = self._engram_hashes(meta, image) if self.engram is not None else None
+        x = self._of_rows(x, rows)  # context parallelism: this rank's rows from here on
         streams = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
         pre = torch.zeros(streams.shape[:2], device=streams.device)
         pre[:, 0] = 1.0  # layer 0's attention reads copy 0
         features = []
         for i, role in enumerate(cfg.roles):
-            if i == cfg.first_decoder_layer and meta.decoder is not meta.all:
+            if i == cfg.first_decoder_layer and meta.decoder is not meta.encoder:
+                streams, pre = (StepState.gather((rows, t), meta.decoder) for t in (streams, pre))
                 rows = meta.decoder
-                streams, pre = streams[rows.dev["tokens"]], pre[rows.dev["tokens"]]
             if role.engram:
-                streams = self._engram(i, streams, hashes, self._of_rows(image, rows))
-            if i in feature_layers:
-                features.append(bf16(streams[self._local_rows(rows, feature_rows)].mean(dim=1)))
+                streams = self._engram(i, streams, self._of_rows(hashes, rows), self._of_rows(image, rows))
+            if i in feature_layers:  # (context parallelism: from every rank's rows)
+                features.append(bf16(rows.gather(streams)[self._local_rows(rows.write, feature_rows)].mean(dim=1)))
             streams, pre = self.block(f"layers.{i}.", streams, pre,
                                       lambda h, i=i: self._attention(i, h, meta, rows, state),
                                       lambda h, i=i, r=rows: self._moe(i, h, self._of_rows(image, r)))
-        picked = self._local_rows(rows, torch.from_numpy(logit_rows))
+        streams, pre = rows.gather(streams), rows.gather(pre)  # context parallelism: every rank's rows
+        picked = self._local_rows(rows.write, torch.from_numpy(logit_rows))
         h = bf16(ops.hc_collapse(streams[picked], pre[picked]))
         logits = ops.linear(bf16(ops.rms_norm(h, w["norm.weight"], cfg.rms_norm_eps)), w["head.weight"])
         return (logits, torch.stack(features, dim=1)) if feature_layers else logits
@@ -280,37 +282,41 @@ class DeepseekV41Model(CausalLM):
         q = self.rope(self.qlinear(qr, w[p + "wq_b.weight"]).view(n, heads, hd), cos, sin)
         kv = self.norm(self.qlinear(h, w[p + "wkv.weight"]), w[p + "kv_norm.weight"])
         kv = ops.fp8_qdq(self.rope(kv, cos, sin), ACT_BLOCK)
-        pool = view.pool
-        pool.data[pool.scratch_base + dev["flat"]] = kv.to(pool.data.dtype)
+        pool = view.pool  # every rank writes the keys of every row (context parallelism gathers them)
+        pool.data[pool.scratch_base + rows.write.dev["flat"]] = rows.gather(kv).to(pool.data.dtype)
         ring_offset = view.member * meta.cache.ring
         window, in_ring = dev["window"][view.members]
         indices = window + in_ring * ring_offset
         if role.rate:
             if role.owns_kv:
-                self._compress(i, h, meta)
+                self._compress(i, h, meta, rows)
             picks = self._picks(i, h, qr, rows, state) if role.owns_index else \
                 state.gather(state.picks[role.index_source], rows)
             indices = torch.cat([indices, torch.where(picks >= 0, picks + pool.page_base, picks)], dim=1)
         out = bf16(ops.sparse_attention_bf16(q, pool.data, indices, w[p + "attn_sink"], hd ** -0.5))
         out = self.rope(out, cos, sin, inverse=True)
-        src, dst = dev["commit"][view.members]
+        src, dst = rows.write.dev["commit"][view.members]
         pool.data.index_copy_(0, dst + ring_offset, pool.data.index_select(0, src))
-        out = bf16(ops.grouped_linear(out.reshape(n, cfg.o_groups, -1), w[p + "wo_a.weight"]))
+        out = bf16(ops.grouped_linear(out.reshape(n, cfg.o_groups, heads * hd // cfg.o_groups), w[p + "wo_a.weight"]))
         return self.qlinear(out.flatten(1), w[p + "wo_b.weight"])
 
-    def _compress(self, i: int, h: torch.Tensor, meta: StepMeta) -> None:
+    def _compress(self, i: int, h: torch.Tensor, meta: StepMeta, rows: Rows) -> None:
         """A KV source's new compressed entries (pairs, or tokens at ratio 1) and their index keys,
-        written to its pages: latent -> keys = fp4(rope(k_norm(wk latent))), entry = fp4(rope(latent))."""
+        written to its pages: latent -> keys = fp4(rope(k_norm(wk latent))), entry = fp4(rope(latent)).
+        `h`: the rows of `rows` (under context parallelism this rank's share: the projections of every
+        row are gathered and every rank computes every entry)."""
         cfg, ops, w = self.config, self.accel, self.w
         role, view = cfg.roles[i], meta.cache.layers[i]
         info = meta.writes[role.rate]
         p = f"layers.{i}.attn.compressor."
-        if role.rate == 1:
+        if role.rate == 1 and rows.split is None:
             latent = bf16(ops.linear(h[info["tok_rows"]], w[p + "wkv.weight"]))
+        elif role.rate == 1:
+            latent = rows.gather(bf16(ops.linear(h, w[p + "wkv.weight"])))[info["tok_rows"]]
         else:  # stage every token's [kv | gate], pool each finished pair with a per-channel softmax
             ring = view.compressor.data
             staged = torch.cat([ops.linear(h, w[p + "wkv.weight"]), ops.linear(h, w[p + "wgate.weight"])], dim=-1)
-            ring[info["scratch"] + meta.all.dev["flat"]] = staged.to(ring.dtype)
+            ring[info["scratch"] + meta.all.dev["flat"]] = rows.gather(staged).to(ring.dtype)
             raw = ring[info["tok_rows"].clamp(min=0)].float()
             latent = bf16(ops.compress_windows(raw[..., :cfg.head_dim], raw[..., cfg.head_dim:]))
             src, dst = info["commit"]
@@ -350,7 +356,8 @@ class DeepseekV41Model(CausalLM):
 
     @staticmethod
     def _of_rows(mask: torch.Tensor | None, rows: Rows) -> torch.Tensor | None:
-        """A per-token mask of the whole step, for the tokens of `rows` (the CED split's subset)."""
+        """A per-token tensor of the whole step, for the tokens of `rows` (the CED split's subset, or this
+        rank's share under context parallelism)."""
         return mask if mask is None or rows.tokens is None else mask[rows.dev["tokens"]]
 
     # ------------------------------------------------------------ MoE
@@ -367,7 +374,7 @@ class DeepseekV41Model(CausalLM):
         at = image.nonzero().squeeze(1) if image is not None else None
         if at is not None and at.numel():  # the router is row by row: image rows routed alone, as in the batch
             weights[at], ids[at] = moe.route(ops, h[at], gate, w[p + "gate.bias_vl"], *rule)
-        routed = experts(h, weights, ids) if h.shape[0] else torch.zeros_like(h)
+        routed = experts(h, weights, ids)  # also with no rows here: expert parallelism serves other ranks' rows
         gate_up = w[p + "shared_experts.gate_up"]
         shared = moe.swiglu_expert(ops, gemm_input(ops, h, gate_up, self.quantized), gate_up,
                                    w[p + "shared_experts.down"], self.limit, self.quantized)

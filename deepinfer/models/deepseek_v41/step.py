@@ -104,10 +104,18 @@ def arange_within(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 class Rows:
     """The index arrays of a set of the step's tokens (all of them, or the decoder's subset under the
     CED split), planned on the host and moved to the device once: positions, RoPE tables, window rows
-    per pool layout, the compressed entries each token may see, Engram's look-back rows."""
+    per pool layout, the compressed entries each token may see, Engram's look-back rows.
 
-    def __init__(self, meta: "StepMeta", tokens: np.ndarray | None, floor: np.ndarray | None):
+    Context parallelism (parallel/context_parallel.py): a layer computes the queries of this rank's
+    share of its rows and writes the keys of all of them. The share is a Rows whose `write` is the whole
+    set (which then plans only what writes need: `queries` False) and whose `split` gathers every
+    rank's rows of the set; in one process a Rows is its own `write` set and `gather` returns its input."""
+
+    def __init__(self, meta: "StepMeta", tokens: np.ndarray | None, floor: np.ndarray | None,
+                 queries: bool = True):
         self.meta = meta
+        self.write, self.split = self, None  # _share sets them for a rank's share
+        self.queries = queries
         self.tokens = tokens  # flat token indices (None: every token)
         self.seq = meta.seq if tokens is None else meta.seq[tokens]
         self.positions = meta.positions if tokens is None else meta.positions[tokens]
@@ -115,6 +123,14 @@ class Rows:
         self.count = len(self.positions)
         self.floor = floor  # per token: window keys below it were never computed and read as absent
         cfg, cache = meta.config, meta.cache
+        self.commit = {m: meta.commit(cache.ring, m, self) for m in meta.ring_members}
+        if cache.engram is not None:
+            ring, n = cache.engram.spec.ring, cfg.engram_max_ngram_size - 1
+            pos = self.key_positions(n)[:, :-1][:, ::-1]  # p - 1, p - 2, ...
+            self.engram = np.where(pos >= 0, meta.ring_rows(pos, self.seq[:, None], ring, 1)[0], -1)
+        if not queries:
+            self.dev = self._to_device(cache.device)
+            return
         self.rope = {"main": cfg.rope_main.cos_sin(self.positions),
                      "compress": cfg.rope_compress.cos_sin(self.positions)}
         # window keys oldest first, absent ones (-1) last: the order of DeepSeek's prefill index lists,
@@ -125,11 +141,6 @@ class Rows:
         self.window = {m: meta.ring_rows(pos, self.seq[:, None], cache.ring, m) for m in meta.ring_members}
         self.entries = {rate: self._entries(rate) for rate in meta.rates}
         self.visible = {rate: (self.positions + 1) // rate for rate in meta.rates}
-        self.commit = {m: meta.commit(cache.ring, m, self) for m in meta.ring_members}
-        if cache.engram is not None:
-            ring, n = cache.engram.spec.ring, cfg.engram_max_ngram_size - 1
-            pos = self.key_positions(n)[:, :-1][:, ::-1]  # p - 1, p - 2, ...
-            self.engram = np.where(pos >= 0, meta.ring_rows(pos, self.seq[:, None], ring, 1)[0], -1)
         self.dev = self._to_device(cache.device)
 
     def key_positions(self, back: int) -> np.ndarray:
@@ -140,6 +151,10 @@ class Rows:
             floor = np.where(self.positions >= self.floor, self.floor, 0)
             pos = np.where(pos >= floor[:, None], pos, -1)
         return np.where(pos >= 0, pos, -1)
+
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        """Rows of every token of the `write` set, from every rank's share (t: this share's rows)."""
+        return t if self.split is None else self.split.gather(t)
 
     def _entries(self, rate: int) -> np.ndarray:
         """[n, M] page rows (relative to the page region) of the compressed entries each token may see:
@@ -154,13 +169,14 @@ class Rows:
     def _to_device(self, device: torch.device) -> dict:
         move = functools.partial(to_device, device=device)
 
-        out = {"rope": {k: tuple(map(move, v)) for k, v in self.rope.items()},
-               "window": {m: tuple(map(move, v)) for m, v in self.window.items()},
-               "commit": {m: tuple(map(move, v)) for m, v in self.commit.items()},
-               "entries": {r: move(v) for r, v in self.entries.items()},
-               "visible": {r: move(v) for r, v in self.visible.items()},
+        out = {"commit": {m: tuple(map(move, v)) for m, v in self.commit.items()},
                "tokens": None if self.tokens is None else move(self.tokens),
                "flat": move(self.flat)}
+        if self.queries:
+            out |= {"rope": {k: tuple(map(move, v)) for k, v in self.rope.items()},
+                    "window": {m: tuple(map(move, v)) for m, v in self.window.items()},
+                    "entries": {r: move(v) for r, v in self.entries.items()},
+                    "visible": {r: move(v) for r, v in self.visible.items()}}
         if hasattr(self, "engram"):
             out["engram"] = move(self.engram)
         return out
@@ -171,7 +187,7 @@ class StepMeta:
     device in one go; `ids` is the device copy of the step's token ids, which the engine may patch
     with the previous step's samples before the forward."""
 
-    def __init__(self, inp: StepInput, cache: CacheView, config: DeepseekV41Config):
+    def __init__(self, inp: StepInput, cache: CacheView, config: DeepseekV41Config, split=None):
         self.inp, self.cache, self.config = inp, cache, config
         self.starts, self.slots = inp.starts.numpy(), inp.slots.numpy()
         self.lens = inp.lens.numpy()
@@ -189,8 +205,11 @@ class StepMeta:
         device = cache.device
         self.ids = inp.ids if device.type == "cpu" else inp.ids.to(device, non_blocking=True)
         # read the block table now: overlapped scheduling may hand a freed page to another request
-        self.all = Rows(self, None, self.floor)
-        self.decoder = self.all  # plan_decoder: the decoder layers' rows under the CED split
+        # context parallelism: `split` (deepinfer/parallel) says which rows this rank computes
+        self.split = split
+        self.all = Rows(self, None, self.floor, queries=split is None)  # every token: the keys written
+        self.encoder = self.all if split is None else self._share(self.all, split)  # the rows computed here
+        self.decoder = self.encoder  # split_decoder: the decoder layers' rows under the CED split
         self.writes = {rate: self._entry_writes(rate) for rate in self.rates}
 
     def paged_pool(self, rate: int) -> Pool:
@@ -260,4 +279,15 @@ class StepMeta:
         in_tail = cut[self.seq] & (self.positions >= tail_pos)
         floor = np.where(in_tail, tail_pos, floor)
         tokens = np.arange(self.num_tokens) if mode == "mask" else np.flatnonzero(~cut[self.seq] | in_tail)
-        self.decoder = Rows(self, tokens, floor[tokens])
+        if self.split is None:
+            self.decoder = Rows(self, tokens, floor[tokens])
+        else:
+            rows = Rows(self, tokens, floor[tokens], queries=False)
+            self.decoder = self._share(rows, self.split.subset(torch.from_numpy(tokens)))
+
+    def _share(self, rows: Rows, split) -> Rows:
+        """This rank's share of `rows` under context parallelism (`split`: of the rows of `rows`)."""
+        own = split.own_rows.numpy()
+        share = Rows(self, rows.flat[own], None if rows.floor is None else rows.floor[own])
+        share.write, share.split = rows, split
+        return share
