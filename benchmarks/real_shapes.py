@@ -2,6 +2,7 @@
 checkpoint. Prints a table and writes benchmarks/results/real_shapes.json.
 
     python benchmarks/real_shapes.py                     # writes /tmp/deepinfer_real_shapes once (~9 GB)
+    python benchmarks/real_shapes.py --model v41         # DeepSeek-V4.1-Flash instead (real_shapes_v41.py, ~12 GB)
     /work/quiet.sh python benchmarks/real_shapes.py      # the reported figures (nothing else running)
 
 The checkpoint is two consecutive decoder layers of V4-Flash in DeepSeek's upstream naming: layer
@@ -62,8 +63,8 @@ def _config() -> dict:
 class Writer:
     """Random tensors in V4-Flash's formats, one safetensors file per shard, bytes counted by kind."""
 
-    def __init__(self, gen: torch.Generator):
-        self.gen, self.tensors, self.bytes = gen, {}, {}
+    def __init__(self, gen: torch.Generator, block: int = BLOCK):
+        self.gen, self.tensors, self.bytes, self.block = gen, {}, {}, block
 
     def _count(self, kind: str, *ts: torch.Tensor) -> None:
         self.bytes[kind] = self.bytes.get(kind, 0) + sum(t.numel() * t.element_size() for t in ts)
@@ -74,9 +75,10 @@ class Writer:
     def fp8(self, name: str, n: int, k: int) -> None:
         codes = torch.randint(0, 256, (n, k), dtype=torch.uint8, generator=self.gen)
         codes[(codes & 0x7F) == 0x7F] = 0x7E  # no NaN codes
-        scale = self._scales(-(-n // BLOCK), -(-k // BLOCK))
+        b = self.block
+        scale = self._scales(-(-n // b), -(-k // b))
         self.tensors[name + ".weight"], self.tensors[name + ".scale"] = codes.view(torch.float8_e4m3fn), scale
-        self._count("fp8_e4m3 128x128 (ue8m0 scales)", codes, scale)
+        self._count(f"fp8_e4m3 {b}x{b} (ue8m0 scales)", codes, scale)
 
     def fp4(self, name: str, n: int, k: int) -> None:
         packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=self.gen)
@@ -196,56 +198,101 @@ def expert_bytes(w) -> int:
         if hasattr(w, "scale") else w[0].numel() * w.element_size()
 
 
+SLICES = {  # per --model: default dir, JSON, the weights' names, MoE layers, how routed experts are counted
+    "v4": {"dir": "/tmp/deepinfer_real_shapes", "out": "real_shapes.json", "experts": ".mlp.experts.",
+           "embed": "model.embed_tokens.weight", "layer0": "model.layers.0.", "moe_layers": len(LAYERS),
+           "title": "V4-Flash"},
+    "v41": {"dir": "/tmp/deepinfer_real_shapes_v41", "out": "real_shapes_v41.json", "experts": ".ffn.experts.",
+            "embed": "embed.weight", "layer0": "layers.0.", "moe_layers": 2, "title": "V4.1-Flash"},
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dir", default="/tmp/deepinfer_real_shapes", help="where the checkpoint is written (~9 GB)")
+    parser.add_argument("--model", choices=sorted(SLICES), default="v4",
+                        help="v4: the V4-Flash slice (module doc); v41: the V4.1-Flash slice (real_shapes_v41.py)")
+    parser.add_argument("--dir", default=None, help="where the checkpoint is written (v4 ~9 GB, v41 ~12 GB)")
     parser.add_argument("--steps", type=int, default=16, help="decode steps timed per batch size")
     parser.add_argument("--warmup", type=int, default=16, help="decode steps before timing (step graphs record)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--prompt", type=int, default=16, help="prompt tokens per sequence")
-    parser.add_argument("--out", default=str(HERE / "results" / "real_shapes.json"))
+    parser.add_argument("--engram-rows", type=int, default=16 << 20,
+                        help="v41: rows of the Engram table written (released: 384,006,168)")
+    parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    sl = SLICES[args.model]
+    v41 = args.model == "v41"
+    out_path = args.out or str(HERE / "results" / sl["out"])
 
     from deepinfer.backends.cpu import CpuKernelAccelerator, kernels
     from deepinfer.core.engine import EngineConfig, LLMEngine
     from deepinfer.sampling_params import SamplingParams
 
-    ckpt = Path(args.dir)
+    ckpt = Path(args.dir or sl["dir"])
     t0 = time.perf_counter()
-    written = json.loads((ckpt / "WRITTEN").read_text()) if (ckpt / "WRITTEN").exists() else write_checkpoint(ckpt)
+    if (ckpt / "WRITTEN").exists():
+        written = json.loads((ckpt / "WRITTEN").read_text())
+    elif v41:
+        import real_shapes_v41
+
+        written = real_shapes_v41.write_checkpoint(ckpt, args.engram_rows, Writer)
+    else:
+        written = write_checkpoint(ckpt)
     write_s = time.perf_counter() - t0
+    facts = {}
+    if v41:
+        import real_shapes_v41
+
+        facts = real_shapes_v41.slice_facts(written["engram_rows"])
+        written = written["bytes"]
+    table_file = ckpt / "model-engram-table.safetensors"
+    table_bytes = table_file.stat().st_size if v41 else 0
     file_bytes = sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
     assert kernels.load(), "the cpu kernels must build"
     bandwidth = copy_bandwidth()
 
     class Counting(CpuKernelAccelerator):
-        """The cpu kernels, counting the distinct experts each MoE call reads (the roofline's bytes)."""
+        """The cpu kernels, counting the distinct experts each MoE layer reads (the roofline's bytes):
+        V4 in its moe_experts op, V4.1 (whose routed experts run per expert hit) at its router."""
 
         hits: list[int] = []
 
         def moe_experts(self, x, weights, ids, gate_up, down, limit):
-            Counting.hits.append(int(ids.unique().numel()))
+            if not v41:
+                Counting.hits.append(int(ids.unique().numel()))
             return super().moe_experts(x, weights, ids, gate_up, down, limit)
 
+        def route_topk(self, x, gate, bias, top_k, scaling):
+            weights, ids = super().route_topk(x, gate, bias, top_k, scaling)
+            if v41:
+                Counting.hits.append(int(ids.unique().numel()))
+            return weights, ids
+
     accel = Counting()
+    if v41:
+        real_shapes_v41.evict(table_file)
     rss0 = rss()
     t0 = time.perf_counter()
     engine = LLMEngine(str(ckpt), accel, EngineConfig(max_num_seqs=max(args.batches), max_model_len=256,
                                                       max_num_batched_tokens=max(args.batches) * args.prompt))
     load_s = time.perf_counter() - t0
+    print(f"loaded in {load_s:.1f} s", flush=True)
     rss_loaded = rss()
+    table_loaded = real_shapes_v41.engram_resident(table_file) if v41 else 0
     report = engine.memory
     w = engine.model.w
-    experts = {k: v for k, v in w.items() if ".mlp.experts." in k}
+    experts = {k: v for k, v in w.items() if sl["experts"] in k}
     # one expert of one layer: its gate_up and down slices (every layer's experts are alike)
-    per_expert = sum(expert_bytes(v) for k, v in experts.items() if k.startswith("model.layers.0."))
+    per_expert = sum(expert_bytes(v) for k, v in experts.items() if k.startswith(sl["layer0"]))
     dense = sum((v.nbytes if hasattr(v, "scale") else v.numel() * v.element_size())
-                for k, v in w.items() if ".mlp.experts." not in k and k != "model.embed_tokens.weight")
+                for k, v in w.items() if sl["experts"] not in k and k != sl["embed"])
+    # V4.1: each token reads 3 x 8 Engram rows (256 FP8 values + 8 scales each)
+    engram_per_token = 24 * facts["engram_row_bytes"] if v41 else 0
 
     results = []
     gen = torch.Generator().manual_seed(1)
     params = SamplingParams(temperature=0.0, max_tokens=args.warmup + args.steps + 1, ignore_eos=True)
-    moe_layers = sum(1 for _, mlp, _ in LAYERS if mlp)
+    moe_layers = sl["moe_layers"]
     for batch in args.batches:
         prompts = [torch.randint(3, VOCAB, (args.prompt,), generator=gen).tolist() for _ in range(batch)]
         reqs = [engine.add_request(p, params) for p in prompts]
@@ -254,6 +301,7 @@ def main() -> None:
         # Counting override sees their routing) before it replays it from C++, where no Python runs
         while any(len(r.output_token_ids) <= args.warmup or r.pending for r in reqs):
             engine.step()
+        print(f"batch {batch}: prefilled and warmed up", flush=True)
         eager_steps = len(Counting.hits) / moe_layers - 1  # the prefill step's calls included
         hit_per_step = (sum(Counting.hits) - sum(Counting.hits[:moe_layers])) / max(eager_steps, 1)
         done = sum(len(r.output_token_ids) for r in reqs)
@@ -263,7 +311,8 @@ def main() -> None:
         decode_s = time.perf_counter() - t
         steps = (sum(len(r.output_token_ids) for r in reqs) - done) // batch  # multi-step calls run several
         engine.pop_finished()
-        step_bytes = dense + hit_per_step * per_expert  # distinct experts read per step, summed over layers
+        # distinct experts read per step, summed over layers
+        step_bytes = dense + hit_per_step * per_expert + batch * engram_per_token
         tok_s = batch * steps / decode_s
         roofline = batch * bandwidth / step_bytes
         results.append({"batch": batch, "decode_steps": steps, "decode_seconds": decode_s, "tokens_per_s": tok_s,
@@ -272,8 +321,10 @@ def main() -> None:
                         "achieved_GBps": step_bytes * steps / decode_s / 1e9})
 
     rss_served = rss()
+    table_served = real_shapes_v41.engram_resident(table_file) if v41 else 0
     load_avg = os.getloadavg()
     out = {
+        "model": sl["title"], **({"slice": facts} if facts else {}),
         "checkpoint": {"dir": str(ckpt), "file_bytes": file_bytes, "written_bytes_by_kind": written,
                        "write_seconds": write_s},
         "load_seconds": load_s,
@@ -286,24 +337,42 @@ def main() -> None:
         "decode": results,
         "machine": {"cpus": os.cpu_count(), "threads": torch.get_num_threads(), "load_average": load_avg},
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2))
+    if v41:  # the Engram table apart: its file against the pages of it this process has resident
+        rest = file_bytes - table_bytes
+        out["resident"].update(
+            engram_table_file_bytes=table_bytes, engram_table_resident_after_load=table_loaded,
+            engram_table_resident_after_decode=table_served,
+            engram_table_resident_fraction=table_served / table_bytes,
+            other_file_bytes=rest, rss_growth_without_table=rss_served - rss0 - table_served,
+            rss_growth_without_table_over_other_files=(rss_served - rss0 - table_served) / rest,
+            engram_bytes_per_token=engram_per_token)
+    Path(out_path).parent.mkdir(parents=True, exist_ok=True)
+    Path(out_path).write_text(json.dumps(out, indent=2))
 
     gb = 1e9
-    print(f"\nV4-Flash real shapes, {len(LAYERS)} decoder layers, cpu backend ({torch.get_num_threads()} threads, "
+    print(f"\n{sl['title']} real shapes, 2 layers, cpu backend ({torch.get_num_threads()} threads, "
           f"load average {load_avg[0]:.2f})")
     print(f"checkpoint            {file_bytes / gb:.2f} GB on disk ({', '.join(f'{k}: {v / gb:.2f}' for k, v in written.items())})")
     print(f"load                  {load_s:.1f} s")
     print(f"weights in memory     {report.weight_bytes / gb:.2f} GB = {report.weight_bytes / file_bytes:.3f}x the files; "
           f"process RSS grew {(rss_served - rss0) / gb:.2f} GB = {(rss_served - rss0) / file_bytes:.3f}x once served "
           f"({(rss_loaded - rss0) / gb:.2f} GB after loading)")
+    if v41:
+        r = out["resident"]
+        print(f"Engram table          {table_bytes / gb:.2f} GB file ({facts['engram_rows']:,} rows = "
+              f"{facts['engram_rows_fraction_of_released']:.1%} of the released), memory-mapped: "
+              f"{table_loaded / 1e6:.1f} MB resident after load, {table_served / 1e6:.1f} MB after decoding; "
+              f"the rest: RSS grew {r['rss_growth_without_table'] / gb:.2f} GB for "
+              f"{r['other_file_bytes'] / gb:.2f} GB of files")
+        print(f"experts               {facts['experts_per_layer']} of the released "
+              f"{facts['released_experts_per_layer']} per layer (each at its released shape)")
     print(f"copy bandwidth        {bandwidth / gb:.1f} GB/s (read + write)")
     print(f"{'batch':>5} {'tok/s':>8} {'experts/step':>13} {'GB/step':>8} {'GB/s':>6} {'roofline tok/s':>15} {'of roofline':>12}")
     for r in results:
         print(f"{r['batch']:>5} {r['tokens_per_s']:>8.2f} {r['experts_read_per_step']:>13.1f} "
               f"{r['bytes_read_per_step'] / gb:>8.3f} {r['achieved_GBps']:>6.2f} {r['roofline_tokens_per_s']:>15.2f} "
               f"{r['fraction_of_roofline']:>11.1%}")
-    print(f"wrote {args.out}")
+    print(f"wrote {out_path}")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,10 @@ way of using several cores); deepinfer, with --layout dp (the default), as data-
 one thread each, with --layout threads as one process that gives each call of a replayed step
 one thread or all of its cores, whichever measured faster (both pinned to the first --cores cores).
 --baseline REF adds deepinfer as built at a git ref (benchmarks/baseline.py: REF's files exported once,
-run in a subprocess with this script's measuring code), in the same run, on the same prompts.
+run in a subprocess with this script's measuring code), in the same run, on the same prompts. A model
+transformers has no class for (DeepSeek-V4.1) needs one: the baseline is then the peer.
+
+    python benchmarks/throughput.py --model deepinfer/assets/tiny-dsv41 --baseline main
 
 On a CUDA machine both engines run on the GPU (deepinfer's nvidia backend, transformers with the
 model moved to cuda), both in float32.
@@ -71,6 +74,18 @@ def add_model_args(parser) -> None:
                         help="the tiny config's vocabulary: its own 512 tokens, or DeepSeek's 129,280")
 
 
+def transformers_runs(config: dict) -> bool:
+    """Whether transformers has a model class for this checkpoint (not for DeepSeek-V4.1: then a
+    --baseline build of deepinfer is the peer)."""
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.for_model(config.get("model_type", ""))
+    except ValueError:
+        return False
+    return True
+
+
 def _prompts(vocab: int, batch: int, length: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(0)
     return torch.randint(2, vocab, (batch, length), generator=gen).tolist()
@@ -105,6 +120,7 @@ def run_deepinfer(model_dir: str, prompts, new_tokens: int, cores: int = 1, repe
                                                                                ignore_eos=True), use_tqdm=False)
         seconds, runs, outs = timed(lambda: llm.generate(prompt_token_ids=prompts, sampling_params=params,
                                                          use_tqdm=False), repeats)
+        weights = resident_weights(llm)
     finally:
         if affinity is not None:
             os.sched_setaffinity(0, affinity)
@@ -113,7 +129,20 @@ def run_deepinfer(model_dir: str, prompts, new_tokens: int, cores: int = 1, repe
     ttft = sum(o.time_to_first_token for o in outs) / len(outs)
     tpot = [o.time_per_output_token for o in outs if o.time_per_output_token is not None]
     return dict(seconds=seconds, runs_s=runs, output_tokens=n, tok_s=n / seconds, ttft_s=ttft,
-                tpot_s=sum(tpot) / max(len(tpot), 1), tokens=[o.outputs[0].token_ids for o in outs])
+                tpot_s=sum(tpot) / max(len(tpot), 1), tokens=[o.outputs[0].token_ids for o in outs],
+                weight_bytes=weights and sum(weights.values()), weights_by_kind=weights)
+
+
+def resident_weights(llm) -> dict | None:
+    """Bytes by storage kind of the weights the model and its drafter hold once built (after any
+    widening or fusing at construction; memory-mapped tables apart); None for a parallel LLM."""
+    from deepinfer.core.memory import weights_by_kind
+
+    engine = llm.engine
+    if engine is None:
+        return None
+    drafter = getattr(engine.spec, "drafter", None)
+    return weights_by_kind(getattr(engine.model, "w", {}), getattr(drafter, "w", {}))
 
 
 def _sync() -> None:
@@ -172,7 +201,12 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     model_dir = os.path.abspath(_model_dir(args))  # the baseline runs from its own directory
-    vocab = json.load(open(os.path.join(model_dir, "config.json")))["vocab_size"]
+    config = json.load(open(os.path.join(model_dir, "config.json")))
+    vocab = config.get("vocab_size") or config["text_config"]["vocab_size"]  # V4.1 nests its text config
+    peer = transformers_runs(config)
+    if not peer and not args.baseline:
+        parser.error(f"transformers has no model class for {config.get('model_type')!r}: "
+                     "give --baseline REF as the peer")
     load = os.getloadavg()  # other work on the cores skews every figure: recorded with them
     engines = ["deepinfer"]
     refs = args.baseline.split(",") if args.baseline else []
@@ -184,7 +218,9 @@ def main() -> None:
             key = "baseline" if i == 0 else f"baseline{i + 1}"  # the first keeps the key older JSON has
             labels[key] = f"deepinfer @ {describe(ref)}"
             engines.append(key)
-    engines.append("transformers")
+    if peer:
+        engines.append("transformers")
+    ref_engine = "transformers" if peer else engines[1]  # the "vs" column's denominator
     rows = []
     for batch in [int(b) for b in args.batches.split(",")]:
         prompts = _prompts(vocab, batch, args.prompt_len)
@@ -192,11 +228,12 @@ def main() -> None:
         row = dict(batch=batch, deepinfer=run_deepinfer(*run, layout=args.layout))
         for key, ref in zip(engines[1:], refs):
             row[key] = call(ref, "throughput", "run_deepinfer", *run, args.layout)
-        row["transformers"] = run_transformers(*run)
+        if peer:
+            row["transformers"] = run_transformers(*run)
         row["load_average_after"] = os.getloadavg()
-        expected = row["transformers"]["tokens"]
+        expected = row[ref_engine]["tokens"]
         for name in engines:
-            row[name]["identical_to_transformers"] = f"{sum(map(list.__eq__, row[name]['tokens'], expected))}/{batch}"
+            row[name][f"identical_to_{ref_engine}"] = f"{sum(map(list.__eq__, row[name]['tokens'], expected))}/{batch}"
         for name in engines:
             row[name].pop("tokens")
         rows.append(row)
@@ -206,7 +243,8 @@ def main() -> None:
             else " (deepinfer one process, threads per call)")
     print(f"model: {model_label(args)} ({model_dir})  prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, "
           f"greedy, {where}; load average before {load[0]:.2f}; median of {args.repeats}")
-    print("| batch | engine | output tok/s | TTFT (s) | TPOT (ms) | vs transformers | identical to transformers |")
+    print(f"| batch | engine | output tok/s | TTFT (s) | TPOT (ms) | vs {labels[ref_engine]} | "
+          f"identical to {labels[ref_engine]} |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         for name in engines:
@@ -214,8 +252,13 @@ def main() -> None:
             label = labels[name]
             tpot = "n/a" if m["tpot_s"] is None else f"{m['tpot_s'] * 1e3:.1f}"
             print(f"| {r['batch']} | {label} | {m['tok_s']:.1f} | {m['ttft_s']:.3f} | {tpot} | "
-                  f"{m['tok_s'] / r['transformers']['tok_s']:.2f}x | "
-                  f"{'' if name == 'transformers' else m['identical_to_transformers']} |")
+                  f"{m['tok_s'] / r[ref_engine]['tok_s']:.2f}x | "
+                  f"{'' if name == ref_engine else m[f'identical_to_{ref_engine}']} |")
+    for name in engines:
+        held = rows[0][name].get("weight_bytes")
+        if held:
+            kinds = ", ".join(f"{k} {v / 1e6:.2f}" for k, v in rows[0][name]["weights_by_kind"].items())
+            print(f"{labels[name]}: weights held {held / 1e6:.2f} MB ({kinds})")
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(dict(model=model_label(args), vocab_size=vocab, device=where, cores=args.cores, layout=args.layout,

@@ -31,6 +31,9 @@ def weight_kinds(w: torch.Tensor, fp4: bool = True) -> dict[str, object]:
     if w.dim() == 2 and n > 8:  # a fused projection off the block edge: row block refined
         cut = n // 3
         out["fp8_fused_rows"] = QuantizedWeight.cat([quantize_fp8(w[:cut], ue8m0=True), quantize_fp8(w[cut:], ue8m0=True)])
+        # V4.1's 32x32 tiles fused off the block edge (shared expert w1 / w3 of an odd size): row block refined
+        out["fp8_32_fused_rows"] = QuantizedWeight.cat([quantize_fp8(w[:cut], (32, 32), ue8m0=True),
+                                                        quantize_fp8(w[cut:], (32, 32), ue8m0=True)])
     if fp4 and w.shape[-1] % 2 == 0:
         out["fp4_ue8m0"] = quantize_fp4(w)
         q = quantize_fp4(w)

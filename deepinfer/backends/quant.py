@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["FP8", "FP4", "ActQuant", "QuantizedWeight", "Weight", "act_quant", "quantize_fp8", "quantize_fp4",
-           "e8m0_to_float", "fuse_rows", "stack", "scale_weight", "widen", "E2M1_VALUES", "FP8_MAX", "FP4_MAX"]
+           "e8m0_to_float", "fuse_rows", "cat_rows", "with_act", "stack", "scale_weight", "widen", "E2M1_VALUES", "FP8_MAX", "FP4_MAX"]
 
 FP8 = "fp8_e4m3"
 FP4 = "fp4_e2m1"
@@ -320,6 +320,28 @@ def fuse_rows(parts: list[Weight]) -> list[Weight]:
         else:
             runs.append([p])
     return [QuantizedWeight.cat(r) if isinstance(r[0], QuantizedWeight) else torch.cat(r) for r in runs]
+
+
+def cat_rows(parts: list[Weight], what: str) -> Weight:
+    """Weights [N_i, K] as one [sum N_i, K] in their storage (fuse_rows), which needs them stored
+    alike; a ValueError naming `what` otherwise (e.g. an FP8 w1 beside a bf16 w3)."""
+    fused = fuse_rows(parts)
+    if len(fused) != 1:
+        raise ValueError(f"{what}: the parts are stored differently ({', '.join(map(_describe, parts))}); "
+                         "fusing them needs one storage")
+    return fused[0]
+
+
+def _describe(w: Weight) -> str:
+    return repr(w) if isinstance(w, QuantizedWeight) else f"{w.dtype} {tuple(w.shape)}"
+
+
+def with_act(w: Weight, act: ActQuant) -> Weight:
+    """An FP8 weight carrying the model's activation quantization `act` (every backend's weight ops
+    then quantize its inputs first); other weights as they are."""
+    if isinstance(w, QuantizedWeight) and w.format == FP8:
+        return QuantizedWeight(w.data, w.scale, w.format, w.block, act)
+    return w
 
 
 def stack(parts: list[Weight]) -> Weight:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import struct
 from contextlib import ExitStack
@@ -169,6 +170,11 @@ def mapped_tensor(path: Path, name: str) -> torch.Tensor:
     if end == begin:
         return torch.empty(entry["shape"], dtype=dtype)
     raw = np.memmap(path, dtype=np.uint8, mode="c", offset=base + begin, shape=(end - begin,))
+    # A step reads a few scattered rows: no read-around. Without this hint each row a lookup faults in
+    # brings read_ahead_kb of the file into the page cache (8 MB here) and maps ~64 KB around it
+    # (measured on a cold 4.4 GB Engram table: ~70 KB resident per row touched, 4.4 KB with the hint).
+    if hasattr(mmap, "MADV_RANDOM") and hasattr(raw, "_mmap") and raw._mmap is not None:
+        raw._mmap.madvise(mmap.MADV_RANDOM)
     return torch.from_numpy(raw).view(dtype).view(entry["shape"])
 
 

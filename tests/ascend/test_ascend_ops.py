@@ -138,7 +138,8 @@ def test_moe_experts_on_stored_stacks(asc, kind, t):
     _close("moe_experts", out, ref.moe_experts(x, weights, ids, widened(gu), widened(dn), 7.0))
 
 
-@pytest.mark.parametrize("kind", ["fp8_128_f32", "fp8_32_ue8m0", "fp8_fused_rows", "fp4_ue8m0", "bf16"])
+@pytest.mark.parametrize("kind", ["fp8_128_f32", "fp8_32_ue8m0", "fp8_fused_rows", "fp8_32_fused_rows", "fp4_ue8m0",
+                                  "bf16"])
 def test_dense_ops_on_stored_weights(asc, kind):
     """linear / grouped_linear / swiglu_mlp widen stored weights per call (row chunks): float32 math on
     the dequantized weight, K and N off the block edges."""
@@ -152,6 +153,20 @@ def test_dense_ops_on_stored_weights(asc, kind):
     for g in range(4):
         wg = wd[24 * g:24 * (g + 1)]
         assert_within(f"grouped_linear {kind} group {g}", out[:, g], xg[:, g] @ wg.T, dot_bound(xg[:, g], wg))
+
+
+@pytest.mark.parametrize("kind", ["fp8_32_ue8m0", "fp8_32_fused_rows"])
+def test_v41_weights_quantize_as_the_model_would(asc, kind):
+    """DeepSeek-V4.1's FP8 GEMM (models/deepseek_v41/numerics.py): a stored 32x32 ue8m0 weight with
+    ActQuant(32) on bf16 inputs equals the model quantizing the input itself with this backend's
+    fp8_qdq (bit-exact to DeepSeek's act_quant) times the dequantized weight, up to rounding order."""
+    from deepinfer.backends.quant import ActQuant, with_act
+
+    gen = seeded(23)
+    x = torch.randn(5, 128, generator=gen).bfloat16().float()
+    w = with_act(weight_kinds(torch.randn(96, 128, generator=gen) * 0.1)[kind], ActQuant(32))
+    xq, wd = asc.fp8_qdq(x, 32), widened(w)
+    assert_within(f"v41 linear {kind}", asc.linear(x, w), xq @ wd.T, dot_bound(xq, wd))
 
 
 # ------------------------------------------------------------------ Triton kernels

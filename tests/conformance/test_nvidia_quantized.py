@@ -47,7 +47,7 @@ def _act_block(w: QuantizedWeight) -> ActQuant:
     return ActQuant(w.block[1], pow2=w.act.pow2 if w.act else False)
 
 
-@pytest.mark.parametrize("kind", ["fp8_128_f32", "fp8_32_ue8m0", "fp8_fused_rows"])
+@pytest.mark.parametrize("kind", ["fp8_128_f32", "fp8_32_ue8m0", "fp8_fused_rows", "fp8_32_fused_rows"])
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("t", [1, 7])
 def test_fp8_linear(nv, kind, n, k, t):
@@ -67,6 +67,20 @@ def test_fp8_linear_power_of_two_activation_scales(nv):
     x = _x(5, 96, 3)
     xq = act_quant(x, ActQuant(32))
     assert_within("fp8 linear pow2 act", nv.linear(x, w), xq @ w.dequantize().T, dot_bound(xq, w.dequantize()))
+
+
+@pytest.mark.parametrize("kind", ["fp8_32_ue8m0", "fp8_32_fused_rows"])
+def test_v41_weights_quantize_as_the_model_would(nv, kind):
+    """DeepSeek-V4.1's FP8 GEMM (models/deepseek_v41/numerics.py): a stored 32x32 ue8m0 weight with
+    ActQuant(32) on bf16 inputs equals the model quantizing the input itself (the reference's fp8_qdq,
+    bit-exact to DeepSeek's act_quant) times the dequantized weight, up to rounding order."""
+    from deepinfer.backends import reference
+    from deepinfer.backends.quant import with_act
+
+    w = with_act(_case(130, 96, kind, 12), ActQuant(32))
+    x = (_x(5, 96, 4) * 0.1).bfloat16().float()
+    xq, wd = reference.fp8_qdq(x, 32), widened(w)
+    assert_within(f"v41 fp8 linear {kind}", nv.linear(x.to(nv.device), w.to(nv.device)), xq @ wd.T, dot_bound(xq, wd))
 
 
 @pytest.mark.parametrize("kind", ["fp8_128_f32", "fp8_32_ue8m0", "bf16"])

@@ -124,6 +124,23 @@ def test_act_quant_weights_quantize_their_inputs_first():
     assert not torch.equal(kernels.linear(x, w), kernels.linear(x, plain))
 
 
+@pytest.mark.parametrize("t", [1, 3, 40])  # GEMV kernel and widened + MKL
+def test_v41_weights_quantize_as_the_model_would(t):
+    """DeepSeek-V4.1's FP8 GEMM (models/deepseek_v41/numerics.py): a stored 32x32 ue8m0 weight carrying
+    ActQuant(32), on bf16 inputs, equals the model quantizing the input itself (the reference's fp8_qdq,
+    bit-exact to DeepSeek's act_quant) and multiplying by the dequantized weight, up to rounding order;
+    the same weight fused off its block edge (shared expert w1 / w3) too."""
+    from deepinfer.backends.quant import with_act
+
+    gen = torch.Generator().manual_seed(11)
+    x = (torch.randn(t, 96, generator=gen) * torch.logspace(-2, 1, 96)).bfloat16().float()
+    xq = ref.fp8_qdq(x, 32)
+    for kind in ("fp8_32_ue8m0", "fp8_32_fused_rows"):
+        w = with_act(_case(130, 96, kind, 12), ActQuant(32))
+        wd = widened(w)
+        assert_within(f"v41 linear {kind} T={t}", kernels.linear(x, w), xq @ wd.T, dot_bound(xq, wd))
+
+
 @pytest.mark.parametrize("t", [1, 5, 40])  # decoded in registers, once into a buffer, widened for MKL
 def test_every_code_decodes_exactly(t):
     """Row i holds code i alone, at column i: with x[k] = k + 1, output i is that code's value times

@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from deepinfer.backends.quant import widen
+from deepinfer.backends.quant import QuantizedWeight, widen
 from deepinfer.core.loader import CheckpointError, load_checkpoint
 from deepinfer.models.base import ConfigError
 from deepinfer.models.deepseek_v41 import DeepseekV41Config, DeepseekV41Model
@@ -108,10 +108,13 @@ def test_golden_checkpoint_loads_with_bare_names(config):
     assert set(weights) == set(cls.checkpoint_tensors(cfg))
     assert extra and all(n.startswith("mtp.") for n in extra)
     with safe_open(checkpoint_dir(config) / "model.safetensors", "pt") as f:
-        # an FP8 weight: dequantized exactly (32x32 E8M0 tiles)
+        # an FP8 weight: kept as stored (the file's e4m3 bytes, its 32x32 E8M0 tiles), dequantizing exactly
         q, s = f.get_tensor("layers.2.attn.wq_b.weight"), f.get_tensor("layers.2.attn.wq_b.scale")
+        kept = weights["layers.2.attn.wq_b.weight"]
+        assert isinstance(kept, QuantizedWeight) and kept.block == (32, 32) and kept.scale.dtype == torch.uint8
+        assert torch.equal(kept.data.view(torch.uint8), q.view(torch.uint8))
         expected = q.float() * s.float().repeat_interleave(32, 0).repeat_interleave(32, 1)
-        assert torch.equal(weights["layers.2.attn.wq_b.weight"], expected)
+        assert torch.equal(kept.dequantize(), expected)
         # an FP4 expert: w3 of expert 1 is the second half of its fused gate_up rows
         w3 = widen(weights["layers.1.ffn.experts.gate_up"])[1, cfg.moe_intermediate_size:]  # kept FP4 as stored
         packed, s4 = f.get_tensor("layers.1.ffn.experts.1.w3.weight"), f.get_tensor("layers.1.ffn.experts.1.w3.scale")
@@ -143,7 +146,7 @@ def test_engram_tables_are_mapped_not_read():
         if lo <= ptr < hi:
             mapped_from = parts[5] if len(parts) > 5 else None
     assert mapped_from is not None and mapped_from.endswith("model.safetensors")
-    ordinary = weights["layers.1.engram.wkv.weight"].data_ptr()  # dequantized: ordinary memory
+    ordinary = weights["layers.1.attn_norm.weight"].data_ptr()  # bf16 widened to float32: ordinary memory
     assert not any(int(l.split()[0].split("-")[0], 16) <= ordinary < int(l.split()[0].split("-")[1], 16)
                    and l.rstrip().endswith("model.safetensors") for l in open("/proc/self/maps"))
 

@@ -23,10 +23,10 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer.backends.quant import QuantizedWeight, widen
+from deepinfer.backends.quant import Weight, cat_rows, stack, widen
 from deepinfer.models.deepseek_v41 import moe
 from deepinfer.models.deepseek_v41.config import ACT_BLOCK
-from deepinfer.models.deepseek_v41.model import bf16
+from deepinfer.models.deepseek_v41.model import bf16, fuse_shared_experts, quantize_inputs
 from deepinfer.models.deepseek_v41.weights import dspark_tensors
 from deepinfer.models.dspark_config import DSparkSettings, mtp_stages
 
@@ -39,20 +39,21 @@ class DSparkConfig(DSparkSettings):
     top_k: int
 
 
-def stage_weights(extra: dict[str, torch.Tensor], cfg, dcfg: DSparkConfig) -> dict[str, torch.Tensor]:
+def stage_weights(extra: dict[str, Weight], cfg, dcfg: DSparkConfig) -> dict[str, Weight]:
     """The stages' tensors with each stage's per-expert w1/w3/w2 fused into [E, 2I, D] / [E, D, I]
-    stacks and the shared expert's w1/w3 into one [2I, D], shapes checked against the config."""
+    stacks and the shared expert's w1/w3 into one [2I, D], shapes checked against the config. The
+    matrices weight ops read stay as stored (FP8 / FP4 QuantizedWeight, bf16), as the backbone's
+    (weights.py); the other tensors take their spec's dtype (float32; wo_a bf16)."""
     expected = dspark_tensors(cfg)
-    out: dict[str, torch.Tensor] = {}
-    experts: dict[str, dict[tuple[int, str], torch.Tensor]] = {}
+    out: dict[str, Weight] = {}
+    experts: dict[str, dict[tuple[int, str], Weight]] = {}
     for name, t in extra.items():
         if not name.startswith("mtp."):
             continue
-        # the loader keeps extras as stored; the stages compute on float32 weights, as V4.1's dense
-        # layers do (its TensorSpecs are not `stored` yet)
-        t = widen(t) if isinstance(t, QuantizedWeight) or t.is_floating_point() else t
         if m := _EXPERT.fullmatch(name):
             experts.setdefault(m.group(1), {})[(int(m.group(2)), m.group(3))] = t
+        elif name in expected and not expected[name].stored and t.is_floating_point():
+            out[name] = widen(t).to(expected[name].dtype)
         else:
             out[name] = t
     for name, spec in expected.items():
@@ -69,13 +70,12 @@ def stage_weights(extra: dict[str, torch.Tensor], cfg, dcfg: DSparkConfig) -> di
                    if (e, w) not in per]
         if missing:
             raise ValueError(f"DSpark drafter: missing tensor {missing[0]}")
-        out[p + "experts.gate_up"] = torch.stack([torch.cat([per[(e, "w1")], per[(e, "w3")]])
-                                                  for e in range(dcfg.num_experts)])
-        out[p + "experts.down"] = torch.stack([per[(e, "w2")] for e in range(dcfg.num_experts)])
-        out[p + "shared_experts.gate_up"] = torch.cat([out.pop(p + "shared_experts.w1.weight"),
-                                                      out.pop(p + "shared_experts.w3.weight")])
-        out[p + "shared_experts.down"] = out.pop(p + "shared_experts.w2.weight")
-    return out
+        out[p + "experts.gate_up"] = stack([cat_rows([per[(e, "w1")], per[(e, "w3")]],
+                                                     f"DSpark {p}experts.{e} w1 / w3")
+                                            for e in range(dcfg.num_experts)])
+        out[p + "experts.down"] = stack([per[(e, "w2")] for e in range(dcfg.num_experts)])
+    fuse_shared_experts(out, [f"mtp.{k}.ffn." for k in range(dcfg.num_stages)])
+    return quantize_inputs(out) if cfg.quantized else out
 
 
 class DSparkDrafter:

@@ -13,9 +13,9 @@ positions, flattened into one [T, ...] batch; per-sequence structure lives in in
 
 Attention: one K = V head over the layer's window ring plus, on compressed layers, the indexer's
 top-k of the KV source's compressed entries (CSA2: Full / Reuse / Reindex, config.py). Numerics as
-trained: FP8 GEMM inputs quantized per 32 (dequantized weights: issue 22 will keep them packed),
-window KV FP8-QDQ'd after RoPE, index queries and keys FP4 (E8M0 per 32), compressed entries FP4
-(E4M3 per 16). Activations are rounded to bfloat16 wherever the reference (which runs in bf16)
+trained: FP8 GEMM inputs quantized per 32 (by the weight op: the FP8 weights stay packed and carry
+that quantization, numerics.py), window KV FP8-QDQ'd after RoPE, index queries and keys FP4 (E8M0
+per 32), compressed entries FP4 (E4M3 per 16). Activations are rounded to bfloat16 wherever the reference (which runs in bf16)
 holds them (`bf16`: op outputs, the residual copies), while every op computes in float32 inside: the
 trained numerics, and within a few bf16 ulps of DeepSeek's code block by block (tests/oracle).
 
@@ -31,6 +31,7 @@ import torch
 
 from deepinfer import envs
 from deepinfer.backends.base import Accelerator, WeightRole
+from deepinfer.backends.quant import ActQuant, cat_rows, with_act
 from deepinfer.core.cache import CacheSpec, StateCache
 from deepinfer.models.base import (CausalLM, MultimodalItem, MultimodalPrompt, ParallelContext,
                                    StepInput, TensorSpec, ViewCache)
@@ -39,7 +40,7 @@ from deepinfer.models.deepseek_v41.config import ACT_BLOCK, DeepseekV41Config
 from deepinfer.models.deepseek_v41.engram import EngramHash, checkpoint_token_map, engram_update, lookup_rows
 from deepinfer.models.deepseek_v41.indexer import select_candidate_blocks, topk_picks
 from deepinfer.models.deepseek_v41.multimodal import encode_items, expand_prompt
-from deepinfer.models.deepseek_v41.numerics import bf16
+from deepinfer.models.deepseek_v41.numerics import bf16, gemm_input
 from deepinfer.models.deepseek_v41.vision import VisionEncoder
 from deepinfer.models.deepseek_v41.vision_config import IMAGE_PLACEHOLDER
 from deepinfer.models.deepseek_v41.step import CacheView, Rows, StepMeta, cache_spec
@@ -68,6 +69,29 @@ class StepState:
         return t[index]
 
 
+# The FP8 weights whose GEMM input DeepSeek quantizes to FP8 per 32 (its linear()). Not wo_a (held in
+# bf16, weights.py), nor the bf16 compressor, indexer-key, router and head weights.
+_QUANTIZED_INPUT = ("attn.wq_a.weight", "attn.wq_b.weight", "attn.wkv.weight", "attn.wo_b.weight",
+                    "indexer.wq_b.weight", "engram.wkv.weight", "shared_experts.gate_up", "shared_experts.down",
+                    "main_proj.weight")
+
+
+def quantize_inputs(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The weights with V4.1's activation quantization (FP8 per 32, power-of-two scales) attached to
+    the FP8 ones of _QUANTIZED_INPUT: the weight op applies it on every backend (numerics.py)."""
+    act = ActQuant(ACT_BLOCK)
+    return {n: with_act(t, act) if n.endswith(_QUANTIZED_INPUT) else t for n, t in weights.items()}
+
+
+def fuse_shared_experts(weights: dict[str, torch.Tensor], prefixes: list[str]) -> None:
+    """Each FFN's shared expert w1 / w3 as one gate_up GEMM and w2 as down, in their storage
+    (QuantizedWeight.cat fuses FP8 exactly)."""
+    for p in prefixes:
+        p += "shared_experts."
+        weights[p + "gate_up"] = cat_rows([weights.pop(p + "w1.weight"), weights.pop(p + "w3.weight")], p + "w1 / w3")
+        weights[p + "down"] = weights.pop(p + "w2.weight")
+
+
 class DeepseekV41Model(CausalLM):
     extra_prefixes = ("mtp.",)  # the DSpark stages (dspark.py)
 
@@ -83,9 +107,9 @@ class DeepseekV41Model(CausalLM):
         weights = dict(weights)
         self.tables = {n: weights.pop(n) for n, s in specs.items() if s.mapped}  # stay memory-mapped
         self.vision = VisionEncoder(config.vision, weights, accel) if config.vision is not None else None
-        for p in [f"layers.{i}.ffn.shared_experts." for i in range(config.num_hidden_layers)]:
-            weights[p + "gate_up"] = torch.cat([weights.pop(p + "w1.weight"), weights.pop(p + "w3.weight")])
-            weights[p + "down"] = weights.pop(p + "w2.weight")
+        fuse_shared_experts(weights, [f"layers.{i}.ffn." for i in range(config.num_hidden_layers)])
+        if self.quantized:
+            weights = quantize_inputs(weights)
         self.w = {n: accel.prepare_weight(t, WeightRole.EXPERTS if specs.get(n, TensorSpec(())).experts
                                           else WeightRole.PLAIN) for n, t in weights.items()}
         ep = self.parallel.expert_parallel
@@ -225,9 +249,10 @@ class DeepseekV41Model(CausalLM):
         return bf16(ops.hc_post(bf16(ffn(h)), streams, post, comb)), ffn_pre
 
     def qlinear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """A GEMM with an FP8-stored weight: its input quantized to FP8 per 32 first (DeepSeek's linear()),
-        its output in bf16."""
-        return bf16(self.accel.linear(self.accel.fp8_qdq(x, ACT_BLOCK) if self.quantized else x, weight))
+        """A GEMM with an FP8-stored weight on bf16 values x: its input quantized to FP8 per 32 first
+        (DeepSeek's linear(); by the op itself where the weight carries it: numerics.gemm_input), its
+        output in bf16."""
+        return bf16(self.accel.linear(gemm_input(self.accel, x, weight, self.quantized), weight))
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return bf16(self.accel.rms_norm(x, weight, self.config.rms_norm_eps))
@@ -350,9 +375,9 @@ class DeepseekV41Model(CausalLM):
         if at is not None and at.numel():  # the router is row by row: image rows routed alone, as in the batch
             weights[at], ids[at] = moe.route(ops, h[at], gate, w[p + "gate.bias_vl"], *rule)
         routed = experts(h, weights, ids)  # also with no rows here: expert parallelism serves other ranks' rows
-        x = self.accel.fp8_qdq(h, ACT_BLOCK) if self.quantized else h
-        shared = moe.swiglu_expert(ops, x, w[p + "shared_experts.gate_up"], w[p + "shared_experts.down"], self.limit,
-                                   self.quantized)
+        gate_up = w[p + "shared_experts.gate_up"]
+        shared = moe.swiglu_expert(ops, gemm_input(ops, h, gate_up, self.quantized), gate_up,
+                                   w[p + "shared_experts.down"], self.limit, self.quantized)
         return bf16(routed + shared)
 
     # ------------------------------------------------------------ Engram

@@ -16,9 +16,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from deepinfer.models.deepseek_v41.numerics import bf16
-
-ACT_BLOCK = 32
+from deepinfer.models.deepseek_v41.config import ACT_BLOCK
+from deepinfer.models.deepseek_v41.numerics import bf16, quantizes_input
 
 
 def _qdq(ops, x: torch.Tensor, quantized: bool) -> torch.Tensor:
@@ -36,12 +35,14 @@ def route(ops, x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k: i
 
 def swiglu_expert(ops, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, limit: float,
                   quantized: bool, weight: torch.Tensor | None = None) -> torch.Tensor:
-    """One expert on rows x [n, D] (already quantized when `quantized`): down(qdq(swiglu * weight))."""
+    """One expert on rows x [n, D] (as gate_up takes them: numerics.gemm_input): down(qdq(swiglu * weight)),
+    the intermediate quantized by the down projection's op where `down` carries that (bf16 first, as
+    fp8_qdq rounds)."""
     gate, up = bf16(ops.linear(x, gate_up)).chunk(2, dim=-1)
     h = ops.swiglu(gate, up, limit)
     if weight is not None:
         h = h * weight.unsqueeze(-1)
-    return bf16(ops.linear(_qdq(ops, h, quantized), down))
+    return bf16(ops.linear(bf16(h) if quantizes_input(down) else _qdq(ops, h, quantized), down))
 
 
 def routed_experts(ops, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
