@@ -32,6 +32,7 @@ import torch
 from deepinfer import envs
 from deepinfer.backends.base import Accelerator, WeightRole
 from deepinfer.core.cache import CacheSpec, StateCache
+from deepinfer.core.graphs import HostCall
 from deepinfer.models.base import (CausalLM, ConfigError, MultimodalItem, MultimodalPrompt, ParallelContext,
                                    StepInput, TensorSpec, ViewCache)
 from deepinfer.models.deepseek_v41 import moe, weights as checkpoint
@@ -42,7 +43,7 @@ from deepinfer.models.deepseek_v41.multimodal import encode_items, expand_prompt
 from deepinfer.models.deepseek_v41.numerics import bf16
 from deepinfer.models.deepseek_v41.vision import VisionEncoder
 from deepinfer.models.deepseek_v41.vision_config import IMAGE_PLACEHOLDER
-from deepinfer.models.deepseek_v41.step import CacheView, Rows, StepMeta, cache_spec
+from deepinfer.models.deepseek_v41.step import CacheView, StepMeta, cache_spec
 
 
 DEAD = -1  # Engram's class of an image-span position: no n-gram includes it
@@ -50,21 +51,22 @@ DEAD = -1  # Engram's class of an image-span position: no n-gram includes it
 
 class StepState:
     """What a step's layers hand down the stack: each index source's picks and the candidate source's
-    mask, for the rows they were computed on (IMPLEMENTING.md: shared_attn)."""
+    mask, for the rows they were computed on (IMPLEMENTING.md: shared_attn). Rows are a StepMeta.rows
+    entry (Rows.dev: the device tensors of all the step's tokens, or of the decoder's subset)."""
 
     def __init__(self):
-        self.picks: dict[int, tuple[Rows, torch.Tensor]] = {}
-        self.candidates: tuple[Rows, torch.Tensor] | None = None
+        self.picks: dict[int, tuple[dict, torch.Tensor]] = {}
+        self.candidates: tuple[dict, torch.Tensor] | None = None
 
     @staticmethod
-    def gather(entry: tuple[Rows, torch.Tensor], rows: Rows) -> torch.Tensor:
+    def gather(entry: tuple[dict, torch.Tensor], rows: dict) -> torch.Tensor:
         """The tensor's rows for the tokens of `rows` (a subset of the rows it was computed on)."""
         source, t = entry
-        if source is rows or rows.tokens is None:
+        if source is rows or rows["tokens"] is None:
             return t
-        if source.tokens is None:
-            return t[rows.dev["tokens"]]
-        index = torch.searchsorted(source.dev["flat"], rows.dev["flat"])
+        if source["tokens"] is None:
+            return t[rows["tokens"]]
+        index = torch.searchsorted(source["flat"], rows["flat"])
         return t[index]
 
 
@@ -109,13 +111,15 @@ class DeepseekV41Model(CausalLM):
                      down: torch.Tensor) -> torch.Tensor:
         return moe.routed_experts(self.accel, h, weights, ids, gate_up, down, self.limit, self.experts_quantized)
 
-    def _local_experts(self, gate_up: torch.Tensor, down: torch.Tensor):
+    def _local_experts(self, gate_up: torch.Tensor, down: torch.Tensor) -> HostCall:
+        """A layer's routed experts: a loop over the experts the step hits, one recorded call in a
+        captured step (core/graphs.py: HostCall) until a fixed-shape kernel runs V4.1's expert numerics."""
         ops, limit, quantized = self.accel, self.limit, self.experts_quantized
 
         def experts(h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
             return moe.routed_experts(ops, h, weights, ids, gate_up, down, limit, quantized)
 
-        return experts
+        return HostCall(experts)
 
     # ------------------------------------------------------------ the model interface
     @classmethod
@@ -176,11 +180,10 @@ class DeepseekV41Model(CausalLM):
         Engram), averaged over the hc copies, at the flat rows `feature_rows`: [R, len, D]."""
         cfg, ops, w = self.config, self.accel, self.w
         meta = meta if meta is not None else self.prepare(inp, cache)
-        logit_rows = logit_rows.cpu().numpy()
-        if meta.decoder is meta.all and cfg.first_decoder_layer < cfg.num_hidden_layers:
+        if "decoder" not in meta.rows and cfg.first_decoder_layer < cfg.num_hidden_layers:
             meta.split_decoder(logit_rows, envs.get("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE"),
                                envs.get("DEEPINFER_YOCO_PREFILL_KEEP_TOKENS"))
-        rows, state = meta.all, StepState()
+        rows, state = meta.rows["all"], StepState()
         x = bf16(ops.embedding(meta.ids, w["embed.weight"]))
         image = self._image_rows(inp, x.shape[0], x.device)
         for row, embeds in inp.embeds or ():  # image spans: the learned markers and the aligner's rows
@@ -191,9 +194,9 @@ class DeepseekV41Model(CausalLM):
         pre[:, 0] = 1.0  # layer 0's attention reads copy 0
         features = []
         for i, role in enumerate(cfg.roles):
-            if i == cfg.first_decoder_layer and meta.decoder is not meta.all:
-                rows = meta.decoder
-                streams, pre = streams[rows.dev["tokens"]], pre[rows.dev["tokens"]]
+            if i == cfg.first_decoder_layer and "decoder" in meta.rows:
+                rows = meta.rows["decoder"]
+                streams, pre = streams[rows["tokens"]], pre[rows["tokens"]]
             if role.engram:
                 streams = self._engram(i, streams, hashes, self._of_rows(image, rows))
             if i in feature_layers:
@@ -201,7 +204,7 @@ class DeepseekV41Model(CausalLM):
             streams, pre = self.block(f"layers.{i}.", streams, pre,
                                       lambda h, i=i: self._attention(i, h, meta, rows, state),
                                       lambda h, i=i, r=rows: self._moe(i, h, self._of_rows(image, r)))
-        picked = self._local_rows(rows, torch.from_numpy(logit_rows))
+        picked = self._local_rows(rows, logit_rows)
         h = bf16(ops.hc_collapse(streams[picked], pre[picked]))
         logits = ops.linear(bf16(ops.rms_norm(h, w["norm.weight"], cfg.rms_norm_eps)), w["head.weight"])
         return (logits, torch.stack(features, dim=1)) if feature_layers else logits
@@ -234,20 +237,22 @@ class DeepseekV41Model(CausalLM):
         return bf16(self.accel.rope(x, cos, sin, inverse))
 
     @staticmethod
-    def _local_rows(rows: Rows, flat: torch.Tensor) -> torch.Tensor:
-        """Flat token indices -> positions within `rows` (which must hold them)."""
-        flat = flat.to(rows.dev["flat"].device)
-        if rows.tokens is None:
+    def _local_rows(rows: dict, flat: torch.Tensor) -> torch.Tensor:
+        """Flat token indices -> positions within `rows` (which must hold them: checked on the host,
+        only under the CED split, which no decode step has)."""
+        flat = flat.to(rows["flat"].device)
+        if rows["tokens"] is None:
             return flat
-        at = torch.searchsorted(rows.dev["flat"], flat)
-        if bool((at >= rows.count).any()) or not torch.equal(rows.dev["flat"][at.clamp(max=rows.count - 1)], flat):
+        count = rows["flat"].shape[0]
+        at = torch.searchsorted(rows["flat"], flat)
+        if bool((at >= count).any()) or not torch.equal(rows["flat"][at.clamp(max=count - 1)], flat):
             raise RuntimeError("a requested row was not computed by the decoder layers (CED split)")
         return at
 
     # ------------------------------------------------------------ attention
-    def _attention(self, i: int, h: torch.Tensor, meta: StepMeta, rows: Rows, state: StepState) -> torch.Tensor:
+    def _attention(self, i: int, h: torch.Tensor, meta: StepMeta, rows: dict, state: StepState) -> torch.Tensor:
         cfg, ops, w = self.config, self.accel, self.w
-        role, view, dev = cfg.roles[i], meta.cache.layers[i], rows.dev
+        role, view, dev = cfg.roles[i], meta.cache.layers[i], rows
         p = f"layers.{i}.attn."
         n, heads, hd = h.shape[0], cfg.num_attention_heads, cfg.head_dim
         cos, sin = dev["rope"]["compress" if role.rate else "main"]
@@ -263,7 +268,7 @@ class DeepseekV41Model(CausalLM):
         if role.rate:
             if role.owns_kv:
                 self._compress(i, h, meta)
-            picks = self._picks(i, h, qr, rows, state) if role.owns_index else \
+            picks = self._picks(i, h, qr, meta, rows, state) if role.owns_index else \
                 state.gather(state.picks[role.index_source], rows)
             indices = torch.cat([indices, torch.where(picks >= 0, picks + pool.page_base, picks)], dim=1)
         out = bf16(ops.sparse_attention_bf16(q, pool.data, indices, w[p + "attn_sink"], hd ** -0.5))
@@ -285,7 +290,7 @@ class DeepseekV41Model(CausalLM):
         else:  # stage every token's [kv | gate], pool each finished pair with a per-channel softmax
             ring = view.compressor.data
             staged = torch.cat([ops.linear(h, w[p + "wkv.weight"]), ops.linear(h, w[p + "wgate.weight"])], dim=-1)
-            ring[info["scratch"] + meta.all.dev["flat"]] = staged.to(ring.dtype)
+            ring[info["scratch"] + meta.rows["all"]["flat"]] = staged.to(ring.dtype)
             raw = ring[info["tok_rows"].clamp(min=0)].float()
             latent = bf16(ops.compress_windows(raw[..., :cfg.head_dim], raw[..., cfg.head_dim:]))
             src, dst = info["commit"]
@@ -301,10 +306,11 @@ class DeepseekV41Model(CausalLM):
         entries = ops.fp4_qdq(self.rope(latent, cos, sin), 16, e4m3_scale=True)
         view.pool.data[view.pool.page_base + info["out_rows"]] = entries.to(view.pool.data.dtype)
 
-    def _picks(self, i: int, h: torch.Tensor, qr: torch.Tensor, rows: Rows, state: StepState) -> torch.Tensor:
+    def _picks(self, i: int, h: torch.Tensor, qr: torch.Tensor, meta: StepMeta, rows: dict,
+               state: StepState) -> torch.Tensor:
         """An index source's top-k entries per token (page rows, -1 = none), published for its readers."""
         cfg, ops, w = self.config, self.accel, self.w
-        role, view, dev = cfg.roles[i], rows.meta.cache.layers[i], rows.dev
+        role, view, dev = cfg.roles[i], meta.cache.layers[i], rows
         x = f"layers.{i}.attn.indexer."
         heads, dim = cfg.index_n_heads, cfg.index_head_dim
         cos, sin = dev["rope"]["compress"]
@@ -324,9 +330,9 @@ class DeepseekV41Model(CausalLM):
         return picks
 
     @staticmethod
-    def _of_rows(mask: torch.Tensor | None, rows: Rows) -> torch.Tensor | None:
+    def _of_rows(mask: torch.Tensor | None, rows: dict) -> torch.Tensor | None:
         """A per-token mask of the whole step, for the tokens of `rows` (the CED split's subset)."""
-        return mask if mask is None or rows.tokens is None else mask[rows.dev["tokens"]]
+        return mask if mask is None or rows["tokens"] is None else mask[rows["tokens"]]
 
     # ------------------------------------------------------------ MoE
     def _moe(self, i: int, h: torch.Tensor, image: torch.Tensor | None = None) -> torch.Tensor:
@@ -354,15 +360,14 @@ class DeepseekV41Model(CausalLM):
         Engram ring (look-back of later steps). Image-span positions (`image`) are DEAD in it: no n-gram
         spans or crosses them (a look-back that reaches one takes the pad class from there on, as at the
         sequence start), also for later steps that look back over them."""
-        pool, dev = meta.cache.engram, meta.all.dev
+        pool, dev = meta.cache.engram, meta.rows["all"]
         classes = self.engram.classes(meta.ids)
         if image is not None:
             classes = torch.where(image, DEAD, classes)
         pool.data[pool.scratch_base + dev["flat"], 0] = classes
         back = dev["engram"]
         history = torch.where(back >= 0, pool.data[back.clamp(min=0), 0], torch.full_like(back, self.engram.pad))
-        src, dst = meta.commit(pool.spec.ring, 1, meta.all)
-        src, dst = torch.from_numpy(src).to(pool.data.device), torch.from_numpy(dst).to(pool.data.device)
+        src, dst = dev["engram_commit"]
         pool.data.index_copy_(0, dst, pool.data.index_select(0, src))
         grams = torch.cat([classes.unsqueeze(1), history], dim=1)
         if self.config.vision is not None:

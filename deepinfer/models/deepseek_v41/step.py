@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from deepinfer.core.cache import CacheSpec, Pool, PoolSpec, StateCache
+from deepinfer.core.graphs import size_bucket
 from deepinfer.models.base import StepInput, to_device
 from deepinfer.models.deepseek_v41.config import DeepseekV41Config
 
@@ -101,10 +102,15 @@ def arange_within(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return group, np.arange(len(group)) - first[group]
 
 
+_MIN_ENTRIES = 64  # compressed entries a token's candidate row holds at least (fewer decode buckets)
+
+
 class Rows:
     """The index arrays of a set of the step's tokens (all of them, or the decoder's subset under the
-    CED split), planned on the host and moved to the device once: positions, RoPE tables, window rows
-    per pool layout, the compressed entries each token may see, Engram's look-back rows."""
+    CED split), planned on the host and moved to the device once (`dev`, which the forward reads:
+    StepMeta.rows): positions, RoPE tables, window rows per pool layout, the compressed entries each
+    token may see (padded with -1 to a size bucket, so decode steps of a batch size share few shapes;
+    the indexer's picks do not depend on the padding), Engram's look-back rows and ring commit."""
 
     def __init__(self, meta: "StepMeta", tokens: np.ndarray | None, floor: np.ndarray | None):
         self.meta = meta
@@ -130,6 +136,8 @@ class Rows:
             ring, n = cache.engram.spec.ring, cfg.engram_max_ngram_size - 1
             pos = self.key_positions(n)[:, :-1][:, ::-1]  # p - 1, p - 2, ...
             self.engram = np.where(pos >= 0, meta.ring_rows(pos, self.seq[:, None], ring, 1)[0], -1)
+            if tokens is None:  # the step's classes the ring keeps
+                self.engram_commit = meta.commit(ring, 1, self)
         self.dev = self._to_device(cache.device)
 
     def key_positions(self, back: int) -> np.ndarray:
@@ -146,9 +154,11 @@ class Rows:
         entry j is visible to position p once (j + 1) * rate <= p + 1; -1 elsewhere."""
         meta = self.meta
         visible = (self.positions + 1) // rate
-        width = int(visible.max()) if self.count else 0
+        pool = meta.paged_pool(rate)
+        most = meta.cache.cache.block_table.shape[1] * pool.page_rows  # entries a block-table row maps
+        width = min(size_bucket(int(visible.max()), _MIN_ENTRIES), most) if self.count else 0
         j = np.arange(width)[None, :]
-        rows = meta.cache.cache.page_rows(meta.paged_pool(rate), meta.slots[self.seq][:, None], j)
+        rows = meta.cache.cache.page_rows(pool, meta.slots[self.seq][:, None], j)
         return np.where(j < visible[:, None], rows, -1)
 
     def _to_device(self, device: torch.device) -> dict:
@@ -163,13 +173,21 @@ class Rows:
                "flat": move(self.flat)}
         if hasattr(self, "engram"):
             out["engram"] = move(self.engram)
+        if hasattr(self, "engram_commit"):
+            out["engram_commit"] = tuple(map(move, self.engram_commit))
         return out
 
 
 class StepMeta:
     """Index tensors of one step. Planned on the host from host tensors (no device sync), moved to the
     device in one go; `ids` is the device copy of the step's token ids, which the engine may patch
-    with the previous step's samples before the forward."""
+    with the previous step's samples before the forward. The forward reads the step only through the
+    tensors of `ids`, `rows` ("all": every token's Rows.dev; "decoder": the decoder layers' under
+    the CED split) and `writes`, so the engine records a decode step once per shape bucket and
+    replays it with a later step's (core/graphs.py). A decode step (one token per sequence, no
+    prefix-cache replay) is planned with shapes that depend on its batch size and its entries' size
+    bucket only: each KV source writes one entry per sequence, finished or not (an unfinished pair
+    reads no token and writes to the cache's trash page)."""
 
     def __init__(self, inp: StepInput, cache: CacheView, config: DeepseekV41Config):
         self.inp, self.cache, self.config = inp, cache, config
@@ -186,11 +204,12 @@ class StepMeta:
         self.restored = inp.num_restored.numpy() if inp.num_restored is not None else np.zeros_like(self.starts)
         self.rates = sorted({r.rate for r in config.roles if r.rate})
         self.ring_members = sorted({v.members for v in cache.layers})
+        self.decode = self.num_tokens == len(self.lens) and inp.window_floor is None and inp.num_restored is None
         device = cache.device
         self.ids = inp.ids if device.type == "cpu" else inp.ids.to(device, non_blocking=True)
         # read the block table now: overlapped scheduling may hand a freed page to another request
         self.all = Rows(self, None, self.floor)
-        self.decoder = self.all  # plan_decoder: the decoder layers' rows under the CED split
+        self.rows = {"all": self.all.dev}  # split_decoder adds "decoder"
         self.writes = {rate: self._entry_writes(rate) for rate in self.rates}
 
     def paged_pool(self, rate: int) -> Pool:
@@ -218,17 +237,27 @@ class StepMeta:
         """The compressed entries finished in this step (KV sources of `rate`): their page rows, the rows
         of their tokens (ratio 1: the step's flat row; ratio 2: the staging ring), RoPE at each entry's
         position (entry j stands for position j * rate)."""
-        first = np.maximum(self.starts, self.restored)  # restored pages are shared: read-only
-        lo = first // rate
-        counts = np.maximum(self.ends // rate - lo, 0)
-        seq, within = arange_within(counts)
-        entry = lo[seq] + within
-        info = {"out_rows": self.cache.cache.page_rows(self.paged_pool(rate), self.slots[seq], entry),
-                "cos_sin": self.config.rope_compress.cos_sin(entry * rate)}
+        pool = self.paged_pool(rate)
+        if self.decode:  # one entry per sequence: the one its token finishes, if any
+            seq = np.arange(len(self.lens))
+            finished = (self.ends % rate == 0)
+            entry = np.maximum(self.ends // rate - 1, 0)
+        else:
+            first = np.maximum(self.starts, self.restored)  # restored pages are shared: read-only
+            lo = first // rate
+            counts = np.maximum(self.ends // rate - lo, 0)
+            seq, within = arange_within(counts)
+            entry, finished = lo[seq] + within, None
+        out_rows = self.cache.cache.page_rows(pool, self.slots[seq], entry)
+        if finished is not None:
+            out_rows = np.where(finished, out_rows, self.cache.cache.trash_page * pool.page_rows)
+        info = {"out_rows": out_rows, "cos_sin": self.config.rope_compress.cos_sin(entry * rate)}
         if rate > 1:
             ring = rate + self.cache.ring - self.config.sliding_window  # rate + rollback margin
             tok_pos = entry[:, None] * rate + np.arange(rate)
             info["tok_rows"] = self.ring_rows(tok_pos, seq[:, None], ring, 1)[0]
+            if finished is not None:
+                info["tok_rows"] = np.where(finished[:, None], info["tok_rows"], -1)
             info["commit"] = self.commit(ring, 1, self.all)
             info["scratch"] = self.cache.ring_slots * ring
         else:
@@ -240,14 +269,16 @@ class StepMeta:
         return {k: (tuple(map(move, v)) if isinstance(v, tuple) else v if isinstance(v, int) else move(v))
                 for k, v in info.items()}
 
-    def split_decoder(self, logit_rows: np.ndarray, mode: str, keep: int) -> None:
+    def split_decoder(self, logit_rows: torch.Tensor, mode: str, keep: int) -> None:
         """The CED split (model.py's doc): the decoder layers run on each long chunk's last `keep` rows
         (compact), or on every row with the same masking (mask, a check); off: every row, exact. A
         sequence whose step needs logits of any row but its last (prompt logprobs) runs in full: the
         decoder's window, and everything it feeds, would reach below the tail for those rows. (The
-        DSpark drafter's context rows, the last window + margin positions, lie in the tail.)"""
-        if mode == "off":
+        DSpark drafter's context rows, the last window + margin positions, lie in the tail.) Reads
+        `logit_rows` only for a step with a chunk longer than `keep` (never a decode step)."""
+        if mode == "off" or not (self.lens > keep).any():
             return
+        logit_rows = logit_rows.cpu().numpy()
         last = self.first + self.lens - 1
         seq_of = np.searchsorted(last, logit_rows)
         full = np.zeros(len(self.lens), dtype=bool)
@@ -260,4 +291,4 @@ class StepMeta:
         in_tail = cut[self.seq] & (self.positions >= tail_pos)
         floor = np.where(in_tail, tail_pos, floor)
         tokens = np.arange(self.num_tokens) if mode == "mask" else np.flatnonzero(~cut[self.seq] | in_tail)
-        self.decoder = Rows(self, tokens, floor[tokens])
+        self.rows["decoder"] = Rows(self, tokens, floor[tokens]).dev
