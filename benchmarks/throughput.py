@@ -172,7 +172,12 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     model_dir = os.path.abspath(_model_dir(args))  # the baseline runs from its own directory
-    vocab = json.load(open(os.path.join(model_dir, "config.json")))["vocab_size"]
+    config = json.load(open(os.path.join(model_dir, "config.json")))
+    vocab = config.get("text_config", config)["vocab_size"]
+    from transformers import CONFIG_MAPPING
+
+    # transformers has no DeepSeek-V4.1: its peer is then the first baseline (deepinfer as built at a ref)
+    hf_peer = config.get("model_type") in CONFIG_MAPPING
     load = os.getloadavg()  # other work on the cores skews every figure: recorded with them
     engines = ["deepinfer"]
     refs = args.baseline.split(",") if args.baseline else []
@@ -184,7 +189,9 @@ def main() -> None:
             key = "baseline" if i == 0 else f"baseline{i + 1}"  # the first keeps the key older JSON has
             labels[key] = f"deepinfer @ {describe(ref)}"
             engines.append(key)
-    engines.append("transformers")
+    if hf_peer:
+        engines.append("transformers")
+    peer = "transformers" if hf_peer else engines[1] if len(engines) > 1 else "deepinfer"
     rows = []
     for batch in [int(b) for b in args.batches.split(",")]:
         prompts = _prompts(vocab, batch, args.prompt_len)
@@ -192,11 +199,12 @@ def main() -> None:
         row = dict(batch=batch, deepinfer=run_deepinfer(*run, layout=args.layout))
         for key, ref in zip(engines[1:], refs):
             row[key] = call(ref, "throughput", "run_deepinfer", *run, args.layout)
-        row["transformers"] = run_transformers(*run)
+        if hf_peer:
+            row["transformers"] = run_transformers(*run)
         row["load_average_after"] = os.getloadavg()
-        expected = row["transformers"]["tokens"]
+        expected = row[peer]["tokens"]
         for name in engines:
-            row[name]["identical_to_transformers"] = f"{sum(map(list.__eq__, row[name]['tokens'], expected))}/{batch}"
+            row[name][f"identical_to_{peer}"] = f"{sum(map(list.__eq__, row[name]['tokens'], expected))}/{batch}"
         for name in engines:
             row[name].pop("tokens")
         rows.append(row)
@@ -206,7 +214,7 @@ def main() -> None:
             else " (deepinfer one process, threads per call)")
     print(f"model: {model_label(args)} ({model_dir})  prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, "
           f"greedy, {where}; load average before {load[0]:.2f}; median of {args.repeats}")
-    print("| batch | engine | output tok/s | TTFT (s) | TPOT (ms) | vs transformers | identical to transformers |")
+    print(f"| batch | engine | output tok/s | TTFT (s) | TPOT (ms) | vs {labels[peer]} | identical to {labels[peer]} |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         for name in engines:
@@ -214,8 +222,8 @@ def main() -> None:
             label = labels[name]
             tpot = "n/a" if m["tpot_s"] is None else f"{m['tpot_s'] * 1e3:.1f}"
             print(f"| {r['batch']} | {label} | {m['tok_s']:.1f} | {m['ttft_s']:.3f} | {tpot} | "
-                  f"{m['tok_s'] / r['transformers']['tok_s']:.2f}x | "
-                  f"{'' if name == 'transformers' else m['identical_to_transformers']} |")
+                  f"{m['tok_s'] / r[peer]['tok_s']:.2f}x | "
+                  f"{'' if name == peer else m[f'identical_to_{peer}']} |")
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(dict(model=model_label(args), vocab_size=vocab, device=where, cores=args.cores, layout=args.layout,

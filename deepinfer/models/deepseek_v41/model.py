@@ -135,13 +135,9 @@ class DeepseekV41Model(CausalLM):
     def view(self, cache: StateCache) -> CacheView:
         return self._views.get(cache)
 
-    # Its plan (CSA2 source groups, candidate blocks, Engram's history) is built per step; planning
-    # several steps ahead is not written yet.
-    multi_step_decode = False
-
     def prepare(self, inp: StepInput, cache: StateCache, steps: int | None = None) -> StepMeta:
         if steps is not None:
-            raise ValueError("DeepSeek-V4.1 plans one decode step at a time (multi_step_decode is False)")
+            return StepMeta.ahead(inp, self.view(cache), self.config, steps)
         return StepMeta(inp, self.view(cache), self.config)
 
     def make_drafter(self, extra: dict[str, torch.Tensor], max_seqs: int, margin: int):
@@ -191,7 +187,7 @@ class DeepseekV41Model(CausalLM):
         hashes = self._engram_hashes(meta, image) if self.engram is not None else None
         streams = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
         pre = torch.zeros(streams.shape[:2], device=streams.device)
-        pre[:, 0] = 1.0  # layer 0's attention reads copy 0
+        pre[:, 0].fill_(1.0)  # layer 0's attention reads copy 0 (`= 1.0` would make a new tensor each step)
         features = []
         for i, role in enumerate(cfg.roles):
             if i == cfg.first_decoder_layer and "decoder" in meta.rows:

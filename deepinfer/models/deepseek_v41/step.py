@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from deepinfer.core.cache import CacheSpec, Pool, PoolSpec, StateCache
-from deepinfer.core.graphs import size_bucket
+from deepinfer.core.graphs import size_bucket, step_inputs, with_step_tensors
 from deepinfer.models.base import StepInput, to_device
 from deepinfer.models.deepseek_v41.config import DeepseekV41Config
 
@@ -211,6 +211,23 @@ class StepMeta:
         self.all = Rows(self, None, self.floor)
         self.rows = {"all": self.all.dev}  # split_decoder adds "decoder"
         self.writes = {rate: self._entry_writes(rate) for rate in self.rates}
+
+    @classmethod
+    def ahead(cls, inp: StepInput, cache: CacheView, config: DeepseekV41Config, steps: int) -> "StepMeta":
+        """`steps` greedy decode steps planned at once (multi-step decoding: sequence b feeds position
+        starts[b] + s in step s): each planned as the decode step it is, their tensors stacked (a
+        leading dimension of `steps`, row s being step s's; the candidate rows padded to the widest
+        step's bucket). `ids`: row 0 is the step's, the engine feeds the others back from the samples."""
+        if not bool((inp.lens == 1).all()) or inp.window_floor is not None or inp.num_restored is not None:
+            raise ValueError("several steps are planned at once only for decode steps")
+        plans = [cls(StepInput(inp.ids, inp.slots, inp.starts + s, inp.lens), cache, config) for s in range(steps)]
+        for rate in plans[0].rates:
+            entries = [p.rows["all"]["entries"] for p in plans]
+            width = max(e[rate].shape[1] for e in entries)
+            for e in entries:
+                e[rate] = torch.nn.functional.pad(e[rate], (0, width - e[rate].shape[1]), value=-1)
+        per_step = [step_inputs(p)[0] for p in plans]
+        return with_step_tensors(plans[0], [torch.stack(ts) for ts in zip(*per_step)])
 
     def paged_pool(self, rate: int) -> Pool:
         """A pool with one row per `rate` positions (all such pools share the page-row arithmetic)."""
