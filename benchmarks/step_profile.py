@@ -18,8 +18,12 @@ other ops is timed once, as the outermost call. Prints tables and writes JSON.
 build before step graphs, whose fast path was a hand-written C++ copy of the V4 step (the "step
 program"): its C++ calls are timed the same way.
 
-The LM head (the `linear` call on lm_head.weight, DeepSeek-V4.1's head.weight) is reported as its own row, `linear (LM head)`:
-with a real 129,280-token vocabulary it is a large share of a small model's step.
+The LM head (the `linear` call on lm_head.weight, DeepSeek-V4.1's head.weight) is reported as its own row,
+`linear (LM head)`: with a real 129,280-token vocabulary it is a large share of a small model's step. The step's weight
+GEMMs (GEMM_OPS, timed as op calls) are what a decode step cannot avoid; the step as run is
+reported as a multiple of their time (`step_over_gemms`).
+
+    DEEPINFER_CPU_THREADS=2 python benchmarks/step_profile.py --vocab deepseek --batch 16
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import torch
 OPS = ("linear", "grouped_linear", "fp8_block_linear", "embedding", "rms_norm", "rope", "swiglu", "hc_pre", "hc_post",
        "hc_head", "compress_windows", "indexer_topk", "sparse_attention", "route_topk", "route_grouped_topk",
        "route_hash", "moe_experts", "swiglu_mlp", "sample", "apply_token_bitmask")
+GEMM_OPS = ("linear (LM head)", "linear", "grouped_linear", "fp8_block_linear", "moe_experts", "swiglu_mlp")
 
 
 def timed_ops(accel, lm_head: torch.Tensor) -> tuple[collections.Counter, collections.Counter]:
@@ -227,6 +232,14 @@ def main() -> None:
     out["lm_head_share"] = {"op-by-op step": head_ms / out["step_ms"], "step as run": head_ms / as_run}
     print(f"LM head: {head_ms:.3f} ms = {100 * head_ms / out['step_ms']:.0f}% of the op-by-op step, "
           f"{100 * head_ms / as_run:.0f}% of the step as run (one step per call)")
+    # the step's weight GEMMs timed as op calls (the LM head, projections, experts with their fused
+    # activation): the work a decode step cannot avoid; the step as run (its faster mode) against it
+    gemm_ms = sum(out["ops"][n]["ms"] for n in GEMM_OPS if n in out["ops"])
+    best = min(m["ms"] for m in out["as_run_ms"].values())
+    out["gemm_ms"], out["step_over_gemms"] = gemm_ms, best / gemm_ms if gemm_ms else None
+    if gemm_ms:
+        print(f"weight GEMMs ({', '.join(n for n in GEMM_OPS if n in out['ops'])}): {gemm_ms:.3f} ms/step; "
+              f"the step as run: {best:.3f} ms = {best / gemm_ms:.2f}x of them")
     name = "model" if args.model else \
         f"{args.tiny_config.replace('/', '_')}_batch{args.batch}" if args.tiny_config.startswith("v3/") else \
         "tiny_test" if args.vocab == "test" else "tiny_test_deepseek_vocab"

@@ -142,16 +142,17 @@ class LLMEngine:
         self.memory = memory.MemoryReport(accel.name, weight_kinds, memory.checkpoint_bytes(model_dir),
                                           self._cache_bytes(), plan, accel.memory_info()[0])
         logger.info("%s", self.memory)
-        if self.spec is not None:
-            self.spec.start(self.cache, config.max_num_batched_tokens)
-        self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens,
-                                   BoundedReplay.from_env(self.model.replay_window, self.cache))
-        self.sampler = Sampler(accel)
-        # decode steps recorded once per shape bucket and replayed (core/graphs.py); not with expert
-        # or context parallelism, whose collectives run from Python inside the forward
+        # decode steps (and DSpark's drafting and verify steps) recorded once per shape bucket and
+        # replayed (core/graphs.py); not with expert or context parallelism, whose collectives run
+        # from Python inside the forward
         ctx = parallel or ParallelContext()
         self.graphs = StepGraphs(accel, max_tokens=config.max_num_seqs) \
             if StepGraphs.enabled(accel) and ctx.expert_parallel is None and ctx.context_parallel is None else None
+        if self.spec is not None:
+            self.spec.start(self.cache, config.max_num_batched_tokens, graphs=self.graphs)
+        self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens,
+                                   BoundedReplay.from_env(self.model.replay_window, self.cache))
+        self.sampler = Sampler(accel)
         self.requests: dict[str, Request] = {}
         self.last_step = StepStats()
         self.structured = None  # structured outputs (core/structured.py), built on the first so_args request

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from deepinfer import envs
 from deepinfer.backends.base import Accelerator
+from deepinfer.core.graphs import step_inputs, with_step_tensors
 from deepinfer.core.spec.accept import GREEDY_BELOW, DRAFT_SALT, Block, accept, draw, salted, target_logprobs
 from deepinfer.core.spec.planner import VerifyLengthPlanner, cached_step_cost, profile_grid, time_call
 
@@ -43,6 +45,7 @@ class SpecDecoder:
         self.model, self.drafter, self.accel = model, drafter, accel
         self.max_draft, self.margin = max_draft, margin
         self.planner = VerifyLengthPlanner(max_draft, None)
+        self.graphs = None  # the engine's step graphs (core/graphs.py), given at start()
         # steps: request-steps that could draft (drafted or not); verified / accepted: draft tokens
         self.stats = {"steps": 0, "verified": 0, "accepted": 0}
 
@@ -61,9 +64,13 @@ class SpecDecoder:
         return cls(model, drafter, accel, min(max_draft, drafter.dcfg.block_size), margin)
 
     # ------------------------------------------------------------ start-up
-    def start(self, cache, max_step_tokens: int, cache_dir: str | None = None) -> None:
-        """Build the verify-length policy; the dynamic one profiles step cost (or reads it)."""
+    def start(self, cache, max_step_tokens: int, cache_dir: str | None = None, graphs=None) -> None:
+        """Build the verify-length policy; the dynamic one profiles step cost (or reads it).
+        `graphs`: where drafting and verify steps are recorded and replayed like decode steps
+        (None: eagerly). The profile runs eagerly, before any step is captured: the online cost
+        correction (observe_step) brings a captured engine's costs down to what it measures."""
         if not envs.mtp_varlen():
+            self.graphs = graphs
             return
         per_seq = self.max_draft + 1
         # as many sequences as the cache can hold at once from position 0 (a small page pool holds
@@ -78,6 +85,7 @@ class SpecDecoder:
         cost = cached_step_cost(key, lambda: self._profile(cache, max_tokens, per_seq),
                                 envs.get("DEEPINFER_DECODE_PERF_CACHE_DIR") if cache_dir is None else cache_dir)
         self.planner = VerifyLengthPlanner(self.max_draft, cost)
+        self.graphs = graphs
 
     def _profile(self, cache, max_tokens: int, per_seq: int):
         """Seconds of a verify forward (logits and features for every token, the drafter's context
@@ -122,15 +130,35 @@ class SpecDecoder:
     # ------------------------------------------------------------ per step
     def forward(self, inp, cache, logit_rows: torch.Tensor, meta) -> torch.Tensor:
         """The target forward of any step while drafting is on: also captures the drafter's
-        context features of the positions its rings keep and writes them there."""
-        lens, ring = inp.lens, self.drafter.ring
-        seq = torch.repeat_interleave(torch.arange(len(lens), device=lens.device), lens)
-        first = torch.cumsum(lens, 0) - lens
-        positions = inp.starts[seq] + torch.arange(len(seq), device=lens.device) - first[seq]
-        rows = (positions >= (inp.starts + lens)[seq] - ring).nonzero().squeeze(1)
-        logits, features = self.model.forward(inp, cache, logit_rows, meta, self.drafter.dcfg.target_layer_ids, rows)
-        self.drafter.absorb(features, inp.slots[seq[rows]], positions[rows])
-        return logits
+        context features of the positions its rings keep and writes them there. Steps in which every
+        sequence feeds the same number of tokens, at most max_draft + 1 (plain decode steps, verify
+        steps of full-length drafts), are recorded and replayed from the step graphs."""
+        lens = inp.lens.cpu().numpy()
+        starts = inp.starts.cpu().numpy()
+        # the fed positions each ring keeps (the last `ring` of every sequence), planned on the host:
+        # their count decides the step's shapes, so it is part of the bucket, never read in the step
+        seq = np.repeat(np.arange(len(lens)), lens)
+        positions = starts[seq] + np.arange(len(seq)) - (np.cumsum(lens) - lens)[seq]
+        rows = np.flatnonzero(positions >= (starts + lens)[seq] - self.drafter.ring)
+        dev = logit_rows.device
+        feed = [torch.from_numpy(x).to(dev) for x in (rows, inp.slots.cpu().numpy()[seq[rows]], positions[rows])]
+        if meta is None:
+            meta = self.model.prepare(inp, cache)
+
+        def run(meta, logit_rows, rows, slots, positions):
+            logits, features = self.model.forward(inp, cache, logit_rows, meta, self.drafter.dcfg.target_layer_ids,
+                                                  rows)
+            self.drafter.absorb(features, slots, positions)
+            return logits
+
+        g = self.graphs
+        # static shapes only: every sequence feeds the same count (1, or anchor + the full draft
+        # length); steps of mixed lengths would each be a new bucket, recorded twice and rarely replayed
+        if g is None or not 0 < len(lens) <= g.max_tokens or lens.max() != lens.min() or lens[0] > self.max_draft + 1:
+            return run(meta, logit_rows, *feed)
+        tensors, sizes = step_inputs(meta)
+        return g.run(("verify", sizes), lambda: run(meta, logit_rows, *feed), tensors + [logit_rows] + feed,
+                     lambda inputs: run(with_step_tensors(meta, inputs[:-4]), *inputs[-4:]))
 
     def wants_to_draft(self, running) -> bool:
         """Whether the next step drafts, which makes it synchronous. Fixed length: whenever a request
@@ -180,39 +208,53 @@ class SpecDecoder:
     @torch.inference_mode()
     def _draft(self, reqs, depth: int):
         """Run the drafter block and choose `depth` drafts left to right (Markov head).
-        Returns (drafts [B][depth], per request [depth, V] log-probs or None, survival [B, depth])."""
-        dev, d = self.accel.device, self.drafter
+        Returns (drafts [B][depth], per request [depth, V] log-probs or None, survival [B, depth]).
+        Recorded and replayed from the step graphs per (batch, depth, sampled rows)."""
+        dev = self.accel.device
         t = lambda xs: torch.tensor(xs, dtype=torch.int64, device=dev)  # noqa: E731
-        anchors = t([r.token(r.num_computed) for r in reqs])
-        anchor_pos = t([r.num_computed for r in reqs])
-        hidden = d.draft_block(anchors, t([r.slot for r in reqs]), anchor_pos)
-        base = d.logits(hidden[:, :depth].reshape(-1, hidden.shape[-1])).view(len(reqs), depth, -1)
+        inputs = [t([r.token(r.num_computed) for r in reqs]), t([r.slot for r in reqs]),
+                  t([r.num_computed for r in reqs])]
         sampled = [i for i, r in enumerate(reqs) if r.params.temperature >= GREEDY_BELOW]
-        if sampled:
+        if sampled:  # their rows and sampling settings are step inputs too
             params = [reqs[i].params for i in sampled]
-            temp = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
-            top_k, top_p = t([p.top_k for p in params]), torch.tensor([p.top_p for p in params], device=dev)
-            seeds = salted(torch.tensor([reqs[i].seed - (1 << 64) if reqs[i].seed >= 1 << 63 else reqs[i].seed
-                                         for i in sampled], dtype=torch.int64, device=dev), DRAFT_SALT)
+            inputs += [t(sampled), torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev),
+                       t([p.top_k for p in params]), torch.tensor([p.top_p for p in params], device=dev),
+                       salted(t([reqs[i].seed - (1 << 64) if reqs[i].seed >= 1 << 63 else reqs[i].seed
+                                 for i in sampled]), DRAFT_SALT)]
+        choose = lambda ins: self._choose(*ins[:3], depth, ins[3:] or None)  # noqa: E731
+        if self.graphs is None or len(reqs) > self.graphs.max_tokens:
+            out = choose(inputs)
+        else:
+            out = self.graphs.run(("draft", depth), lambda: choose(inputs), inputs, choose)
+        chosen, survival = out[:2]
+        per_req: list[torch.Tensor | None] = [None] * len(reqs)
+        for j, i in enumerate(sampled):
+            per_req[i] = out[2][j]
+        return chosen.tolist(), per_req, survival
+
+    def _choose(self, anchors, slots, anchor_pos, depth: int, sampling=None):
+        """The drafter's block for anchors [B] at anchor_pos [B], then `depth` drafts chosen left to
+        right, each conditioning the Markov head of the next: greedy, or for the rows of
+        `sampling` (rows, temperature, top_k, top_p, seeds) drawn from the drafter's distribution.
+        -> (drafts [B, depth], survival [B, depth]) (+ the sampled rows' log-probs [S, depth, V])."""
+        d = self.drafter
+        hidden = d.draft_block(anchors, slots, anchor_pos)
+        base = d.logits(hidden[:, :depth].reshape(-1, hidden.shape[-1])).view(len(anchors), depth, -1)
         prev, conf, chosen, logps = anchors, [], [], []
         for k in range(depth):
             e, bias = d.markov(prev)
             logits = base[:, k] + bias
             conf.append(torch.sigmoid(d.confidence_logit(hidden[:, k], e, k)))
             token = logits.argmax(dim=-1)
-            if sampled:
-                lp = target_logprobs(logits[sampled], temp, top_k, top_p)
-                token[sampled] = draw(self.accel, lp, seeds, anchor_pos[sampled] + k + 1)
+            if sampling is not None:
+                rows, temp, top_k, top_p, seeds = sampling
+                lp = target_logprobs(logits[rows], temp, top_k, top_p)
+                token[rows] = draw(self.accel, lp, seeds, anchor_pos[rows] + k + 1)
                 logps.append(lp)
             chosen.append(token)
             prev = token
-        drafts = torch.stack(chosen, dim=1).tolist()
-        per_req: list[torch.Tensor | None] = [None] * len(reqs)
-        if sampled:
-            stacked = torch.stack(logps, dim=1)
-            for j, i in enumerate(sampled):
-                per_req[i] = stacked[j]
-        return drafts, per_req, torch.cumprod(torch.stack(conf, dim=1), dim=1)
+        out = torch.stack(chosen, dim=1), torch.cumprod(torch.stack(conf, dim=1), dim=1)
+        return out if sampling is None else out + (torch.stack(logps, dim=1),)
 
     def verify(self, logits: torch.Tensor, plan, sampler, structured) -> list[list[int]]:
         """Tokens each sampling request of `plan` produced: drafted requests through acceptance,
