@@ -78,11 +78,11 @@ def run_block(m, config: str, layer: int, recorded_picks: bool = False,
     state = StepState()
     if role.rate and not role.owns_index:  # the reference's picks are entry + n (-1 none)
         picks = g[f"L{layer}.state_in.topk_idxs"][0].long()
-        state.picks[role.index_source] = (meta.rows["all"], page_rows(meta, role.rate, torch.where(picks >= 0, picks - n, -1)))
+        state.picks[role.index_source] = (meta.all, page_rows(meta, role.rate, torch.where(picks >= 0, picks - n, -1)))
     if role.reindex:
         mask = g[f"L{layer}.state_in.candidates"][0]  # padded as the step's candidate rows are
         width = meta.rows["all"]["entries"][role.rate].shape[1]
-        state.candidates = (meta.rows["all"], torch.nn.functional.pad(mask, (0, width - mask.shape[1])))
+        state.candidates = (meta.all, torch.nn.functional.pad(mask, (0, width - mask.shape[1])))
     return _block(m, g, meta, layer, state, recorded_picks, pre_in)
 
 
@@ -96,5 +96,5 @@ def _block(m, g, meta, layer: int, state, recorded_picks: bool, pre_in: torch.Te
             picks = g[p + "attn.indexer.out"][0].long()
             fixed = page_rows(meta, role.rate, torch.where(picks >= 0, picks - n, -1))
             stack.enter_context(mock.patch.object(v41_model, "topk_picks", lambda *args: fixed))
-        return m.block(f"layers.{layer}.", streams, pre, lambda h: m._attention(layer, h, meta, meta.rows["all"], state),
+        return m.block(f"layers.{layer}.", streams, pre, lambda h: m._attention(layer, h, meta, meta.all, state),
                        lambda h: m._moe(layer, h))

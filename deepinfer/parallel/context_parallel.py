@@ -34,12 +34,24 @@ def balanced_owner(lens: list[int], ranks: int) -> list[int]:
 class StepSplit:
     """One step's rows on one rank: `own` (the token rows this rank computes) and `gather`."""
 
-    def __init__(self, own: torch.Tensor, counts: list[int], restore: torch.Tensor):
-        self.own, self.counts, self.restore = own, counts, restore
+    def __init__(self, owner: torch.Tensor, rank: int, ranks: int, device: torch.device):
+        self.owner, self.rank, self.ranks = owner, rank, ranks  # owner: host, the owning rank of every row
+        rows = [(owner == r).nonzero().squeeze(1) for r in range(ranks)]
+        self.own_rows = rows[rank]  # host copy of `own`
+        self.counts = [len(r) for r in rows]
+        # gathered rows arrive rank by rank; `restore` puts them back in step order
+        restore = torch.empty(len(owner), dtype=torch.int64)
+        restore[torch.cat(rows)] = torch.arange(len(owner))
+        self.own, self.restore = self.own_rows.to(device), restore.to(device)
 
     def gather(self, own_rows: torch.Tensor) -> torch.Tensor:
         """Rows of every token of the step, in step order, from every rank's own rows."""
         return group.all_gather_rows(own_rows, self.counts)[self.restore]
+
+    def subset(self, rows: torch.Tensor) -> "StepSplit":
+        """The split of some of the step's rows (host indices), each computed by its owner: for a model
+        that runs later layers on fewer rows (DeepSeek-V4.1's decoder on each chunk's tail)."""
+        return StepSplit(self.owner[rows], self.rank, self.ranks, self.own.device)
 
 
 class ContextParallel:
@@ -51,12 +63,8 @@ class ContextParallel:
         self.rows = {"own": 0, "step": 0}  # token rows computed here vs in the steps (for stats)
 
     def split(self, lens: list[int], device: torch.device) -> StepSplit:
-        owner = torch.tensor(balanced_owner(lens, self.ranks), dtype=torch.int64)
-        rows = [(owner == r).nonzero().squeeze(1) for r in range(self.ranks)]
-        counts = [len(r) for r in rows]
-        # gathered rows arrive rank by rank; `restore` puts them back in step order
-        restore = torch.empty(len(owner), dtype=torch.int64)
-        restore[torch.cat(rows)] = torch.arange(len(owner))
-        self.rows["own"] += counts[self.rank]
-        self.rows["step"] += len(owner)
-        return StepSplit(rows[self.rank].to(device), counts, restore.to(device))
+        split = StepSplit(torch.tensor(balanced_owner(lens, self.ranks), dtype=torch.int64), self.rank, self.ranks,
+                          device)
+        self.rows["own"] += split.counts[self.rank]
+        self.rows["step"] += sum(split.counts)
+        return split

@@ -110,13 +110,15 @@ class ExpertParallelMoE:
         got = group.all_to_all_rows(torch.cat(parts, dim=1), send_counts, recv_counts)
         tail = 12 if inside is not None else 8
         rows = got[:, :-tail].contiguous().view(x.dtype)
-        local_slot = got[:, -tail:][:, :8].contiguous().view(torch.int64).squeeze(1)
+        # reshape, not contiguous(): one received row of 4D+12 bytes is already "contiguous" and would
+        # keep its row stride, which an 8-byte view rejects (V4.1's rows with weights, a rank getting one)
+        local_slot = got[:, -tail:][:, :8].reshape(-1).view(torch.int64)
         t1 = time.perf_counter()
         gate_up, down = self.local[i]
         if not rows.shape[0]:  # nothing routed here this step; the op is not defined on empty input
             out = torch.zeros(0, h.shape[1], dtype=torch.float32, device=self.device)
         elif inside is not None:
-            row_weights = got[:, -4:].contiguous().view(torch.float32)
+            row_weights = got[:, -4:].reshape(-1).view(torch.float32).unsqueeze(1)
             out = inside(rows, row_weights, local_slot.unsqueeze(1), gate_up, down)
         else:
             ones = torch.ones(rows.shape[0], 1, dtype=torch.float32, device=self.device)

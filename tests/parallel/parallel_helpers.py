@@ -23,16 +23,17 @@ def run_llm(model_dir: str, prompts=PROMPTS, params=None, **parallel):
 
 
 def assert_same_outputs(reference, outputs, tol: float = 1e-4) -> None:
-    """Same greedy tokens; the same top logprobs (generated and prompt) within fp32 tolerance."""
+    """Same greedy tokens; the same top logprobs (generated and prompt) within `tol` (default: fp32 noise)."""
     assert len(reference) == len(outputs)
     for ref, got in zip(reference, outputs):
         assert got.prompt_token_ids == ref.prompt_token_ids
         assert got.outputs[0].token_ids == ref.outputs[0].token_ids
-        pairs = list(zip(ref.outputs[0].logprobs, got.outputs[0].logprobs)) + \
-            list(zip(ref.prompt_logprobs[1:], got.prompt_logprobs[1:]))
+        pairs = list(zip(ref.outputs[0].logprobs, got.outputs[0].logprobs))
+        if ref.prompt_logprobs is not None or got.prompt_logprobs is not None:
+            pairs += list(zip(ref.prompt_logprobs[1:], got.prompt_logprobs[1:]))
         for a, b in pairs:
             assert a.keys() == b.keys()
-            assert max(abs(a[t] - b[t]) for t in a) < tol
+            assert max(abs(a[t] - b[t]) for t in a) <= tol
 
 
 # ---- run inside the workers through collective_rpc

@@ -182,4 +182,4 @@ def lookup_rows(table: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor, dev
     flat = ids.reshape(-1).cpu()
     rows = table[flat].float()
     s = scale[flat].float().repeat_interleave(rows.shape[-1] // scale.shape[-1], dim=-1)
-    return (rows * s).view(*ids.shape, -1).to(device)
+    return (rows * s).view(*ids.shape, table.shape[-1]).to(device)  # (also no ids: a rank with no rows)

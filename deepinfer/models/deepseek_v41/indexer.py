@@ -25,7 +25,7 @@ def select_candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, topk_bl
     `topk_blocks` blocks; blocks whose score is -inf (nothing visible) are never kept. The mask marks
     whole blocks (entries past `visible` in the newest block too: their scores are -inf anyway)."""
     n, width = scores.shape
-    blocks = F.pad(scores, (0, -width % block_size), value=float("-inf")).view(n, -1, block_size).amax(dim=-1)
+    blocks = F.pad(scores, (0, -width % block_size), value=float("-inf")).unflatten(1, (-1, block_size)).amax(dim=-1)
     newest = torch.div(visible - 1, block_size, rounding_mode="floor")
     columns = torch.arange(blocks.shape[1], device=scores.device)
     blocks = blocks.masked_fill((columns == newest[:, None]) & (visible[:, None] > 0), float("inf"))

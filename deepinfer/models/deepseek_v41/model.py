@@ -33,7 +33,7 @@ from deepinfer import envs
 from deepinfer.backends.base import Accelerator, WeightRole
 from deepinfer.core.cache import CacheSpec, StateCache
 from deepinfer.core.graphs import HostCall
-from deepinfer.models.base import (CausalLM, ConfigError, MultimodalItem, MultimodalPrompt, ParallelContext,
+from deepinfer.models.base import (CausalLM, MultimodalItem, MultimodalPrompt, ParallelContext,
                                    StepInput, TensorSpec, ViewCache)
 from deepinfer.models.deepseek_v41 import moe, weights as checkpoint
 from deepinfer.models.deepseek_v41.config import ACT_BLOCK, DeepseekV41Config
@@ -43,7 +43,7 @@ from deepinfer.models.deepseek_v41.multimodal import encode_items, expand_prompt
 from deepinfer.models.deepseek_v41.numerics import bf16
 from deepinfer.models.deepseek_v41.vision import VisionEncoder
 from deepinfer.models.deepseek_v41.vision_config import IMAGE_PLACEHOLDER
-from deepinfer.models.deepseek_v41.step import CacheView, StepMeta, cache_spec
+from deepinfer.models.deepseek_v41.step import CacheView, Rows, StepMeta, cache_spec
 
 
 DEAD = -1  # Engram's class of an image-span position: no n-gram includes it
@@ -51,22 +51,21 @@ DEAD = -1  # Engram's class of an image-span position: no n-gram includes it
 
 class StepState:
     """What a step's layers hand down the stack: each index source's picks and the candidate source's
-    mask, for the rows they were computed on (IMPLEMENTING.md: shared_attn). Rows are a StepMeta.rows
-    entry (Rows.dev: the device tensors of all the step's tokens, or of the decoder's subset)."""
+    mask, for the rows they were computed on (IMPLEMENTING.md: shared_attn)."""
 
     def __init__(self):
-        self.picks: dict[int, tuple[dict, torch.Tensor]] = {}
-        self.candidates: tuple[dict, torch.Tensor] | None = None
+        self.picks: dict[int, tuple[Rows, torch.Tensor]] = {}
+        self.candidates: tuple[Rows, torch.Tensor] | None = None
 
     @staticmethod
-    def gather(entry: tuple[dict, torch.Tensor], rows: dict) -> torch.Tensor:
+    def gather(entry: tuple[Rows, torch.Tensor], rows: Rows) -> torch.Tensor:
         """The tensor's rows for the tokens of `rows` (a subset of the rows it was computed on)."""
         source, t = entry
-        if source is rows or rows["tokens"] is None:
+        if source is rows or rows.tokens is None:
             return t
-        if source["tokens"] is None:
-            return t[rows["tokens"]]
-        index = torch.searchsorted(source["flat"], rows["flat"])
+        if source.tokens is None:
+            return t[rows.dev["tokens"]]
+        index = torch.searchsorted(source.dev["flat"], rows.dev["flat"])
         return t[index]
 
 
@@ -77,9 +76,6 @@ class DeepseekV41Model(CausalLM):
                  parallel: ParallelContext | None = None):
         self.config, self.accel = config, accel
         self.parallel = parallel or ParallelContext()
-        if self.parallel.context_parallel is not None:
-            raise ConfigError("context parallelism is not supported for DeepSeek-V4.1 (deepseek_v41) yet: "
-                              "run it without --context-parallel-size")
         self.replay_window = config.sliding_window  # the window rings are not in the prefix cache
         self.quantized = config.quantized
         self.experts_quantized = config.expert_dtype != "bf16"
@@ -136,9 +132,11 @@ class DeepseekV41Model(CausalLM):
         return self._views.get(cache)
 
     def prepare(self, inp: StepInput, cache: StateCache, steps: int | None = None) -> StepMeta:
+        cp = self.parallel.context_parallel
+        split = cp.split(inp.lens.tolist(), cache.device) if cp is not None else None
         if steps is not None:
-            return StepMeta.ahead(inp, self.view(cache), self.config, steps)
-        return StepMeta(inp, self.view(cache), self.config)
+            return StepMeta.ahead(inp, self.view(cache), self.config, steps, split)
+        return StepMeta(inp, self.view(cache), self.config, split=split)
 
     def make_drafter(self, extra: dict[str, torch.Tensor], max_seqs: int, margin: int):
         from deepinfer.models.deepseek_v41.dspark import DSparkDrafter
@@ -176,31 +174,34 @@ class DeepseekV41Model(CausalLM):
         Engram), averaged over the hc copies, at the flat rows `feature_rows`: [R, len, D]."""
         cfg, ops, w = self.config, self.accel, self.w
         meta = meta if meta is not None else self.prepare(inp, cache)
-        if "decoder" not in meta.rows and cfg.first_decoder_layer < cfg.num_hidden_layers:
+        if meta.decoder is meta.encoder and cfg.first_decoder_layer < cfg.num_hidden_layers:
             meta.split_decoder(logit_rows, envs.get("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE"),
                                envs.get("DEEPINFER_YOCO_PREFILL_KEEP_TOKENS"))
-        rows, state = meta.rows["all"], StepState()
+        (rows, decoder), state = meta.bind(), StepState()  # the tensors of this meta (a replay swaps them)
         x = bf16(ops.embedding(meta.ids, w["embed.weight"]))
         image = self._image_rows(inp, x.shape[0], x.device)
         for row, embeds in inp.embeds or ():  # image spans: the learned markers and the aligner's rows
             x[row:row + embeds.shape[0]] = bf16(embeds)
+        # Engram's n-grams reach back over every token of the step: hashed for all of them on every rank
         hashes = self._engram_hashes(meta, image) if self.engram is not None else None
+        x = self._of_rows(x, rows)  # context parallelism: this rank's rows from here on
         streams = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
         pre = torch.zeros(streams.shape[:2], device=streams.device)
         pre[:, 0].fill_(1.0)  # layer 0's attention reads copy 0 (`= 1.0` would make a new tensor each step)
         features = []
         for i, role in enumerate(cfg.roles):
-            if i == cfg.first_decoder_layer and "decoder" in meta.rows:
-                rows = meta.rows["decoder"]
-                streams, pre = streams[rows["tokens"]], pre[rows["tokens"]]
+            if i == cfg.first_decoder_layer and decoder is not rows:
+                streams, pre = (StepState.gather((rows, t), decoder) for t in (streams, pre))
+                rows = decoder
             if role.engram:
-                streams = self._engram(i, streams, hashes, self._of_rows(image, rows))
-            if i in feature_layers:
-                features.append(bf16(streams[self._local_rows(rows, feature_rows)].mean(dim=1)))
+                streams = self._engram(i, streams, self._of_rows(hashes, rows), self._of_rows(image, rows))
+            if i in feature_layers:  # (context parallelism: from every rank's rows)
+                features.append(bf16(rows.gather(streams)[self._local_rows(rows.write, feature_rows)].mean(dim=1)))
             streams, pre = self.block(f"layers.{i}.", streams, pre,
                                       lambda h, i=i: self._attention(i, h, meta, rows, state),
                                       lambda h, i=i, r=rows: self._moe(i, h, self._of_rows(image, r)))
-        picked = self._local_rows(rows, logit_rows)
+        streams, pre = rows.gather(streams), rows.gather(pre)  # context parallelism: every rank's rows
+        picked = self._local_rows(rows.write, logit_rows)
         h = bf16(ops.hc_collapse(streams[picked], pre[picked]))
         logits = ops.linear(bf16(ops.rms_norm(h, w["norm.weight"], cfg.rms_norm_eps)), w["head.weight"])
         return (logits, torch.stack(features, dim=1)) if feature_layers else logits
@@ -233,22 +234,20 @@ class DeepseekV41Model(CausalLM):
         return bf16(self.accel.rope(x, cos, sin, inverse))
 
     @staticmethod
-    def _local_rows(rows: dict, flat: torch.Tensor) -> torch.Tensor:
-        """Flat token indices -> positions within `rows` (which must hold them: checked on the host,
-        only under the CED split, which no decode step has)."""
-        flat = flat.to(rows["flat"].device)
-        if rows["tokens"] is None:
+    def _local_rows(rows: Rows, flat: torch.Tensor) -> torch.Tensor:
+        """Flat token indices -> positions within `rows` (which must hold them)."""
+        flat = flat.to(rows.dev["flat"].device)
+        if rows.tokens is None:
             return flat
-        count = rows["flat"].shape[0]
-        at = torch.searchsorted(rows["flat"], flat)
-        if bool((at >= count).any()) or not torch.equal(rows["flat"][at.clamp(max=count - 1)], flat):
+        at = torch.searchsorted(rows.dev["flat"], flat)
+        if bool((at >= rows.count).any()) or not torch.equal(rows.dev["flat"][at.clamp(max=rows.count - 1)], flat):
             raise RuntimeError("a requested row was not computed by the decoder layers (CED split)")
         return at
 
     # ------------------------------------------------------------ attention
-    def _attention(self, i: int, h: torch.Tensor, meta: StepMeta, rows: dict, state: StepState) -> torch.Tensor:
+    def _attention(self, i: int, h: torch.Tensor, meta: StepMeta, rows: Rows, state: StepState) -> torch.Tensor:
         cfg, ops, w = self.config, self.accel, self.w
-        role, view, dev = cfg.roles[i], meta.cache.layers[i], rows
+        role, view, dev = cfg.roles[i], meta.cache.layers[i], rows.dev
         p = f"layers.{i}.attn."
         n, heads, hd = h.shape[0], cfg.num_attention_heads, cfg.head_dim
         cos, sin = dev["rope"]["compress" if role.rate else "main"]
@@ -256,37 +255,41 @@ class DeepseekV41Model(CausalLM):
         q = self.rope(self.qlinear(qr, w[p + "wq_b.weight"]).view(n, heads, hd), cos, sin)
         kv = self.norm(self.qlinear(h, w[p + "wkv.weight"]), w[p + "kv_norm.weight"])
         kv = ops.fp8_qdq(self.rope(kv, cos, sin), ACT_BLOCK)
-        pool = view.pool
-        pool.data[pool.scratch_base + dev["flat"]] = kv.to(pool.data.dtype)
+        pool = view.pool  # every rank writes the keys of every row (context parallelism gathers them)
+        pool.data[pool.scratch_base + rows.write.dev["flat"]] = rows.gather(kv).to(pool.data.dtype)
         ring_offset = view.member * meta.cache.ring
         window, in_ring = dev["window"][view.members]
         indices = window + in_ring * ring_offset
         if role.rate:
             if role.owns_kv:
-                self._compress(i, h, meta)
-            picks = self._picks(i, h, qr, meta, rows, state) if role.owns_index else \
+                self._compress(i, h, meta, rows)
+            picks = self._picks(i, h, qr, rows, state) if role.owns_index else \
                 state.gather(state.picks[role.index_source], rows)
             indices = torch.cat([indices, torch.where(picks >= 0, picks + pool.page_base, picks)], dim=1)
         out = bf16(ops.sparse_attention_bf16(q, pool.data, indices, w[p + "attn_sink"], hd ** -0.5))
         out = self.rope(out, cos, sin, inverse=True)
-        src, dst = dev["commit"][view.members]
+        src, dst = rows.write.dev["commit"][view.members]
         pool.data.index_copy_(0, dst + ring_offset, pool.data.index_select(0, src))
-        out = bf16(ops.grouped_linear(out.reshape(n, cfg.o_groups, -1), w[p + "wo_a.weight"]))
+        out = bf16(ops.grouped_linear(out.reshape(n, cfg.o_groups, heads * hd // cfg.o_groups), w[p + "wo_a.weight"]))
         return self.qlinear(out.flatten(1), w[p + "wo_b.weight"])
 
-    def _compress(self, i: int, h: torch.Tensor, meta: StepMeta) -> None:
+    def _compress(self, i: int, h: torch.Tensor, meta: StepMeta, rows: Rows) -> None:
         """A KV source's new compressed entries (pairs, or tokens at ratio 1) and their index keys,
-        written to its pages: latent -> keys = fp4(rope(k_norm(wk latent))), entry = fp4(rope(latent))."""
+        written to its pages: latent -> keys = fp4(rope(k_norm(wk latent))), entry = fp4(rope(latent)).
+        `h`: the rows of `rows` (under context parallelism this rank's share: the projections of every
+        row are gathered and every rank computes every entry)."""
         cfg, ops, w = self.config, self.accel, self.w
         role, view = cfg.roles[i], meta.cache.layers[i]
         info = meta.writes[role.rate]
         p = f"layers.{i}.attn.compressor."
-        if role.rate == 1:
+        if role.rate == 1 and rows.split is None:
             latent = bf16(ops.linear(h[info["tok_rows"]], w[p + "wkv.weight"]))
+        elif role.rate == 1:
+            latent = rows.gather(bf16(ops.linear(h, w[p + "wkv.weight"])))[info["tok_rows"]]
         else:  # stage every token's [kv | gate], pool each finished pair with a per-channel softmax
             ring = view.compressor.data
             staged = torch.cat([ops.linear(h, w[p + "wkv.weight"]), ops.linear(h, w[p + "wgate.weight"])], dim=-1)
-            ring[info["scratch"] + meta.rows["all"]["flat"]] = staged.to(ring.dtype)
+            ring[info["scratch"] + meta.rows["all"]["flat"]] = rows.gather(staged).to(ring.dtype)
             raw = ring[info["tok_rows"].clamp(min=0)].float()
             latent = bf16(ops.compress_windows(raw[..., :cfg.head_dim], raw[..., cfg.head_dim:]))
             src, dst = info["commit"]
@@ -302,11 +305,10 @@ class DeepseekV41Model(CausalLM):
         entries = ops.fp4_qdq(self.rope(latent, cos, sin), 16, e4m3_scale=True)
         view.pool.data[view.pool.page_base + info["out_rows"]] = entries.to(view.pool.data.dtype)
 
-    def _picks(self, i: int, h: torch.Tensor, qr: torch.Tensor, meta: StepMeta, rows: dict,
-               state: StepState) -> torch.Tensor:
+    def _picks(self, i: int, h: torch.Tensor, qr: torch.Tensor, rows: Rows, state: StepState) -> torch.Tensor:
         """An index source's top-k entries per token (page rows, -1 = none), published for its readers."""
         cfg, ops, w = self.config, self.accel, self.w
-        role, view, dev = cfg.roles[i], meta.cache.layers[i], rows
+        role, view, dev = cfg.roles[i], rows.meta.cache.layers[i], rows.dev
         x = f"layers.{i}.attn.indexer."
         heads, dim = cfg.index_n_heads, cfg.index_head_dim
         cos, sin = dev["rope"]["compress"]
@@ -326,9 +328,10 @@ class DeepseekV41Model(CausalLM):
         return picks
 
     @staticmethod
-    def _of_rows(mask: torch.Tensor | None, rows: dict) -> torch.Tensor | None:
-        """A per-token mask of the whole step, for the tokens of `rows` (the CED split's subset)."""
-        return mask if mask is None or rows["tokens"] is None else mask[rows["tokens"]]
+    def _of_rows(mask: torch.Tensor | None, rows: Rows) -> torch.Tensor | None:
+        """A per-token tensor of the whole step, for the tokens of `rows` (the CED split's subset, or this
+        rank's share under context parallelism)."""
+        return mask if mask is None or rows.tokens is None else mask[rows.dev["tokens"]]
 
     # ------------------------------------------------------------ MoE
     def _moe(self, i: int, h: torch.Tensor, image: torch.Tensor | None = None) -> torch.Tensor:
@@ -344,7 +347,7 @@ class DeepseekV41Model(CausalLM):
         at = image.nonzero().squeeze(1) if image is not None else None
         if at is not None and at.numel():  # the router is row by row: image rows routed alone, as in the batch
             weights[at], ids[at] = moe.route(ops, h[at], gate, w[p + "gate.bias_vl"], *rule)
-        routed = experts(h, weights, ids) if h.shape[0] else torch.zeros_like(h)
+        routed = experts(h, weights, ids)  # also with no rows here: expert parallelism serves other ranks' rows
         x = self.accel.fp8_qdq(h, ACT_BLOCK) if self.quantized else h
         shared = moe.swiglu_expert(ops, x, w[p + "shared_experts.gate_up"], w[p + "shared_experts.down"], self.limit,
                                    self.quantized)

@@ -50,6 +50,8 @@ def routed_experts(ops, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tenso
     them (only the experts hit); each token's k outputs are summed in a fixed order (slot order), so
     a token's result does not depend on which other tokens share the step."""
     num_tokens, top_k = ids.shape
+    if not num_tokens:  # a context-parallel rank with no rows this step (the ops need some)
+        return torch.zeros(0, x.shape[-1], device=x.device)
     xq = _qdq(ops, x, quantized)
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)

@@ -107,13 +107,22 @@ _MIN_ENTRIES = 64  # compressed entries a token's candidate row holds at least (
 
 class Rows:
     """The index arrays of a set of the step's tokens (all of them, or the decoder's subset under the
-    CED split), planned on the host and moved to the device once (`dev`, which the forward reads:
-    StepMeta.rows): positions, RoPE tables, window rows per pool layout, the compressed entries each
-    token may see (padded with -1 to a size bucket, so decode steps of a batch size share few shapes;
-    the indexer's picks do not depend on the padding), Engram's look-back rows and ring commit."""
+    CED split), planned on the host and moved to the device once (`dev`, kept in StepMeta.rows under
+    `key`: the forward reads them from there, see BoundRows): positions, RoPE tables, window rows per
+    pool layout, the compressed entries each token may see (padded with -1 to a size bucket, so decode
+    steps of a batch size share few shapes; the indexer's picks do not depend on the padding),
+    Engram's look-back rows and ring commit.
 
-    def __init__(self, meta: "StepMeta", tokens: np.ndarray | None, floor: np.ndarray | None):
-        self.meta = meta
+    Context parallelism (parallel/context_parallel.py): a layer computes the queries of this rank's
+    share of its rows and writes the keys of all of them. The share is a Rows whose `write` is the whole
+    set (which then plans only what writes need: `queries` False) and whose `split` gathers every
+    rank's rows of the set; in one process a Rows is its own `write` set and `gather` returns its input."""
+
+    def __init__(self, meta: "StepMeta", key: str, tokens: np.ndarray | None, floor: np.ndarray | None,
+                 queries: bool = True):
+        self.meta, self.key = meta, key
+        self.write, self.split = self, None  # _share sets them for a rank's share
+        self.queries = queries
         self.tokens = tokens  # flat token indices (None: every token)
         self.seq = meta.seq if tokens is None else meta.seq[tokens]
         self.positions = meta.positions if tokens is None else meta.positions[tokens]
@@ -121,6 +130,16 @@ class Rows:
         self.count = len(self.positions)
         self.floor = floor  # per token: window keys below it were never computed and read as absent
         cfg, cache = meta.config, meta.cache
+        self.commit = {m: meta.commit(cache.ring, m, self) for m in meta.ring_members}
+        if cache.engram is not None:
+            ring, n = cache.engram.spec.ring, cfg.engram_max_ngram_size - 1
+            pos = self.key_positions(n)[:, :-1][:, ::-1]  # p - 1, p - 2, ...
+            self.engram = np.where(pos >= 0, meta.ring_rows(pos, self.seq[:, None], ring, 1)[0], -1)
+            if tokens is None:  # the step's classes the ring keeps
+                self.engram_commit = meta.commit(ring, 1, self)
+        if not queries:
+            self.dev = self._to_device(cache.device)
+            return
         self.rope = {"main": cfg.rope_main.cos_sin(self.positions),
                      "compress": cfg.rope_compress.cos_sin(self.positions)}
         # window keys oldest first, absent ones (-1) last: the order of DeepSeek's prefill index lists,
@@ -131,13 +150,6 @@ class Rows:
         self.window = {m: meta.ring_rows(pos, self.seq[:, None], cache.ring, m) for m in meta.ring_members}
         self.entries = {rate: self._entries(rate) for rate in meta.rates}
         self.visible = {rate: (self.positions + 1) // rate for rate in meta.rates}
-        self.commit = {m: meta.commit(cache.ring, m, self) for m in meta.ring_members}
-        if cache.engram is not None:
-            ring, n = cache.engram.spec.ring, cfg.engram_max_ngram_size - 1
-            pos = self.key_positions(n)[:, :-1][:, ::-1]  # p - 1, p - 2, ...
-            self.engram = np.where(pos >= 0, meta.ring_rows(pos, self.seq[:, None], ring, 1)[0], -1)
-            if tokens is None:  # the step's classes the ring keeps
-                self.engram_commit = meta.commit(ring, 1, self)
         self.dev = self._to_device(cache.device)
 
     def key_positions(self, back: int) -> np.ndarray:
@@ -148,6 +160,10 @@ class Rows:
             floor = np.where(self.positions >= self.floor, self.floor, 0)
             pos = np.where(pos >= floor[:, None], pos, -1)
         return np.where(pos >= 0, pos, -1)
+
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        """Rows of every token of the `write` set, from every rank's share (t: this share's rows)."""
+        return t if self.split is None else self.split.gather(t)
 
     def _entries(self, rate: int) -> np.ndarray:
         """[n, M] page rows (relative to the page region) of the compressed entries each token may see:
@@ -164,32 +180,49 @@ class Rows:
     def _to_device(self, device: torch.device) -> dict:
         move = functools.partial(to_device, device=device)
 
-        out = {"rope": {k: tuple(map(move, v)) for k, v in self.rope.items()},
-               "window": {m: tuple(map(move, v)) for m, v in self.window.items()},
-               "commit": {m: tuple(map(move, v)) for m, v in self.commit.items()},
-               "entries": {r: move(v) for r, v in self.entries.items()},
-               "visible": {r: move(v) for r, v in self.visible.items()},
+        out = {"commit": {m: tuple(map(move, v)) for m, v in self.commit.items()},
                "tokens": None if self.tokens is None else move(self.tokens),
                "flat": move(self.flat)}
+        if self.queries:
+            out |= {"rope": {k: tuple(map(move, v)) for k, v in self.rope.items()},
+                    "window": {m: tuple(map(move, v)) for m, v in self.window.items()},
+                    "entries": {r: move(v) for r, v in self.entries.items()},
+                    "visible": {r: move(v) for r, v in self.visible.items()}}
         if hasattr(self, "engram"):
             out["engram"] = move(self.engram)
         if hasattr(self, "engram_commit"):
             out["engram_commit"] = tuple(map(move, self.engram_commit))
+        self.meta.rows[self.key] = out
         return out
+
+
+class BoundRows:
+    """A Rows as one run of the forward sees it: its host structure (tokens, split, write set) with the
+    device tensors of the StepMeta the forward was given (`tensors`: its `rows`). The engine replays a
+    recorded step with another step's metadata (core/graphs.with_step_tensors swaps the tensors of
+    StepMeta.rows, not those a Rows holds), so the forward reads tensors only through these."""
+
+    def __init__(self, rows: Rows, tensors: dict, bound: dict):
+        self.rows, self.dev = rows, tensors[rows.key]
+        bound[rows.key] = self
+        self.write = self if rows.write is rows else bound.get(rows.write.key) or BoundRows(rows.write, tensors, bound)
+
+    def __getattr__(self, name: str):
+        return getattr(self.rows, name)
 
 
 class StepMeta:
     """Index tensors of one step. Planned on the host from host tensors (no device sync), moved to the
     device in one go; `ids` is the device copy of the step's token ids, which the engine may patch
     with the previous step's samples before the forward. The forward reads the step only through the
-    tensors of `ids`, `rows` ("all": every token's Rows.dev; "decoder": the decoder layers' under
-    the CED split) and `writes`, so the engine records a decode step once per shape bucket and
-    replays it with a later step's (core/graphs.py). A decode step (one token per sequence, no
-    prefix-cache replay) is planned with shapes that depend on its batch size and its entries' size
+    tensors of `ids`, `rows` (each Rows' device tensors by key: "all", and "encoder" / "decoder" /
+    "decoder_write" where they differ) and `writes`, so the engine records a decode step once per shape
+    bucket and replays it with a later step's (core/graphs.py). A decode step (one token per sequence,
+    no prefix-cache replay) is planned with shapes that depend on its batch size and its entries' size
     bucket only: each KV source writes one entry per sequence, finished or not (an unfinished pair
     reads no token and writes to the cache's trash page)."""
 
-    def __init__(self, inp: StepInput, cache: CacheView, config: DeepseekV41Config):
+    def __init__(self, inp: StepInput, cache: CacheView, config: DeepseekV41Config, split=None):
         self.inp, self.cache, self.config = inp, cache, config
         self.starts, self.slots = inp.starts.numpy(), inp.slots.numpy()
         self.lens = inp.lens.numpy()
@@ -208,19 +241,33 @@ class StepMeta:
         device = cache.device
         self.ids = inp.ids if device.type == "cpu" else inp.ids.to(device, non_blocking=True)
         # read the block table now: overlapped scheduling may hand a freed page to another request
-        self.all = Rows(self, None, self.floor)
-        self.rows = {"all": self.all.dev}  # split_decoder adds "decoder"
+        # context parallelism: `split` (deepinfer/parallel) says which rows this rank computes
+        self.split = split
+        self.rows: dict[str, dict] = {}  # each Rows' device tensors, by its key
+        self.all = Rows(self, "all", None, self.floor, queries=split is None)  # every token: the keys written
+        self.encoder = self.all if split is None else self._share(self.all, split, "encoder")  # computed here
+        self.decoder = self.encoder  # split_decoder: the decoder layers' rows under the CED split
         self.writes = {rate: self._entry_writes(rate) for rate in self.rates}
 
+    def bind(self) -> tuple[BoundRows, BoundRows]:
+        """(encoder, decoder) rows with this metadata's tensors (BoundRows)."""
+        bound: dict[str, BoundRows] = {}
+        encoder = BoundRows(self.encoder, self.rows, bound)
+        decoder = encoder if self.decoder is self.encoder else bound.get(self.decoder.key) or \
+            BoundRows(self.decoder, self.rows, bound)
+        return encoder, decoder
+
     @classmethod
-    def ahead(cls, inp: StepInput, cache: CacheView, config: DeepseekV41Config, steps: int) -> "StepMeta":
+    def ahead(cls, inp: StepInput, cache: CacheView, config: DeepseekV41Config, steps: int,
+              split=None) -> "StepMeta":
         """`steps` greedy decode steps planned at once (multi-step decoding: sequence b feeds position
         starts[b] + s in step s): each planned as the decode step it is, their tensors stacked (a
         leading dimension of `steps`, row s being step s's; the candidate rows padded to the widest
         step's bucket). `ids`: row 0 is the step's, the engine feeds the others back from the samples."""
         if not bool((inp.lens == 1).all()) or inp.window_floor is not None or inp.num_restored is not None:
             raise ValueError("several steps are planned at once only for decode steps")
-        plans = [cls(StepInput(inp.ids, inp.slots, inp.starts + s, inp.lens), cache, config) for s in range(steps)]
+        plans = [cls(StepInput(inp.ids, inp.slots, inp.starts + s, inp.lens), cache, config, split)
+                 for s in range(steps)]
         for rate in plans[0].rates:
             entries = [p.rows["all"]["entries"] for p in plans]
             width = max(e[rate].shape[1] for e in entries)
@@ -257,7 +304,7 @@ class StepMeta:
         pool = self.paged_pool(rate)
         if self.decode:  # one entry per sequence: the one its token finishes, if any
             seq = np.arange(len(self.lens))
-            finished = (self.ends % rate == 0)
+            finished = self.ends % rate == 0
             entry = np.maximum(self.ends // rate - 1, 0)
         else:
             first = np.maximum(self.starts, self.restored)  # restored pages are shared: read-only
@@ -308,4 +355,15 @@ class StepMeta:
         in_tail = cut[self.seq] & (self.positions >= tail_pos)
         floor = np.where(in_tail, tail_pos, floor)
         tokens = np.arange(self.num_tokens) if mode == "mask" else np.flatnonzero(~cut[self.seq] | in_tail)
-        self.rows["decoder"] = Rows(self, tokens, floor[tokens]).dev
+        if self.split is None:
+            self.decoder = Rows(self, "decoder", tokens, floor[tokens])
+        else:
+            rows = Rows(self, "decoder_write", tokens, floor[tokens], queries=False)
+            self.decoder = self._share(rows, self.split.subset(torch.from_numpy(tokens)), "decoder")
+
+    def _share(self, rows: Rows, split, key: str) -> Rows:
+        """This rank's share of `rows` under context parallelism (`split`: of the rows of `rows`)."""
+        own = split.own_rows.numpy()
+        share = Rows(self, key, rows.flat[own], None if rows.floor is None else rows.floor[own])
+        share.write, share.split = rows, split
+        return share
