@@ -18,8 +18,8 @@ other ops is timed once, as the outermost call. Prints tables and writes JSON.
 build before step graphs, whose fast path was a hand-written C++ copy of the V4 step (the "step
 program"): its C++ calls are timed the same way.
 
-The LM head (the `linear` call on lm_head.weight) is reported as its own row, `linear (LM head)`:
-with a real 129,280-token vocabulary it is a large share of a small model's step. The step's weight
+The LM head (the `linear` call on lm_head.weight, DeepSeek-V4.1's head.weight) is reported as its own row,
+`linear (LM head)`: with a real 129,280-token vocabulary it is a large share of a small model's step. The step's weight
 GEMMs (GEMM_OPS, timed as op calls) are what a decode step cannot avoid; the step as run is
 reported as a multiple of their time (`step_over_gemms`).
 
@@ -144,7 +144,8 @@ def profile(model: str, batch: int, prompt_len: int, steps: int) -> dict:
     engine.multi_step = 1
     if getattr(engine, "graphs", None) is not None:
         engine.graphs = None  # op by op: the model's Python graph (the build before: replaced ops turn its program off)
-    seconds, calls = timed_ops(llm.accel, engine.model.w["lm_head.weight"])
+    w = engine.model.w
+    seconds, calls = timed_ops(llm.accel, w["lm_head.weight"] if "lm_head.weight" in w else w["head.weight"])  # V4.1: head
     engine.timeline.clear()
     start = time.perf_counter()
     for _ in range(steps):

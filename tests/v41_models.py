@@ -21,7 +21,12 @@ from v41_goldens import checkpoint_dir, load
 
 @cache
 def model(config: str, accelerator: str = "cpu"):
-    """The golden checkpoint `config` through deepinfer's registry and loader."""
+    """The golden checkpoint `config` through deepinfer's registry and loader (built once)."""
+    return build(config, accelerator)
+
+
+def build(config: str, accelerator: str = "cpu"):
+    """A new model of the golden checkpoint `config` (on the accelerator as the environment sets it now)."""
     directory = checkpoint_dir(config)
     cfg, cls = load_config(directory)
     weights, extra = load_checkpoint(directory, cls.checkpoint_tensors(cfg), cls, keep_prefixes=cls.extra_prefixes)
@@ -40,7 +45,7 @@ def new_cache(m, max_seqs: int = 8, max_step_tokens: int = 512, max_model_len: i
 
 def page_rows(meta, rate: int, entries: torch.Tensor) -> torch.Tensor:
     """Entry indices [n, k] (-1 none) of the step's single sequence -> rows of its pages."""
-    rows = meta.all.dev["entries"][rate][-1]  # the last token sees every entry of the step
+    rows = meta.rows["all"]["entries"][rate][-1]  # the last token sees every entry of the step
     return torch.where(entries >= 0, rows[entries.clamp(min=0)], -1)
 
 
@@ -75,7 +80,9 @@ def run_block(m, config: str, layer: int, recorded_picks: bool = False,
         picks = g[f"L{layer}.state_in.topk_idxs"][0].long()
         state.picks[role.index_source] = (meta.all, page_rows(meta, role.rate, torch.where(picks >= 0, picks - n, -1)))
     if role.reindex:
-        state.candidates = (meta.all, g[f"L{layer}.state_in.candidates"][0])
+        mask = g[f"L{layer}.state_in.candidates"][0]  # padded as the step's candidate rows are
+        width = meta.rows["all"]["entries"][role.rate].shape[1]
+        state.candidates = (meta.all, torch.nn.functional.pad(mask, (0, width - mask.shape[1])))
     return _block(m, g, meta, layer, state, recorded_picks, pre_in)
 
 

@@ -133,7 +133,46 @@ def test_replayed_steps_give_the_eager_engines_outputs(family_model_dir, monkeyp
     """The engine with recorded and replayed decode steps (plain and multi-step calls, greedy and
     sampled rows, requests arriving and finishing) against DEEPINFER_ENFORCE_EAGER=1, for each
     model family: the same tokens and logprobs, and the replay did run."""
-    path, _ = family_model_dir
+    _replayed_equals_eager(family_model_dir[0], monkeypatch, invariant)
+
+
+@pytest.mark.parametrize("invariant", [False, True], ids=["fast", "batch-invariant"])
+def test_replayed_v41_steps_give_the_eager_engines_outputs(monkeypatch, invariant):
+    """The same on DeepSeek-V4.1's golden ced10 (Engram, ratio-2 and ratio-1 KV sources and their
+    consumers, a candidate source, a Reindex layer, the CED split of the 290-token prompt): its
+    decode steps are replayed, in plain and multi-step calls, never eager."""
+    from v41_goldens import checkpoint_dir
+
+    _replayed_equals_eager(str(checkpoint_dir("ced10")), monkeypatch, invariant)
+
+
+@pytest.mark.parametrize("config", ["ced10", "mini6"])
+def test_v41_multi_step_equals_one_step_per_call(monkeypatch, config):
+    """DeepSeek-V4.1 plans up to 8 decode steps per call (each step's plan stacked): the tokens of one
+    step per call, stops inside a call included, everything freed."""
+    from v41_goldens import checkpoint_dir
+
+    path = str(checkpoint_dir(config))
+    prompts = _prompts([3, 50, 130, 290, 77, 20], seed=1)
+    one = _llm(path, monkeypatch, 1)
+    free = _outputs(one, prompts, SamplingParams(temperature=0.0, max_tokens=45, ignore_eos=True))
+    params = [SamplingParams(temperature=0.0, max_tokens=45, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[free[2][0][10]], ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=33, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=45, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)]
+    ref = _outputs(one, prompts, params)
+    multi = _llm(path, monkeypatch, 8)
+    calls = _count_calls(multi)
+    assert _outputs(multi, prompts, params) == ref
+    assert ref[2][1] == "stop" and len(ref[2][0]) == free[2][0].index(free[2][0][10]) + 1
+    assert calls and max(calls) == 8, calls
+    cache = multi.engine.cache
+    assert cache.num_free_pages == cache.num_pages and cache.num_free_slots == cache.max_seqs
+
+
+def _replayed_equals_eager(path, monkeypatch, invariant: bool) -> None:
     monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "1" if invariant else "0")
     prompts = _prompts([3, 50, 130, 290, 77, 20, 64, 9], seed=6)
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (40, 12, 33, 45)] + \

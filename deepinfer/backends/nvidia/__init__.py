@@ -111,6 +111,8 @@ class NvidiaAccelerator(Accelerator):
     def compile_step(self, recording, step_fn):
         if self.device.type != "cuda" or step_fn is None:
             return None
+        if any(ins.op._schema.name == "deepinfer::host_call" for ins in recording.instructions):
+            return None  # Python that reads tensor data (a host call, core/graphs.py) cannot run under stream capture
         from deepinfer.backends.nvidia import graphs
 
         if self._graph_pool is None:

@@ -33,6 +33,7 @@ from deepinfer import envs
 from deepinfer.backends.base import Accelerator, WeightRole
 from deepinfer.backends.quant import ActQuant, cat_rows, with_act
 from deepinfer.core.cache import CacheSpec, StateCache
+from deepinfer.core.graphs import HostCall
 from deepinfer.models.base import (CausalLM, MultimodalItem, MultimodalPrompt, ParallelContext,
                                    StepInput, TensorSpec, ViewCache)
 from deepinfer.models.deepseek_v41 import moe, weights as checkpoint
@@ -130,13 +131,15 @@ class DeepseekV41Model(CausalLM):
                      down: torch.Tensor) -> torch.Tensor:
         return moe.routed_experts(self.accel, h, weights, ids, gate_up, down, self.limit, self.experts_quantized)
 
-    def _local_experts(self, gate_up: torch.Tensor, down: torch.Tensor):
+    def _local_experts(self, gate_up: torch.Tensor, down: torch.Tensor) -> HostCall:
+        """A layer's routed experts: a loop over the experts the step hits, one recorded call in a
+        captured step (core/graphs.py: HostCall) until a fixed-shape kernel runs V4.1's expert numerics."""
         ops, limit, quantized = self.accel, self.limit, self.experts_quantized
 
         def experts(h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
             return moe.routed_experts(ops, h, weights, ids, gate_up, down, limit, quantized)
 
-        return experts
+        return HostCall(experts)
 
     # ------------------------------------------------------------ the model interface
     @classmethod
@@ -152,15 +155,11 @@ class DeepseekV41Model(CausalLM):
     def view(self, cache: StateCache) -> CacheView:
         return self._views.get(cache)
 
-    # Its plan (CSA2 source groups, candidate blocks, Engram's history) is built per step; planning
-    # several steps ahead is not written yet.
-    multi_step_decode = False
-
     def prepare(self, inp: StepInput, cache: StateCache, steps: int | None = None) -> StepMeta:
-        if steps is not None:
-            raise ValueError("DeepSeek-V4.1 plans one decode step at a time (multi_step_decode is False)")
         cp = self.parallel.context_parallel
         split = cp.split(inp.lens.tolist(), cache.device) if cp is not None else None
+        if steps is not None:
+            return StepMeta.ahead(inp, self.view(cache), self.config, steps, split)
         return StepMeta(inp, self.view(cache), self.config, split=split)
 
     def make_drafter(self, extra: dict[str, torch.Tensor], max_seqs: int, margin: int):
@@ -199,11 +198,10 @@ class DeepseekV41Model(CausalLM):
         Engram), averaged over the hc copies, at the flat rows `feature_rows`: [R, len, D]."""
         cfg, ops, w = self.config, self.accel, self.w
         meta = meta if meta is not None else self.prepare(inp, cache)
-        logit_rows = logit_rows.cpu().numpy()
         if meta.decoder is meta.encoder and cfg.first_decoder_layer < cfg.num_hidden_layers:
             meta.split_decoder(logit_rows, envs.get("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE"),
                                envs.get("DEEPINFER_YOCO_PREFILL_KEEP_TOKENS"))
-        rows, state = meta.encoder, StepState()
+        (rows, decoder), state = meta.bind(), StepState()  # the tensors of this meta (a replay swaps them)
         x = bf16(ops.embedding(meta.ids, w["embed.weight"]))
         image = self._image_rows(inp, x.shape[0], x.device)
         for row, embeds in inp.embeds or ():  # image spans: the learned markers and the aligner's rows
@@ -213,12 +211,12 @@ class DeepseekV41Model(CausalLM):
         x = self._of_rows(x, rows)  # context parallelism: this rank's rows from here on
         streams = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
         pre = torch.zeros(streams.shape[:2], device=streams.device)
-        pre[:, 0] = 1.0  # layer 0's attention reads copy 0
+        pre[:, 0].fill_(1.0)  # layer 0's attention reads copy 0 (`= 1.0` would make a new tensor each step)
         features = []
         for i, role in enumerate(cfg.roles):
-            if i == cfg.first_decoder_layer and meta.decoder is not meta.encoder:
-                streams, pre = (StepState.gather((rows, t), meta.decoder) for t in (streams, pre))
-                rows = meta.decoder
+            if i == cfg.first_decoder_layer and decoder is not rows:
+                streams, pre = (StepState.gather((rows, t), decoder) for t in (streams, pre))
+                rows = decoder
             if role.engram:
                 streams = self._engram(i, streams, self._of_rows(hashes, rows), self._of_rows(image, rows))
             if i in feature_layers:  # (context parallelism: from every rank's rows)
@@ -227,7 +225,7 @@ class DeepseekV41Model(CausalLM):
                                       lambda h, i=i: self._attention(i, h, meta, rows, state),
                                       lambda h, i=i, r=rows: self._moe(i, h, self._of_rows(image, r)))
         streams, pre = rows.gather(streams), rows.gather(pre)  # context parallelism: every rank's rows
-        picked = self._local_rows(rows.write, torch.from_numpy(logit_rows))
+        picked = self._local_rows(rows.write, logit_rows)
         h = bf16(ops.hc_collapse(streams[picked], pre[picked]))
         logits = ops.linear(bf16(ops.rms_norm(h, w["norm.weight"], cfg.rms_norm_eps)), w["head.weight"])
         return (logits, torch.stack(features, dim=1)) if feature_layers else logits
@@ -316,7 +314,7 @@ class DeepseekV41Model(CausalLM):
         else:  # stage every token's [kv | gate], pool each finished pair with a per-channel softmax
             ring = view.compressor.data
             staged = torch.cat([ops.linear(h, w[p + "wkv.weight"]), ops.linear(h, w[p + "wgate.weight"])], dim=-1)
-            ring[info["scratch"] + meta.all.dev["flat"]] = rows.gather(staged).to(ring.dtype)
+            ring[info["scratch"] + meta.rows["all"]["flat"]] = rows.gather(staged).to(ring.dtype)
             raw = ring[info["tok_rows"].clamp(min=0)].float()
             latent = bf16(ops.compress_windows(raw[..., :cfg.head_dim], raw[..., cfg.head_dim:]))
             src, dst = info["commit"]
@@ -386,15 +384,14 @@ class DeepseekV41Model(CausalLM):
         Engram ring (look-back of later steps). Image-span positions (`image`) are DEAD in it: no n-gram
         spans or crosses them (a look-back that reaches one takes the pad class from there on, as at the
         sequence start), also for later steps that look back over them."""
-        pool, dev = meta.cache.engram, meta.all.dev
+        pool, dev = meta.cache.engram, meta.rows["all"]
         classes = self.engram.classes(meta.ids)
         if image is not None:
             classes = torch.where(image, DEAD, classes)
         pool.data[pool.scratch_base + dev["flat"], 0] = classes
         back = dev["engram"]
         history = torch.where(back >= 0, pool.data[back.clamp(min=0), 0], torch.full_like(back, self.engram.pad))
-        src, dst = meta.commit(pool.spec.ring, 1, meta.all)
-        src, dst = torch.from_numpy(src).to(pool.data.device), torch.from_numpy(dst).to(pool.data.device)
+        src, dst = dev["engram_commit"]
         pool.data.index_copy_(0, dst, pool.data.index_select(0, src))
         grams = torch.cat([classes.unsqueeze(1), history], dim=1)
         if self.config.vision is not None:

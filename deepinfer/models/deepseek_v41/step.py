@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from deepinfer.core.cache import CacheSpec, Pool, PoolSpec, StateCache
+from deepinfer.core.graphs import size_bucket, step_inputs, with_step_tensors
 from deepinfer.models.base import StepInput, to_device
 from deepinfer.models.deepseek_v41.config import DeepseekV41Config
 
@@ -101,19 +102,25 @@ def arange_within(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return group, np.arange(len(group)) - first[group]
 
 
+_MIN_ENTRIES = 64  # compressed entries a token's candidate row holds at least (fewer decode buckets)
+
+
 class Rows:
     """The index arrays of a set of the step's tokens (all of them, or the decoder's subset under the
-    CED split), planned on the host and moved to the device once: positions, RoPE tables, window rows
-    per pool layout, the compressed entries each token may see, Engram's look-back rows.
+    CED split), planned on the host and moved to the device once (`dev`, kept in StepMeta.rows under
+    `key`: the forward reads them from there, see BoundRows): positions, RoPE tables, window rows per
+    pool layout, the compressed entries each token may see (padded with -1 to a size bucket, so decode
+    steps of a batch size share few shapes; the indexer's picks do not depend on the padding),
+    Engram's look-back rows and ring commit.
 
     Context parallelism (parallel/context_parallel.py): a layer computes the queries of this rank's
     share of its rows and writes the keys of all of them. The share is a Rows whose `write` is the whole
     set (which then plans only what writes need: `queries` False) and whose `split` gathers every
     rank's rows of the set; in one process a Rows is its own `write` set and `gather` returns its input."""
 
-    def __init__(self, meta: "StepMeta", tokens: np.ndarray | None, floor: np.ndarray | None,
+    def __init__(self, meta: "StepMeta", key: str, tokens: np.ndarray | None, floor: np.ndarray | None,
                  queries: bool = True):
-        self.meta = meta
+        self.meta, self.key = meta, key
         self.write, self.split = self, None  # _share sets them for a rank's share
         self.queries = queries
         self.tokens = tokens  # flat token indices (None: every token)
@@ -128,6 +135,8 @@ class Rows:
             ring, n = cache.engram.spec.ring, cfg.engram_max_ngram_size - 1
             pos = self.key_positions(n)[:, :-1][:, ::-1]  # p - 1, p - 2, ...
             self.engram = np.where(pos >= 0, meta.ring_rows(pos, self.seq[:, None], ring, 1)[0], -1)
+            if tokens is None:  # the step's classes the ring keeps
+                self.engram_commit = meta.commit(ring, 1, self)
         if not queries:
             self.dev = self._to_device(cache.device)
             return
@@ -161,9 +170,11 @@ class Rows:
         entry j is visible to position p once (j + 1) * rate <= p + 1; -1 elsewhere."""
         meta = self.meta
         visible = (self.positions + 1) // rate
-        width = int(visible.max()) if self.count else 0
+        pool = meta.paged_pool(rate)
+        most = meta.cache.cache.block_table.shape[1] * pool.page_rows  # entries a block-table row maps
+        width = min(size_bucket(int(visible.max()), _MIN_ENTRIES), most) if self.count else 0
         j = np.arange(width)[None, :]
-        rows = meta.cache.cache.page_rows(meta.paged_pool(rate), meta.slots[self.seq][:, None], j)
+        rows = meta.cache.cache.page_rows(pool, meta.slots[self.seq][:, None], j)
         return np.where(j < visible[:, None], rows, -1)
 
     def _to_device(self, device: torch.device) -> dict:
@@ -179,13 +190,37 @@ class Rows:
                     "visible": {r: move(v) for r, v in self.visible.items()}}
         if hasattr(self, "engram"):
             out["engram"] = move(self.engram)
+        if hasattr(self, "engram_commit"):
+            out["engram_commit"] = tuple(map(move, self.engram_commit))
+        self.meta.rows[self.key] = out
         return out
+
+
+class BoundRows:
+    """A Rows as one run of the forward sees it: its host structure (tokens, split, write set) with the
+    device tensors of the StepMeta the forward was given (`tensors`: its `rows`). The engine replays a
+    recorded step with another step's metadata (core/graphs.with_step_tensors swaps the tensors of
+    StepMeta.rows, not those a Rows holds), so the forward reads tensors only through these."""
+
+    def __init__(self, rows: Rows, tensors: dict, bound: dict):
+        self.rows, self.dev = rows, tensors[rows.key]
+        bound[rows.key] = self
+        self.write = self if rows.write is rows else bound.get(rows.write.key) or BoundRows(rows.write, tensors, bound)
+
+    def __getattr__(self, name: str):
+        return getattr(self.rows, name)
 
 
 class StepMeta:
     """Index tensors of one step. Planned on the host from host tensors (no device sync), moved to the
     device in one go; `ids` is the device copy of the step's token ids, which the engine may patch
-    with the previous step's samples before the forward."""
+    with the previous step's samples before the forward. The forward reads the step only through the
+    tensors of `ids`, `rows` (each Rows' device tensors by key: "all", and "encoder" / "decoder" /
+    "decoder_write" where they differ) and `writes`, so the engine records a decode step once per shape
+    bucket and replays it with a later step's (core/graphs.py). A decode step (one token per sequence,
+    no prefix-cache replay) is planned with shapes that depend on its batch size and its entries' size
+    bucket only: each KV source writes one entry per sequence, finished or not (an unfinished pair
+    reads no token and writes to the cache's trash page)."""
 
     def __init__(self, inp: StepInput, cache: CacheView, config: DeepseekV41Config, split=None):
         self.inp, self.cache, self.config = inp, cache, config
@@ -202,15 +237,44 @@ class StepMeta:
         self.restored = inp.num_restored.numpy() if inp.num_restored is not None else np.zeros_like(self.starts)
         self.rates = sorted({r.rate for r in config.roles if r.rate})
         self.ring_members = sorted({v.members for v in cache.layers})
+        self.decode = self.num_tokens == len(self.lens) and inp.window_floor is None and inp.num_restored is None
         device = cache.device
         self.ids = inp.ids if device.type == "cpu" else inp.ids.to(device, non_blocking=True)
         # read the block table now: overlapped scheduling may hand a freed page to another request
         # context parallelism: `split` (deepinfer/parallel) says which rows this rank computes
         self.split = split
-        self.all = Rows(self, None, self.floor, queries=split is None)  # every token: the keys written
-        self.encoder = self.all if split is None else self._share(self.all, split)  # the rows computed here
+        self.rows: dict[str, dict] = {}  # each Rows' device tensors, by its key
+        self.all = Rows(self, "all", None, self.floor, queries=split is None)  # every token: the keys written
+        self.encoder = self.all if split is None else self._share(self.all, split, "encoder")  # computed here
         self.decoder = self.encoder  # split_decoder: the decoder layers' rows under the CED split
         self.writes = {rate: self._entry_writes(rate) for rate in self.rates}
+
+    def bind(self) -> tuple[BoundRows, BoundRows]:
+        """(encoder, decoder) rows with this metadata's tensors (BoundRows)."""
+        bound: dict[str, BoundRows] = {}
+        encoder = BoundRows(self.encoder, self.rows, bound)
+        decoder = encoder if self.decoder is self.encoder else bound.get(self.decoder.key) or \
+            BoundRows(self.decoder, self.rows, bound)
+        return encoder, decoder
+
+    @classmethod
+    def ahead(cls, inp: StepInput, cache: CacheView, config: DeepseekV41Config, steps: int,
+              split=None) -> "StepMeta":
+        """`steps` greedy decode steps planned at once (multi-step decoding: sequence b feeds position
+        starts[b] + s in step s): each planned as the decode step it is, their tensors stacked (a
+        leading dimension of `steps`, row s being step s's; the candidate rows padded to the widest
+        step's bucket). `ids`: row 0 is the step's, the engine feeds the others back from the samples."""
+        if not bool((inp.lens == 1).all()) or inp.window_floor is not None or inp.num_restored is not None:
+            raise ValueError("several steps are planned at once only for decode steps")
+        plans = [cls(StepInput(inp.ids, inp.slots, inp.starts + s, inp.lens), cache, config, split)
+                 for s in range(steps)]
+        for rate in plans[0].rates:
+            entries = [p.rows["all"]["entries"] for p in plans]
+            width = max(e[rate].shape[1] for e in entries)
+            for e in entries:
+                e[rate] = torch.nn.functional.pad(e[rate], (0, width - e[rate].shape[1]), value=-1)
+        per_step = [step_inputs(p)[0] for p in plans]
+        return with_step_tensors(plans[0], [torch.stack(ts) for ts in zip(*per_step)])
 
     def paged_pool(self, rate: int) -> Pool:
         """A pool with one row per `rate` positions (all such pools share the page-row arithmetic)."""
@@ -237,17 +301,27 @@ class StepMeta:
         """The compressed entries finished in this step (KV sources of `rate`): their page rows, the rows
         of their tokens (ratio 1: the step's flat row; ratio 2: the staging ring), RoPE at each entry's
         position (entry j stands for position j * rate)."""
-        first = np.maximum(self.starts, self.restored)  # restored pages are shared: read-only
-        lo = first // rate
-        counts = np.maximum(self.ends // rate - lo, 0)
-        seq, within = arange_within(counts)
-        entry = lo[seq] + within
-        info = {"out_rows": self.cache.cache.page_rows(self.paged_pool(rate), self.slots[seq], entry),
-                "cos_sin": self.config.rope_compress.cos_sin(entry * rate)}
+        pool = self.paged_pool(rate)
+        if self.decode:  # one entry per sequence: the one its token finishes, if any
+            seq = np.arange(len(self.lens))
+            finished = self.ends % rate == 0
+            entry = np.maximum(self.ends // rate - 1, 0)
+        else:
+            first = np.maximum(self.starts, self.restored)  # restored pages are shared: read-only
+            lo = first // rate
+            counts = np.maximum(self.ends // rate - lo, 0)
+            seq, within = arange_within(counts)
+            entry, finished = lo[seq] + within, None
+        out_rows = self.cache.cache.page_rows(pool, self.slots[seq], entry)
+        if finished is not None:
+            out_rows = np.where(finished, out_rows, self.cache.cache.trash_page * pool.page_rows)
+        info = {"out_rows": out_rows, "cos_sin": self.config.rope_compress.cos_sin(entry * rate)}
         if rate > 1:
             ring = rate + self.cache.ring - self.config.sliding_window  # rate + rollback margin
             tok_pos = entry[:, None] * rate + np.arange(rate)
             info["tok_rows"] = self.ring_rows(tok_pos, seq[:, None], ring, 1)[0]
+            if finished is not None:
+                info["tok_rows"] = np.where(finished[:, None], info["tok_rows"], -1)
             info["commit"] = self.commit(ring, 1, self.all)
             info["scratch"] = self.cache.ring_slots * ring
         else:
@@ -259,14 +333,16 @@ class StepMeta:
         return {k: (tuple(map(move, v)) if isinstance(v, tuple) else v if isinstance(v, int) else move(v))
                 for k, v in info.items()}
 
-    def split_decoder(self, logit_rows: np.ndarray, mode: str, keep: int) -> None:
+    def split_decoder(self, logit_rows: torch.Tensor, mode: str, keep: int) -> None:
         """The CED split (model.py's doc): the decoder layers run on each long chunk's last `keep` rows
         (compact), or on every row with the same masking (mask, a check); off: every row, exact. A
         sequence whose step needs logits of any row but its last (prompt logprobs) runs in full: the
         decoder's window, and everything it feeds, would reach below the tail for those rows. (The
-        DSpark drafter's context rows, the last window + margin positions, lie in the tail.)"""
-        if mode == "off":
+        DSpark drafter's context rows, the last window + margin positions, lie in the tail.) Reads
+        `logit_rows` only for a step with a chunk longer than `keep` (never a decode step)."""
+        if mode == "off" or not (self.lens > keep).any():
             return
+        logit_rows = logit_rows.cpu().numpy()
         last = self.first + self.lens - 1
         seq_of = np.searchsorted(last, logit_rows)
         full = np.zeros(len(self.lens), dtype=bool)
@@ -280,14 +356,14 @@ class StepMeta:
         floor = np.where(in_tail, tail_pos, floor)
         tokens = np.arange(self.num_tokens) if mode == "mask" else np.flatnonzero(~cut[self.seq] | in_tail)
         if self.split is None:
-            self.decoder = Rows(self, tokens, floor[tokens])
+            self.decoder = Rows(self, "decoder", tokens, floor[tokens])
         else:
-            rows = Rows(self, tokens, floor[tokens], queries=False)
-            self.decoder = self._share(rows, self.split.subset(torch.from_numpy(tokens)))
+            rows = Rows(self, "decoder_write", tokens, floor[tokens], queries=False)
+            self.decoder = self._share(rows, self.split.subset(torch.from_numpy(tokens)), "decoder")
 
-    def _share(self, rows: Rows, split) -> Rows:
+    def _share(self, rows: Rows, split, key: str) -> Rows:
         """This rank's share of `rows` under context parallelism (`split`: of the rows of `rows`)."""
         own = split.own_rows.numpy()
-        share = Rows(self, rows.flat[own], None if rows.floor is None else rows.floor[own])
+        share = Rows(self, key, rows.flat[own], None if rows.floor is None else rows.floor[own])
         share.write, share.split = rows, split
         return share
