@@ -74,6 +74,11 @@ class ActQuant:
     pow2: bool = True
 
 
+# float32(1/448) as a tensor made once: a tensor built inside a step would be a host value to the
+# step graphs' recorder (core/graphs.py), which then keeps the step eager
+_INV_FP8_MAX = torch.tensor(1 / FP8_MAX, dtype=torch.float32)
+
+
 def act_quant(x: torch.Tensor, act: ActQuant) -> torch.Tensor:
     """x [..., K] -> float32 [..., K]: x quantized per `act` and dequantized (the reference). A
     last, partial group of K is its own group."""
@@ -82,7 +87,7 @@ def act_quant(x: torch.Tensor, act: ActQuant) -> torch.Tensor:
     xg = torch.nn.functional.pad(x.float(), (0, pad)).unflatten(-1, (-1, act.block))
     amax = xg.abs().amax(-1, keepdim=True).clamp(min=_AMAX_FLOOR)
     if act.pow2:  # 2^ceil(log2(amax * (1/448))) from the float32 bits, exactly as DeepSeek's kernels
-        bits = (amax * torch.tensor(1 / FP8_MAX, dtype=torch.float32)).view(torch.int32)
+        bits = (amax * _INV_FP8_MAX.to(amax.device)).view(torch.int32)
         exp = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(torch.int32)
         s = (exp << 23).view(torch.float32)
     else:
