@@ -96,6 +96,27 @@ class Writer:
         self.tensors[name] = t
         self._count("float32", t)
 
+    def block_entry(self, p: str, d: int, hc: int, q_rank: int, heads: int, head_dim: int, o_groups: int,
+                    o_rank: int) -> None:
+        """What every V4 / V4.1 block stores alike under prefix `p`: its norms, hyper-connection mixes
+        and the attention's projections (FP8) and sink."""
+        mix = (2 + hc) * hc
+        self.f32(p + "attn_norm.weight", d, std=0.0, mean=1.0)
+        self.f32(p + "ffn_norm.weight", d, std=0.0, mean=1.0)
+        for sub in ("hc_attn_", "hc_ffn_"):
+            self.f32(p + sub + "fn", mix, hc * d)
+            self.f32(p + sub + "base", mix, std=0.2)
+            self.f32(p + sub + "scale", 3, std=0.0, mean=1.0)
+        a = p + "attn."
+        self.fp8(a + "wq_a", q_rank, d)
+        self.f32(a + "q_norm.weight", q_rank, std=0.0, mean=1.0)
+        self.fp8(a + "wq_b", heads * head_dim, q_rank)
+        self.fp8(a + "wkv", head_dim, d)
+        self.f32(a + "kv_norm.weight", head_dim, std=0.0, mean=1.0)
+        self.fp8(a + "wo_a", o_groups * o_rank, heads * head_dim // o_groups)
+        self.fp8(a + "wo_b", d, o_groups * o_rank)
+        self.f32(a + "attn_sink", heads, std=0.5)
+
     def flush(self, path: Path) -> None:
         from safetensors.torch import save_file
 
@@ -107,7 +128,6 @@ def write_checkpoint(out: Path) -> dict:
     """The synthetic checkpoint (module doc) in `out`; returns bytes by kind."""
     out.mkdir(parents=True, exist_ok=True)
     w = Writer(torch.Generator().manual_seed(0))
-    mix = (2 + HC) * HC
     w.bf16("embed.weight", VOCAB, D)
     w.bf16("head.weight", VOCAB, D)
     w.f32("norm.weight", D, std=0.0, mean=1.0)
@@ -117,21 +137,8 @@ def write_checkpoint(out: Path) -> dict:
     w.flush(out / "model-embed-head.safetensors")
     for i, (kind, mlp, rate) in enumerate(LAYERS):
         p = f"layers.{i}."
-        w.f32(p + "attn_norm.weight", D, std=0.0, mean=1.0)
-        w.f32(p + "ffn_norm.weight", D, std=0.0, mean=1.0)
-        for hc in ("hc_attn_", "hc_ffn_"):
-            w.f32(p + hc + "fn", mix, HC * D)
-            w.f32(p + hc + "base", mix, std=0.2)
-            w.f32(p + hc + "scale", 3, std=0.0, mean=1.0)
+        w.block_entry(p, D, HC, Q_RANK, HEADS, HEAD_DIM, O_GROUPS, O_RANK)
         a = p + "attn."
-        w.fp8(a + "wq_a", Q_RANK, D)
-        w.f32(a + "q_norm.weight", Q_RANK, std=0.0, mean=1.0)
-        w.fp8(a + "wq_b", HEADS * HEAD_DIM, Q_RANK)
-        w.fp8(a + "wkv", HEAD_DIM, D)
-        w.f32(a + "kv_norm.weight", HEAD_DIM, std=0.0, mean=1.0)
-        w.fp8(a + "wo_a", O_GROUPS * O_RANK, HEADS * HEAD_DIM // O_GROUPS)
-        w.fp8(a + "wo_b", D, O_GROUPS * O_RANK)
-        w.f32(a + "attn_sink", HEADS, std=0.5)
         width = 2 * HEAD_DIM if kind == "compressed_sparse_attention" else HEAD_DIM
         w.f32(a + "compressor.ape", rate, width, std=0.5)
         w.bf16(a + "compressor.wkv.weight", width, D)

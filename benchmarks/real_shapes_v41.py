@@ -89,28 +89,14 @@ def write_checkpoint(out: Path, engram_rows: int, writer_cls) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     cfg, rows = config(engram_vocab_for(engram_rows))
     w = writer_cls(torch.Generator().manual_seed(0), block=BLOCK)
-    mix = (2 + HC) * HC
     w.bf16("embed.weight", VOCAB, D)
     w.bf16("head.weight", VOCAB, D)
     w.f32("norm.weight", D, std=0.0, mean=1.0)
     w.flush(out / "model-embed-head.safetensors")
     for i in range(2):
         p = f"layers.{i}."
-        w.f32(p + "attn_norm.weight", D, std=0.0, mean=1.0)
-        w.f32(p + "ffn_norm.weight", D, std=0.0, mean=1.0)
-        for hc in ("hc_attn_", "hc_ffn_"):
-            w.f32(p + hc + "fn", mix, HC * D)
-            w.f32(p + hc + "base", mix, std=0.2)
-            w.f32(p + hc + "scale", 3, std=0.0, mean=1.0)
+        w.block_entry(p, D, HC, Q_RANK, HEADS, HEAD_DIM, O_GROUPS, O_RANK)
         a = p + "attn."
-        w.fp8(a + "wq_a", Q_RANK, D)
-        w.f32(a + "q_norm.weight", Q_RANK, std=0.0, mean=1.0)
-        w.fp8(a + "wq_b", HEADS * HEAD_DIM, Q_RANK)
-        w.fp8(a + "wkv", HEAD_DIM, D)
-        w.f32(a + "kv_norm.weight", HEAD_DIM, std=0.0, mean=1.0)
-        w.fp8(a + "wo_a", O_GROUPS * O_RANK, HEADS * HEAD_DIM // O_GROUPS)
-        w.fp8(a + "wo_b", D, O_GROUPS * O_RANK)
-        w.f32(a + "attn_sink", HEADS, std=0.5)
         if i == SOURCE_LAYER:
             c, x = a + "compressor.", a + "indexer."
             w.bf16(c + "wkv.weight", HEAD_DIM, D)
