@@ -117,6 +117,19 @@ class Writer:
         self.fp8(a + "wo_b", d, o_groups * o_rank)
         self.f32(a + "attn_sink", heads, std=0.5)
 
+    def ffn_experts(self, f: str, dense: Path, experts_shard: str, experts: int, inter: int, d: int,
+                    per_shard: int) -> None:
+        """The shared expert (FP8) under `f`, flushed with the layer's dense tensors to `dense`, then
+        the routed experts (FP4), `per_shard` per file (`experts_shard` formats the shard number)."""
+        for w, n, k in (("w1", inter, d), ("w3", inter, d), ("w2", d, inter)):
+            self.fp8(f + "shared_experts." + w, n, k)
+        self.flush(dense)
+        for j in range(experts):
+            for w, n, k in (("w1", inter, d), ("w3", inter, d), ("w2", d, inter)):
+                self.fp4(f + f"experts.{j}.{w}", n, k)
+            if j % per_shard == per_shard - 1:
+                self.flush(dense.with_name(experts_shard.format(j // per_shard)))
+
     def flush(self, path: Path) -> None:
         from safetensors.torch import save_file
 
@@ -160,17 +173,8 @@ def write_checkpoint(out: Path) -> dict:
             w._count("int32", table)
         else:
             w.f32(f + "gate.bias", EXPERTS, std=0.1)
-        w.fp8(f + "shared_experts.w1", INTER, D)
-        w.fp8(f + "shared_experts.w3", INTER, D)
-        w.fp8(f + "shared_experts.w2", D, INTER)
-        w.flush(out / f"model-layer{i}-dense.safetensors")
-        for j in range(EXPERTS):
-            e = f + f"experts.{j}."
-            w.fp4(e + "w1", INTER, D)
-            w.fp4(e + "w3", INTER, D)
-            w.fp4(e + "w2", D, INTER)
-            if j % 64 == 63:  # shards of 64 experts (~800 MB)
-                w.flush(out / f"model-layer{i}-experts{j // 64}.safetensors")
+        w.ffn_experts(f, out / f"model-layer{i}-dense.safetensors", f"model-layer{i}-experts{{}}.safetensors",
+                      EXPERTS, INTER, D, per_shard=64)  # shards of 64 experts (~800 MB)
     (out / "config.json").write_text(json.dumps(_config(), indent=2))
     (out / "WRITTEN").write_text(json.dumps(w.bytes))
     return w.bytes

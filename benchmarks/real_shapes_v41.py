@@ -114,17 +114,8 @@ def write_checkpoint(out: Path, engram_rows: int, writer_cls) -> dict:
         f = p + "ffn."
         w.bf16(f + "gate.weight", EXPERTS, D)
         w.f32(f + "gate.bias", EXPERTS, std=0.1)
-        w.fp8(f + "shared_experts.w1", INTER, D)
-        w.fp8(f + "shared_experts.w3", INTER, D)
-        w.fp8(f + "shared_experts.w2", D, INTER)
-        w.flush(out / f"model-layer{i}-dense.safetensors")
-        for j in range(EXPERTS):
-            ex = f + f"experts.{j}."
-            w.fp4(ex + "w1", INTER, D)
-            w.fp4(ex + "w3", INTER, D)
-            w.fp4(ex + "w2", D, INTER)
-            if j % 32 == 31:  # shards of 32 experts (~600 MB)
-                w.flush(out / f"model-layer{i}-experts{j // 32}.safetensors")
+        w.ffn_experts(f, out / f"model-layer{i}-dense.safetensors", f"model-layer{i}-experts{{}}.safetensors",
+                      EXPERTS, INTER, D, per_shard=32)  # shards of 32 experts (~600 MB)
     table = f"layers.{ENGRAM_LAYER}.engram.embed"
     w.bytes["engram table (fp8_e4m3 rows + e8m0 scales, memory-mapped)"] = write_table(
         out / "model-engram-table.safetensors", table, rows, w.gen)
