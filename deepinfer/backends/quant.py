@@ -74,11 +74,6 @@ class ActQuant:
     pow2: bool = True
 
 
-# float32(1/448) as a tensor made once: a tensor built inside a step would be a host value to the
-# step graphs' recorder (core/graphs.py), which then keeps the step eager
-_INV_FP8_MAX = torch.tensor(1 / FP8_MAX, dtype=torch.float32)
-
-
 def act_quant(x: torch.Tensor, act: ActQuant) -> torch.Tensor:
     """x [..., K] -> float32 [..., K]: x quantized per `act` and dequantized (the reference). A
     last, partial group of K is its own group."""
@@ -87,7 +82,9 @@ def act_quant(x: torch.Tensor, act: ActQuant) -> torch.Tensor:
     xg = torch.nn.functional.pad(x.float(), (0, pad)).unflatten(-1, (-1, act.block))
     amax = xg.abs().amax(-1, keepdim=True).clamp(min=_AMAX_FLOOR)
     if act.pow2:  # 2^ceil(log2(amax * (1/448))) from the float32 bits, exactly as DeepSeek's kernels
-        bits = (amax * _INV_FP8_MAX.to(amax.device)).view(torch.int32)
+        # a Python scalar multiplies a float32 tensor as float32(1/448); a tensor made here would be a
+        # host value inside a captured step (core/graphs.py) and a host-to-device copy per call
+        bits = (amax * (1 / FP8_MAX)).view(torch.int32)
         exp = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(torch.int32)
         s = (exp << 23).view(torch.float32)
     else:
