@@ -130,14 +130,14 @@ class LLMEngine:
         self.model = model_cls(cfg, weights, accel, parallel)
         weight_kinds = memory.weights_by_kind(weights, self.extra_weights)
         del weights
-        # DSpark speculative decoding, when the checkpoint has a drafter and DEEPINFER_USE_NEXTN_DECODE > 0
-        # (unset: the accelerator's `speculative_decoding` choice)
-        self.spec = (SpecDecoder.create(self.model, self.extra_weights, accel, config.max_num_seqs)
-                     if config.speculative else None)
-        self.tokenizer = Tokenizer(tokenizer or model_dir, bos_token_id=cfg.bos_token_id) \
-            if tokenizer is not None or os.path.isfile(os.path.join(model_dir, "tokenizer.json")) else None
         self.max_model_len = min(config.max_model_len or min(cfg.max_position_embeddings, 8192),
                                  cfg.max_position_embeddings)
+        # DSpark speculative decoding, when the checkpoint has a drafter and DEEPINFER_USE_NEXTN_DECODE > 0
+        # (unset: the accelerator's `speculative_decoding` choice)
+        self.spec = (SpecDecoder.create(self.model, self.extra_weights, accel, config.max_num_seqs,
+                                        self.max_model_len) if config.speculative else None)
+        self.tokenizer = Tokenizer(tokenizer or model_dir, bos_token_id=cfg.bos_token_id) \
+            if tokenizer is not None or os.path.isfile(os.path.join(model_dir, "tokenizer.json")) else None
         self.cache, plan = self._make_cache(dtype, sum(weight_kinds.values()))
         self.memory = memory.MemoryReport(accel.name, weight_kinds, memory.checkpoint_bytes(model_dir),
                                           self._cache_bytes(), plan, accel.memory_info()[0])

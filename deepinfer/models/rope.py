@@ -40,6 +40,18 @@ class RopeConfig:
             return freqs.cos(), freqs.sin()
         return torch.from_numpy(table[0][positions]), torch.from_numpy(table[1][positions])
 
+    def device_table(self, size: int, device) -> "tuple[torch.Tensor, torch.Tensor]":
+        """(cos, sin) [size, dim // 2] of positions 0 .. size - 1 on `device`, the values `cos_sin`
+        gives: for a step that looks its rows up by position tensors on the device (a recorded step
+        reads no positions into Python)."""
+        import torch
+
+        table = self.table(size)
+        if table is None:
+            freqs = torch.arange(size, dtype=torch.float32)[:, None] * _inv_freq(*self._key())
+            return freqs.cos().to(device), freqs.sin().to(device)
+        return tuple(torch.from_numpy(t[:size]).to(device) for t in table)
+
     def table(self, need: int) -> "tuple[np.ndarray, np.ndarray] | None":
         """The (cos, sin) tables [>= need, dim // 2] behind `cos_sin` (shared, read-only), or None
         past the longest table kept."""

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.backends.quant import Weight, cat_rows, stack, widen
-from deepinfer.models.deepseek_v41 import moe
 from deepinfer.models.deepseek_v41.config import ACT_BLOCK
 from deepinfer.models.deepseek_v41.model import bf16, fuse_shared_experts, quantize_inputs
 from deepinfer.models.deepseek_v41.weights import dspark_tensors
@@ -84,7 +83,8 @@ class DSparkDrafter:
     heads (`logits`, `markov`, `confidence_logit`)."""
 
     @classmethod
-    def create(cls, model, extra: dict[str, torch.Tensor], max_seqs: int, margin: int) -> "DSparkDrafter | None":
+    def create(cls, model, extra: dict[str, torch.Tensor], max_seqs: int, margin: int,
+               max_len: int) -> "DSparkDrafter | None":
         cfg = model.config
         stages = mtp_stages(extra)
         if not cfg.num_nextn_predict_layers or not stages:
@@ -97,9 +97,10 @@ class DSparkDrafter:
         dcfg = DSparkConfig(int(d["dspark_block_size"]), int(d.get("dspark_noise_token_id", 0)),
                             tuple(int(i) for i in d["dspark_target_layer_ids"]), int(d.get("dspark_markov_rank", 256)),
                             cfg.num_nextn_predict_layers, n_experts, top_k)
-        return cls(model, dcfg, stage_weights(extra, cfg, dcfg), max_seqs, margin)
+        return cls(model, dcfg, stage_weights(extra, cfg, dcfg), max_seqs, margin, max_len)
 
-    def __init__(self, model, dcfg: DSparkConfig, weights: dict[str, torch.Tensor], max_seqs: int, margin: int):
+    def __init__(self, model, dcfg: DSparkConfig, weights: dict[str, torch.Tensor], max_seqs: int, margin: int,
+                 max_len: int):
         from deepinfer.backends.base import WeightRole
 
         self.model, self.cfg, self.dcfg, self.accel = model, model.config, dcfg, model.accel
@@ -111,6 +112,12 @@ class DSparkDrafter:
         self.max_seqs = max_seqs
         rows = max_seqs * self.ring + max_seqs * dcfg.block_size  # [slot rings | the block's scratch]
         self.kv = [torch.zeros(rows, self.cfg.head_dim, device=self.accel.device) for _ in range(dcfg.num_stages)]
+        # RoPE of every position a block can reach (anchors lie before max_len), looked up on the device
+        # by position tensors: drafting and verify steps read no positions into Python (core/graphs.py)
+        self.cos_sin = self.cfg.rope_main.device_table(max_len + dcfg.block_size, self.accel.device)
+        # each stage's routed experts: the backbone's call (one recorded host call in a captured step)
+        self.experts = [model._local_experts(self.w[f"mtp.{k}.ffn.experts.gate_up"],
+                                             self.w[f"mtp.{k}.ffn.experts.down"]) for k in range(dcfg.num_stages)]
 
     # ------------------------------------------------------------ context
     def context(self, features: torch.Tensor) -> torch.Tensor:
@@ -120,8 +127,8 @@ class DSparkDrafter:
         return m.norm(projected, self.w["mtp.0.main_norm.weight"])
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.cfg.rope_main.cos_sin(positions.cpu().numpy())
-        return cos.to(positions.device), sin.to(positions.device)
+        cos, sin = self.cos_sin
+        return cos[positions], sin[positions]
 
     def stage_kv(self, k: int, x: torch.Tensor, cos_sin) -> torch.Tensor:
         """Stage k's window KV of rows x [T, D]: FP8-QDQ'd after RoPE."""
@@ -175,7 +182,7 @@ class DSparkDrafter:
         cos_sin = self._rope(positions)
         streams = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
         pre = torch.zeros(streams.shape[:2], device=x.device)
-        pre[:, 0] = 1.0
+        pre[:, 0].fill_(1.0)  # (`= 1.0` would make a new tensor each step: a recording's constant)
         for k in range(self.dcfg.num_stages):
             streams, pre = m.block(f"mtp.{k}.", streams, pre, lambda h, k=k: self._attention(k, h, cos_sin, keys),
                                    lambda h, k=k: self._ffn(k, h), w=self.w)
@@ -195,13 +202,7 @@ class DSparkDrafter:
         return m.qlinear(out.flatten(1), w[p + "wo_b.weight"])
 
     def _ffn(self, k: int, h: torch.Tensor) -> torch.Tensor:
-        m, w, p = self.model, self.w, f"mtp.{k}.ffn."
-
-        def experts(x, weights, ids):
-            return moe.routed_experts(self.accel, x, weights, ids, w[p + "experts.gate_up"], w[p + "experts.down"],
-                                      m.limit, m.experts_quantized)
-
-        return m.ffn(p, h, self.dcfg.top_k, experts, w=w)
+        return self.model.ffn(f"mtp.{k}.ffn.", h, self.dcfg.top_k, self.experts[k], w=self.w)
 
     # ------------------------------------------------------------ heads
     def logits(self, h: torch.Tensor) -> torch.Tensor:

@@ -162,10 +162,10 @@ class DeepseekV41Model(CausalLM):
             return StepMeta.ahead(inp, self.view(cache), self.config, steps, split)
         return StepMeta(inp, self.view(cache), self.config, split=split)
 
-    def make_drafter(self, extra: dict[str, torch.Tensor], max_seqs: int, margin: int):
+    def make_drafter(self, extra: dict[str, torch.Tensor], max_seqs: int, margin: int, max_len: int):
         from deepinfer.models.deepseek_v41.dspark import DSparkDrafter
 
-        return DSparkDrafter.create(self, extra, max_seqs, margin)
+        return DSparkDrafter.create(self, extra, max_seqs, margin, max_len)
 
     # ------------------------------------------------------------ image input (multimodal.py, vision.py)
     @property
