@@ -9,6 +9,10 @@ JSON and, when matplotlib is installed, a plot.
 
     python benchmarks/dspark.py                       # shipped model, concurrency 1 4 16 32 64
     python benchmarks/dspark.py --concurrency 1 4 --new-tokens 32
+    python benchmarks/dspark.py --model deepinfer/assets/tiny-dsv41 --baseline main   # + main's build
+
+--baseline REF runs every cell with deepinfer as built at a git ref as well (benchmarks/baseline.py),
+right after this build's run of the same cell: same prompts, same measuring code, one row each.
 """
 
 from __future__ import annotations
@@ -83,57 +87,75 @@ def main() -> None:
     parser.add_argument("--perf-dir", default=os.environ.get("DEEPINFER_DECODE_PERF_CACHE_DIR", ""),
                         help="DEEPINFER_DECODE_PERF_CACHE_DIR for the dynamic planner's step-cost profile")
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "dspark.json"))
+    parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES),
+                        help="the modes run (off first: the others' `vs off` and token check need it)")
+    parser.add_argument("--baseline", default=None, metavar="REF",
+                        help="also run every cell with deepinfer as built at this git ref (e.g. main), same run")
     parser.add_argument("--plot-only", metavar="JSON", help="redraw the plot of an earlier run's JSON and exit")
     args = parser.parse_args()
+    modes = [m for m in MODES if m in args.modes]
+    if modes[0] != "off":
+        parser.error("--modes must include off")
     if args.plot_only:
         with open(args.plot_only) as f:
-            return plot(json.load(f)["rows"], args.plot_only)
+            data = json.load(f)
+            return plot(data["rows"], args.plot_only, data["meta"]["model"])
 
     import torch
     from deepinfer.core.tokenizer import Tokenizer
 
     tokenizer = Tokenizer(args.model)
     pool = heldout_prompts(tokenizer, max(args.concurrency + [args.min_requests]), args.prompt_len)
+    load = os.getloadavg()  # other work on the cores skews every figure: recorded with them
+    builds = {"deepinfer": None}
+    if args.baseline:
+        from baseline import call, describe
+
+        builds[f"deepinfer @ {describe(args.baseline)}"] = args.baseline
+    model = os.path.abspath(args.model)  # the baseline runs from its own directory
     rows, same = [], {}
     for c in args.concurrency:
         reference = None
         prompts = pool[:max(c, args.min_requests // c * c)]  # low concurrency: several rounds of c requests
-        for mode in MODES:
-            row, tokens = run(args.model, mode, prompts, c, args.new_tokens, args.perf_dir, args.repeats)
-            reference = tokens if reference is None else reference
-            row["same_tokens_as_off"] = tokens == reference
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+        for mode in modes:
+            for build, ref in builds.items():
+                cell = (model, mode, prompts, c, args.new_tokens, args.perf_dir, args.repeats)
+                row, tokens = run(*cell) if ref is None else call(ref, "dspark", "run", *cell)
+                reference = tokens if reference is None else reference
+                row.update(build=build, same_tokens_as_off=tokens == reference, load_average_after=os.getloadavg())
+                rows.append(row)
+                print(json.dumps(row), flush=True)
         same[c] = all(r["same_tokens_as_off"] for r in rows if r["concurrency"] == c)
 
-    by = {(r["concurrency"], r["mode"]): r for r in rows}
-    header = ("| concurrency | mode | verified len | accepted len | tokens/step | output tok/s | vs off | "
+    by = {(r["concurrency"], r["mode"], r["build"]): r for r in rows}
+    header = ("| concurrency | mode | build | verified len | accepted len | tokens/step | output tok/s | vs off | "
               "dynamic vs fixed-5 |")
-    lines = [header, "|---|---|---|---|---|---|---|---|"]
+    lines = [header, "|---|---|---|---|---|---|---|---|---|"]
     for c in args.concurrency:
-        off = by[(c, "off")]["tok_s"]
-        for mode in MODES:
-            r = by[(c, mode)]
-            tps = f"{r['mean_accepted_len'] + 1:.2f}" if mode != "off" else "1.00"
-            dyn = ""
-            if mode == "dynamic":
-                dyn = f"{100 * (r['tok_s'] / by[(c, 'fixed-5')]['tok_s'] - 1):+.1f}%"
-            lines.append(f"| {c} | {mode} | {r['mean_verified_len']:.2f} | {r['mean_accepted_len']:.2f} | {tps} | "
-                         f"{r['tok_s']:.1f} | {r['tok_s'] / off:.2f}x | {dyn} |")
+        for mode in modes:
+            for build in builds:
+                r, off = by[(c, mode, build)], by[(c, "off", build)]["tok_s"]
+                tps = f"{r['mean_accepted_len'] + 1:.2f}" if mode != "off" else "1.00"
+                dyn = ""
+                if mode == "dynamic" and "fixed-5" in modes:
+                    dyn = f"{100 * (r['tok_s'] / by[(c, 'fixed-5', build)]['tok_s'] - 1):+.1f}%"
+                lines.append(f"| {c} | {mode} | {build} | {r['mean_verified_len']:.2f} | {r['mean_accepted_len']:.2f} "
+                             f"| {tps} | {r['tok_s']:.1f} | {r['tok_s'] / off:.2f}x | {dyn} |")
     table = "\n".join(lines)
     print(table)
     meta = dict(model=os.path.relpath(args.model, ROOT), new_tokens=args.new_tokens, prompt_len=args.prompt_len,
-                repeats=args.repeats, min_requests=args.min_requests,
+                repeats=args.repeats, min_requests=args.min_requests, modes=modes, builds=list(builds),
+                load_average=load,
                 greedy=True, torch=torch.__version__, threads=torch.get_num_threads(), cpu_count=os.cpu_count(),
                 lossless_all_concurrency=same)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(dict(meta=meta, rows=rows, table=table), f, indent=1)
-    plot(rows, args.out)
+    plot(rows, args.out, meta["model"])
 
 
-def plot(rows: list[dict], out: str) -> None:
-    """Output tok/s per mode over concurrency, next to the JSON (`--plot-only JSON` redraws it)."""
+def plot(rows: list[dict], out: str, model: str) -> None:
+    """Output tok/s per mode (and build) over concurrency, next to the JSON (`--plot-only JSON` redraws it)."""
     try:
         import matplotlib
 
@@ -143,14 +165,18 @@ def plot(rows: list[dict], out: str) -> None:
         print("matplotlib is not installed: no plot (pip install matplotlib to get benchmarks/results/dspark.png)")
         return
     concurrency = sorted({r["concurrency"] for r in rows})
-    by = {(r["concurrency"], r["mode"]): r for r in rows}
+    builds = list(dict.fromkeys(r.get("build", "deepinfer") for r in rows))  # runs before --baseline had none
+    by = {(r["concurrency"], r["mode"], r.get("build", "deepinfer")): r for r in rows}
     fig, ax = plt.subplots(figsize=(6, 4))
-    for mode in MODES:
-        ax.plot(concurrency, [by[(c, mode)]["tok_s"] for c in concurrency], marker="o", label=mode)
+    for build in builds:
+        for mode in dict.fromkeys(r["mode"] for r in rows):
+            label = mode if len(builds) == 1 else f"{mode}, {build}"
+            ax.plot(concurrency, [by[(c, mode, build)]["tok_s"] for c in concurrency], marker="o", label=label,
+                    linestyle="-" if build == builds[0] else "--")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("concurrency")
     ax.set_ylabel("output tokens/s")
-    ax.set_title("DSpark on the shipped tiny-dsv4 (CPU, 1 thread)")
+    ax.set_title(f"DSpark on {os.path.basename(model)} (CPU, 1 thread)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(os.path.splitext(out)[0] + ".png", dpi=120)
