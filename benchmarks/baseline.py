@@ -39,9 +39,11 @@ def worktree(ref: str) -> tuple[str, str]:
     return path, commit
 
 
-def call(ref: str, module: str, function: str, *args):
-    """`module.function(*args)` (a module of benchmarks/) with deepinfer from `ref`; its JSON result."""
-    path, commit = worktree(ref)
+def call(ref: str | None, module: str, function: str, *args):
+    """`module.function(*args)` (a module of benchmarks/) with deepinfer from `ref`, or from this checkout
+    where `ref` is None (a fresh process for this build too: e.g. cells of a benchmark that leave state
+    behind in their process run alike for both builds); its JSON result."""
+    path, commit = worktree(ref) if ref is not None else (REPO, None)
     code = ("import json, sys\n"
             f"sys.path[:0] = [{path!r}, {HERE!r}]\n"
             "import deepinfer\n"
@@ -49,12 +51,13 @@ def call(ref: str, module: str, function: str, *args):
             f"from {module} import {function}\n"
             "args = json.loads(sys.stdin.read())\n"
             f"print('\\n@@result@@' + json.dumps({function}(*args)))\n")
-    env = dict(os.environ, PYTHONPATH=path, XDG_CACHE_HOME=os.path.join(tempfile.gettempdir(),
-                                                                          f"deepinfer-baseline-cache-{commit[:12]}"))
+    env = dict(os.environ, PYTHONPATH=path)
+    if commit is not None:  # the ref's kernels build into their own cache
+        env["XDG_CACHE_HOME"] = os.path.join(tempfile.gettempdir(), f"deepinfer-baseline-cache-{commit[:12]}")
     done = subprocess.run([sys.executable, "-c", code], input=json.dumps(list(args)), capture_output=True, text=True,
                           env=env, cwd=path)
     if done.returncode != 0 or "@@result@@" not in done.stdout:
-        raise RuntimeError(f"the baseline {ref} ({commit[:12]}) failed:\n{done.stderr[-3000:]}")
+        raise RuntimeError(f"{module}.{function} at {ref or 'this checkout'} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.rsplit("@@result@@", 1)[1])
 
 

@@ -63,6 +63,25 @@ def test_rope_cos_sin_come_from_a_table_with_the_computed_values(monkeypatch):
     assert torch.equal(rope.cos_sin(far)[0], freqs.cos())
 
 
+def test_rope_device_table_rows_equal_cos_sin(monkeypatch):
+    """The device table a captured step looks cos/sin up in by position tensors (V4.1's drafter) holds
+    the values cos_sin gives for every position, below and past the host table's cap."""
+    import numpy as np
+
+    from deepinfer.models import rope as config_module
+
+    rope = DeepseekV4Config.from_dict(LEGACY).rope_main
+    monkeypatch.setattr(config_module, "_COS_SIN_TABLES", {})
+    for cap in (1 << 16, 5000):
+        monkeypatch.setattr(config_module, "_COS_SIN_TABLE_MAX", cap)
+        cos, sin = rope.device_table(6000, "cpu")
+        assert cos.shape == sin.shape == (6000, rope.dim // 2)
+        positions = np.array([0, 1, 4095, 4096, 5999, 17])
+        expected = rope.cos_sin(positions)
+        index = torch.from_numpy(positions)
+        assert torch.equal(cos[index], expected[0]) and torch.equal(sin[index], expected[1])
+
+
 @pytest.mark.parametrize("change, message", [
     (dict(model_type="llama"), "model_type"),
     (dict(hidden_size=None), "hidden_size"),
