@@ -132,8 +132,9 @@ class DeepseekV41Model(CausalLM):
         return moe.routed_experts(self.accel, h, weights, ids, gate_up, down, self.limit, self.experts_quantized)
 
     def _local_experts(self, gate_up: torch.Tensor, down: torch.Tensor) -> HostCall:
-        """A layer's routed experts: a loop over the experts the step hits, one recorded call in a
-        captured step (core/graphs.py: HostCall) until a fixed-shape kernel runs V4.1's expert numerics."""
+        """A layer's (or a DSpark stage's: dspark.py) routed experts: a loop over the experts the step hits,
+        one recorded call in a captured step (core/graphs.py: HostCall) until a fixed-shape kernel runs
+        V4.1's expert numerics."""
         ops, limit, quantized = self.accel, self.limit, self.experts_quantized
 
         def experts(h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
