@@ -8,6 +8,7 @@ benchmarks/results/peers_<model>.json; never asserts on time.
     python benchmarks/peers.py --model v4_vocab    # the same V4 with DeepSeek's 129,280-token vocabulary
 
     python benchmarks/peers.py --model v4 --engines llama.cpp --batches 1   # one engine, one batch size
+    python benchmarks/peers.py --model v3 --batches 1 --baseline 650b68f     # + deepinfer as built at a git ref
 
 Models (written by this script, seeded, into --work-dir or a temporary directory):
   v3        issue 20's tiny DeepSeek-V3: hidden 512, 6 layers (the first dense), 16 routed experts top-2
@@ -51,6 +52,10 @@ What the figures mean:
                  bindings (from the same sdist, on the same library), argmax over its logits.
   vs best peer   tok/s over the fastest other engine of the row.
   load           os.getloadavg() (1 minute) after that engine's timing; this run itself adds ~threads.
+--baseline REF adds deepinfer as built at that git ref (benchmarks/baseline.py: its files exported,
+run in a subprocess with the same settings) as one more engine of each row, "deepinfer @ REF", so a
+change is measured against the build before it in the same run; its ratio to this build is
+`vs_baseline`, and it is no peer for `vs best peer`.
 An engine that cannot run a model (deepinfer before it supports V3) is recorded as
 "unsupported: <error>" and the run goes on.
 """
@@ -297,11 +302,19 @@ def _llama_greedy(L, np, gguf: str, prompts, new_tokens: int, threads: int) -> l
 # ------------------------------------------------------------------------------ run
 
 def _engine(name: str, model_dir: Path, prompts, args, llama, gguf) -> dict:
+    if name.startswith("deepinfer @"):  # --baseline: the same run_deepinfer on that build's deepinfer
+        from baseline import call
+
+        return call(args.baseline, "throughput", "run_deepinfer", str(model_dir), prompts, args.new_tokens,
+                    args.threads, args.repeats, "threads")
     if name == "transformers":
         return run_transformers(str(model_dir), prompts, args.new_tokens, cores=args.threads, repeats=args.repeats)
     if name == "deepinfer":
         try:
-            return run_deepinfer(str(model_dir), prompts, args.new_tokens, repeats=args.repeats)
+            # one process on --threads cores (run_deepinfer's default would pin it to one core, where
+            # its OpenMP threads, created after the pin, share that core)
+            return run_deepinfer(str(model_dir), prompts, args.new_tokens, cores=args.threads, repeats=args.repeats,
+                                 layout="threads")
         except ValueError as e:  # a model family deepinfer does not run (ConfigError, unknown architecture)
             return dict(unsupported=f"{type(e).__name__}: {e}")
     return run_llama_bench(llama, gguf, len(prompts), args.prompt_len, args.new_tokens, args.threads,
@@ -316,7 +329,15 @@ def run(args, work: Path) -> dict:
     config, _, pre, _ = MODELS[args.model]
     batches = [int(b) for b in args.batches.split(",")]
     engines = args.engines.split(",")
+    baseline = None
+    if args.baseline:
+        from baseline import describe
+
+        baseline = f"deepinfer @ {describe(args.baseline)}"
+        engines.append(baseline)
     dirs = write_model(args.model, work)
+    if baseline:
+        dirs[baseline] = dirs["deepinfer"]
     llama = gguf = None
     if "llama.cpp" in engines:
         llama = build_llama_cpp(args.llama_cpp_version, Path(args.cache_dir).expanduser())
@@ -339,12 +360,14 @@ def run(args, work: Path) -> dict:
             if reference is not None and tokens is not None:
                 m["equal_to_transformers"] = sum(a == b for a, b in zip(tokens, reference))
                 m["mean_equal_prefix"] = statistics.mean(_equal_prefix(a, b) for a, b in zip(tokens, reference))
-            others = [row[o]["tok_s"] for o in engines if o != name and "tok_s" in row[o]]
-            if "tok_s" in m and others:
+            others = [row[o]["tok_s"] for o in engines if o not in (name, baseline) and "tok_s" in row[o]]
+            if "tok_s" in m and others and name != baseline:
                 m["vs_best_peer"] = m["tok_s"] / max(others)
+        if baseline and "tok_s" in row["deepinfer"] and "tok_s" in row[baseline]:
+            row["deepinfer"]["vs_baseline"] = row["deepinfer"]["tok_s"] / row[baseline]["tok_s"]
         rows.append(row)
     return dict(model=args.model, config=config, threads=args.threads, prompt_len=args.prompt_len,
-                new_tokens=args.new_tokens, repeats=args.repeats, engines=engines,
+                new_tokens=args.new_tokens, repeats=args.repeats, engines=engines, baseline=baseline,
                 llama_cpp=dict(version=args.llama_cpp_version, gguf="f32 (routed V4 experts MXFP4)") if llama else None,
                 machine=dict(cpu=platform.processor() or platform.machine(), cores=os.cpu_count(),
                              torch=torch.__version__), rows=rows)
@@ -367,6 +390,8 @@ def print_table(result: dict) -> None:
                 if m["equal_to_transformers"] < row["batch"]:
                     equal += f" (first {m['mean_equal_prefix']:.1f} equal)"
             ratio = f"{m['vs_best_peer']:.2f}x" if "vs_best_peer" in m else ""
+            if "vs_baseline" in m:
+                ratio += f" ({m['vs_baseline']:.2f}x the baseline)"
             print(f"| {row['batch']} | {name} | {m['tok_s']:.1f} | {equal} | {ratio} | {m['load_after'][0]:.2f} |")
 
 
@@ -385,6 +410,8 @@ def main() -> None:
     parser.add_argument("--work-dir", default=None, help="keep the written models (and GGUF) here; default: a "
                                                          "temporary directory, removed at the end")
     parser.add_argument("--json", default=None, help="default: benchmarks/results/peers_<model>.json")
+    parser.add_argument("--baseline", default=None, metavar="REF",
+                        help="also run deepinfer as built at this git ref (e.g. main), same run")
     args = parser.parse_args()
     args.batches = args.batches or ",".join(map(str, MODELS[args.model][3]))
     unknown = set(args.engines.split(",")) - set(ENGINES)

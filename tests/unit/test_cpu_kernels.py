@@ -383,3 +383,49 @@ def test_grouped_router_kernel_matches_the_reference(t):
         order, rorder = ids.argsort(-1), rids.argsort(-1)
         assert torch.equal(ids.gather(1, order), rids.gather(1, rorder)), (e, g, kg, k)
         _close(w.gather(1, order), rw.gather(1, rorder))
+
+
+def _split_cases(g):
+    """Decode-sized calls of the kernels that split one call over the intra-op threads (fused_ops.cpp:
+    a GEMV's output rows in 8-row-aligned chunks, MoE by hit expert, attention by head block), with
+    shapes that do split on two threads and leave a tail of rows (not a multiple of 8)."""
+    x = torch.randn(1, 512, generator=g)
+    w = torch.randn(1003, 512, generator=g)
+    gate_up, down = torch.randn(600, 512, generator=g) * 0.1, torch.randn(512, 300, generator=g) * 0.1
+    E, D, inter = 8, 256, 256
+    xe = torch.randn(1, D, generator=g)
+    egu, edn = torch.randn(E, 2 * inter, D, generator=g) * 0.1, torch.randn(E, D, inter, generator=g) * 0.1
+    xg, wg = torch.randn(1, 8, 128, generator=g), torch.randn(8 * 120, 128, generator=g)
+    q, kv = torch.randn(1, 8, 64, generator=g), torch.randn(400, 64, generator=g)
+    idx = torch.randperm(400, generator=g)[:300][None]
+    idx[0, ::7] = -1  # absent rows
+    sinks = torch.randn(8, generator=g)
+    return {
+        "linear": ((x, w), ref.linear),
+        "linear 3 rows": ((torch.randn(3, 512, generator=g), w), ref.linear),
+        "swiglu_mlp": ((x, gate_up, down, 7.0), ref.swiglu_mlp),
+        "moe_experts 2 experts": ((xe, torch.rand(1, 2, generator=g), torch.tensor([[5, 2]]), egu, edn, 7.0),
+                                  ref.moe_experts),
+        "moe_experts 1 expert": ((xe, torch.rand(1, 1, generator=g), torch.tensor([[3]]), egu, edn, 7.0),
+                                 ref.moe_experts),
+        "grouped_linear": ((xg, wg), ref.grouped_linear),
+        "sparse_attention": ((q, kv, idx, sinks, 0.125), ref.sparse_attention),
+    }
+
+
+def test_a_decode_call_split_over_threads_gives_one_threads_bits():
+    """A batch-1 call of the GEMV-shaped kernels runs on both cores: every output row is still computed
+    by one thread in the same order, so the result equals the one-thread result bit for bit (the step
+    replay and batch invariance rely on it) and the reference within REL."""
+    before = torch.get_num_threads()
+    try:
+        for name, (args, reference) in _split_cases(_gen(5)).items():
+            op = getattr(torch.ops.deepinfer_cpu, name.split()[0])
+            torch.set_num_threads(1)
+            one = op(*args)
+            torch.set_num_threads(2)
+            two = op(*args)
+            assert torch.equal(one, two), name
+            _close(two, reference(*args))
+    finally:
+        torch.set_num_threads(before)

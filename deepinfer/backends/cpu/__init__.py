@@ -78,9 +78,9 @@ class CpuAccelerator(Accelerator):
         # Small models are bound by per-op overhead: one intra-op thread beats two on the tiny
         # shipped model (3.0 s vs 4.2 s for a 32 x 40-token batch) and does not collapse when
         # another process shares the cores (2.0 s vs 47 s measured, OpenMP oversubscription).
-        # A replayed step still gives its large calls (an LM head over a real vocabulary) every core
-        # of this process's share, where they measured faster (replay.py). DEEPINFER_CPU_THREADS
-        # fixes the count everywhere instead.
+        # A replayed step still runs on every core of this process's share where its first replay
+        # measured a call faster there (an LM head over a real vocabulary, a decode step's split
+        # GEMVs: replay.py). DEEPINFER_CPU_THREADS fixes the count everywhere instead.
         from deepinfer import envs
 
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

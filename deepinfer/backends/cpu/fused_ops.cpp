@@ -157,6 +157,20 @@ inline void gemm_rows(XOf x_of, OutOf out_of, int64_t T, const float* w, int64_t
     for (int64_t t = 0; t < T; ++t) dot_rows<1>(x_of(t), [&](int) { return w + r * ldw; }, n, out_of(t) + r);
 }
 
+// A decode-sized call (a token or a few) has one task per token: at batch 1 it would run on one
+// core whatever the intra-op threads, and a GEMV there is bound by one core's share of the memory
+// bandwidth (~21 GB/s here; two cores read ~42). So the GEMV-shaped kernels split such a call by
+// output rows instead: [0, rows) in chunks whose bounds are multiples of 8, gemv's widest block,
+// so every row goes through the same dot_rows<R> as on one thread and the bits depend on neither
+// the thread count nor the batch. A chunk gets at least kMinChunkMacs multiply-adds (~3 us of one
+// core's work; a parallel region costs ~1-2 us): small matrices stay on one thread.
+constexpr int64_t kMinChunkMacs = 16 * 1024;
+
+template <class F>
+inline void parallel_rows(int64_t rows, int64_t macs_per_row, F fn) {
+  const int64_t units = (rows + 7) / 8, grain = std::max<int64_t>(1, kMinChunkMacs / std::max<int64_t>(1, 8 * macs_per_row));
+  at::parallel_for(0, units, grain, [&](int64_t u0, int64_t u1) { fn(u0 * 8, std::min(u1 * 8, rows)); });
+}
 
 // out[d] += p * row[d]
 inline void axpy(float p, const float* __restrict row, float* __restrict out, int64_t D) {
@@ -464,15 +478,24 @@ at::Tensor sparse_attention(const at::Tensor& q_in, const at::Tensor& kv, const 
   // over blocks of 8 key rows per head, and the output accumulates kHeads heads x kChunk dims in
   // registers while walking the keys once (each element summed over the keys in order).
   constexpr int64_t kHeads = 4, kChunk = 32;
-  at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
+  // One task per (token, block of kHeads heads): a decode token's heads spread over the threads.
+  const int64_t HB = (H + kHeads - 1) / kHeads;
+  const int64_t grain = std::max<int64_t>(1, kMinChunkMacs / std::max<int64_t>(1, 2 * K * Dh * std::min(kHeads, H)));
+  at::parallel_for(0, T * HB, grain, [&](int64_t begin, int64_t end) {
     Scratch<const float*, 512> keys_buf(K);
-    Scratch<float, 4096> probs_buf(H * K);
+    Scratch<float, 4096> probs_buf(kHeads * K);
     const float** keys = keys_buf.data();
-    float* probs = probs_buf.data();
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t valid = present_rows(I + t * K, K, KV, rows, kv_stride, "attention index", keys);
-      for (int64_t h = 0; h < H; ++h) {
-        float* l = probs + h * K;
+    float* probs = probs_buf.data();  // [kHeads, K]: this block's heads
+    int64_t keys_of = -1, valid = 0;  // the token whose keys are in `keys`
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t t = item / HB, h0 = item % HB * kHeads, hb = std::min(kHeads, H - h0);
+      if (t != keys_of) {
+        valid = present_rows(I + t * K, K, KV, rows, kv_stride, "attention index", keys);
+        keys_of = t;
+      }
+      for (int64_t hh = 0; hh < hb; ++hh) {
+        const int64_t h = h0 + hh;
+        float* l = probs + hh * K;
         dot_many(Q + (t * H + h) * Dh, [keys](int64_t k) { return keys[k]; }, Dh, valid, l);
         float mx = SK[h];
 #pragma omp simd reduction(max : mx)
@@ -483,29 +506,27 @@ at::Tensor sparse_attention(const at::Tensor& q_in, const at::Tensor& kv, const 
 #pragma omp simd
         for (int64_t k = 0; k < valid; ++k) l[k] = l[k] / denom;
       }
-      for (int64_t h0 = 0; h0 < H; h0 += kHeads)
-        for (int64_t d0 = 0; d0 < Dh; d0 += kChunk) {
-          const int64_t hb = std::min(kHeads, H - h0), db = std::min(kChunk, Dh - d0);
-          float acc[kHeads][kChunk] = {};
-          if (hb == kHeads && db == kChunk) {
-            for (int64_t k = 0; k < valid; ++k) {
-              const float* __restrict key = keys[k] + d0;
-              for (int64_t hh = 0; hh < kHeads; ++hh) {
-                const float p = probs[(h0 + hh) * K + k];
+      for (int64_t d0 = 0; d0 < Dh; d0 += kChunk) {
+        const int64_t db = std::min(kChunk, Dh - d0);
+        float acc[kHeads][kChunk] = {};
+        if (hb == kHeads && db == kChunk) {
+          for (int64_t k = 0; k < valid; ++k) {
+            const float* __restrict key = keys[k] + d0;
+            for (int64_t hh = 0; hh < kHeads; ++hh) {
+              const float p = probs[hh * K + k];
 #pragma omp simd
-                for (int64_t d = 0; d < kChunk; ++d) acc[hh][d] += p * key[d];
-              }
+              for (int64_t d = 0; d < kChunk; ++d) acc[hh][d] += p * key[d];
             }
-          } else {  // a partial block: the same arithmetic, slower
-            for (int64_t k = 0; k < valid; ++k)
-              for (int64_t hh = 0; hh < hb; ++hh) {
-                const float p = probs[(h0 + hh) * K + k];
-                for (int64_t d = 0; d < db; ++d) acc[hh][d] += p * keys[k][d0 + d];
-              }
           }
-          for (int64_t hh = 0; hh < hb; ++hh)
-            std::copy(acc[hh], acc[hh] + db, O + (t * H + h0 + hh) * Dh + d0);
+        } else {  // a partial block: the same arithmetic, slower
+          for (int64_t k = 0; k < valid; ++k)
+            for (int64_t hh = 0; hh < hb; ++hh) {
+              const float p = probs[hh * K + k];
+              for (int64_t d = 0; d < db; ++d) acc[hh][d] += p * keys[k][d0 + d];
+            }
         }
+        for (int64_t hh = 0; hh < hb; ++hh) std::copy(acc[hh], acc[hh] + db, O + (t * H + h0 + hh) * Dh + d0);
+      }
     }
   });
   return out;
@@ -616,9 +637,10 @@ at::Tensor grouped_linear(const at::Tensor& x_in, const at::Tensor& w_in) {
   at::Tensor out = at::empty({T, G, N}, x.options());
   const float *X = x.data_ptr<float>(), *W = w.data_ptr<float>();
   float* O = out.data_ptr<float>();
-  at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t)
-      for (int64_t g = 0; g < G; ++g) gemv(X + (t * G + g) * K, W + g * N * K, K, K, N, O + (t * G + g) * N);
+  // one task per (token, group): a decode token's groups (heads) spread over the threads
+  at::parallel_for(0, T * G, std::max<int64_t>(1, kMinChunkMacs / std::max<int64_t>(1, N * K)),
+                   [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) gemv(X + i * K, W + (i % G) * N * K, K, K, N, O + i * N);
   });
   return out;
 }
@@ -633,6 +655,13 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w_in) {
   at::Tensor out = at::empty({T, N}, x.options());
   const float *X = x.data_ptr<float>(), *W = w.data_ptr<float>();
   float* O = out.data_ptr<float>();
+  if (T <= kRowGroup) {  // few tokens: split the weight's rows (parallel_rows), each read once for all tokens
+    parallel_rows(N, T * K, [&](int64_t r0, int64_t r1) {
+      gemm_rows([&](int64_t t) { return X + t * K; }, [&](int64_t t) { return O + t * N + r0; }, T, W + r0 * K, K, K,
+                r1 - r0);
+    });
+    return out;
+  }
   at::parallel_for(0, T, kRowGroup, [&](int64_t begin, int64_t end) {
     gemm_rows([&](int64_t t) { return X + (begin + t) * K; }, [&](int64_t t) { return O + (begin + t) * N; },
               end - begin, W, K, K, N);
@@ -770,10 +799,14 @@ std::tuple<at::Tensor, at::Tensor> route_grouped_topk(const at::Tensor& x_in, co
 // out_of(t) = down @ (silu(min(g, limit)) * clamp(u, -limit, limit)), (g, u) = gate_up @ x_of(t), for
 // T rows with the same weights: gate_up [2I, D] (gate rows 0..I-1, up rows I..2I-1), down [D, I];
 // gu [T, 2I] and hidden [T, I] are scratch. Weight-stationary (gemm_rows): each matrix is read once.
+// Inside a parallel region (one task per expert) each call runs on its thread; outside one, each
+// matrix's rows are split over the threads (parallel_rows), the activation in between on this one.
 template <class XOf, class OutOf>
 inline void swiglu_rows(XOf x_of, OutOf out_of, int64_t T, const float* gate_up, const float* down, int64_t D,
                         int64_t I, float lim, float* gu, float* hidden) {
-  gemm_rows(x_of, [&](int64_t t) { return gu + t * 2 * I; }, T, gate_up, D, D, 2 * I);
+  parallel_rows(2 * I, T * D, [&](int64_t r0, int64_t r1) {
+    gemm_rows(x_of, [&](int64_t t) { return gu + t * 2 * I + r0; }, T, gate_up + r0 * D, D, D, r1 - r0);
+  });
   for (int64_t t = 0; t < T; ++t) {
     const float* __restrict g_row = gu + t * 2 * I;
     float* __restrict h = hidden + t * I;
@@ -784,7 +817,10 @@ inline void swiglu_rows(XOf x_of, OutOf out_of, int64_t T, const float* gate_up,
       h[j] = g / (1.0f + fast_exp(-g)) * u;
     }
   }
-  gemm_rows([&](int64_t t) { return hidden + t * I; }, out_of, T, down, I, I, D);
+  parallel_rows(D, T * I, [&](int64_t r0, int64_t r1) {
+    gemm_rows([&](int64_t t) { return hidden + t * I; }, [&](int64_t t) { return out_of(t) + r0; }, T, down + r0 * I,
+              I, I, r1 - r0);
+  });
 }
 
 // The shared expert: swiglu_rows over all tokens. x [T, D], gate_up [2I, D], down [D, I] -> [T, D].
@@ -800,6 +836,12 @@ at::Tensor swiglu_mlp(const at::Tensor& x_in, const at::Tensor& gate_up_in, cons
   const float *X = x.data_ptr<float>(), *GU = gate_up.data_ptr<float>(), *DN = down.data_ptr<float>();
   float* O = out.data_ptr<float>();
   const float lim = static_cast<float>(limit);
+  if (T <= kRowGroup) {  // one group of tokens: its matrices' rows split over the threads (swiglu_rows)
+    Scratch<float, 8192> gu(T * 2 * I), hidden(T * I);
+    swiglu_rows([&](int64_t t) { return X + t * D; }, [&](int64_t t) { return O + t * D; }, T, GU, DN, D, I, lim,
+                gu.data(), hidden.data());
+    return out;
+  }
   at::parallel_for(0, T, kRowGroup, [&](int64_t begin, int64_t end) {
     const int64_t group = std::min(kRowGroup, end - begin);
     Scratch<float, 8192> gu(group * 2 * I), hidden(group * I);  // uninitialised, on the stack at decode sizes
@@ -840,19 +882,30 @@ at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& weights_in, con
   const std::vector<int64_t>&first = grouped.first, &by_expert = grouped.by_expert;
   std::vector<float> expert_rows(R * D);  // expert_{ids[t, j]}(x[t]) at row t * k + j
   float* ER = expert_rows.data();
-  // expert by expert (one task each), its rows in groups of kRowGroup through swiglu_rows
-  at::parallel_for(0, E, 1, [&](int64_t e_begin, int64_t e_end) {
+  // The experts with rows, one task each (a decode token's k experts go to different threads),
+  // an expert's rows in groups of kRowGroup through swiglu_rows. Fewer experts than threads: one
+  // after another, each matrix's rows split over the threads instead (swiglu_rows).
+  std::vector<int64_t> hit;
+  for (int64_t e = 0; e < E; ++e)
+    if (first[e + 1] > first[e]) hit.push_back(e);
+  auto run_experts = [&](int64_t h_begin, int64_t h_end) {
     int64_t group = 0;  // the most rows one call of swiglu_rows takes here
-    for (int64_t e = e_begin; e < e_end; ++e) group = std::max(group, std::min(kRowGroup, first[e + 1] - first[e]));
+    for (int64_t h = h_begin; h < h_end; ++h)
+      group = std::max(group, std::min(kRowGroup, first[hit[h] + 1] - first[hit[h]]));
     Scratch<float, 8192> gu(group * I2), hidden(group * I);
-    for (int64_t e = e_begin; e < e_end; ++e)
-      for (int64_t i0 = first[e]; i0 < first[e + 1]; i0 += kRowGroup) {
+    for (int64_t h = h_begin; h < h_end; ++h)
+      for (int64_t e = hit[h], i0 = first[e]; i0 < first[e + 1]; i0 += kRowGroup) {
         const int64_t* rows = by_expert.data() + i0;
         swiglu_rows([&](int64_t j) { return X + (rows[j] / k) * D; }, [&](int64_t j) { return ER + rows[j] * D; },
                     std::min(kRowGroup, first[e + 1] - i0), GU + e * I2 * D, DN + e * D * I, D, I, lim, gu.data(),
                     hidden.data());
       }
-  });
+  };
+  const int64_t n_hit = static_cast<int64_t>(hit.size());
+  if (n_hit < at::get_num_threads() && !at::in_parallel_region())
+    run_experts(0, n_hit);
+  else
+    at::parallel_for(0, n_hit, 1, run_experts);
   at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       float* o = O + t * D;

@@ -9,8 +9,14 @@ head of a 129,280-token vocabulary (10.4 ms on one core here, 4.9 ms on two; the
 batch-32 step of the test model measured no faster on two). The first replay of a tape times every
 call that writes no argument (calling it again changes nothing) and takes over `_MIN_TRIED` on one
 thread, on each thread count the accelerator offers (CpuAccelerator.tune_for_model: this process's
-share of the cores), and keeps a larger count where it saved at least `_MIN_GAIN` of the call's time
-and `_MIN_SAVED` seconds. DEEPINFER_CPU_THREADS set to a count fixes every call at that count.
+share of the cores), and finds the calls where a larger count saved at least `_MIN_GAIN` of the
+call's time and `_MIN_SAVED` seconds. If any did, the whole tape runs at that count (`_whole_tape`):
+switching counts call by call leaves the second core idle between its calls, and waking it again
+costs more than the small calls gain by staying on one (the test config V3, batch 1: 199 tok/s with
+14 calls on two threads, 264 with the whole tape; a call too small to split runs on one thread at
+any count, the kernels' grain sizes decide). Under load from other processes the timing finds no
+call faster on two and the tape stays on one. DEEPINFER_CPU_THREADS set to a count fixes every call
+at that count.
 """
 
 from __future__ import annotations
@@ -69,7 +75,7 @@ class TapeStep:
     def __call__(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         if self.threads is None and self.options:
             outputs, seconds = self.tape.profile(inputs, self.options, _PROFILE_REPEATS, _MIN_TRIED)
-            self.threads = [self._choose(times[:-1]) for times in seconds]
+            self.threads = self._whole_tape([self._choose(times[:-1]) for times in seconds])
             self.tape.set_threads(self.threads)
             return outputs
         return self.tape.run(inputs)
@@ -95,6 +101,11 @@ class TapeStep:
         best = min(range(len(times)), key=times.__getitem__)
         saved = times[0] - times[best]
         return self.options[best] if best and saved >= _MIN_GAIN * times[0] and saved >= _MIN_SAVED else 0
+
+    @staticmethod
+    def _whole_tape(chosen: list[int]) -> list[int]:
+        """Every call at the largest count any call chose (module doc), or all at the default."""
+        return [max(chosen, default=0)] * len(chosen)
 
     def threaded(self) -> list[tuple[str, int]]:
         """(operator, threads) of the calls that run on more than the default threads."""
