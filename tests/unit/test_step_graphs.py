@@ -282,8 +282,11 @@ def test_a_call_keeps_more_threads_only_where_they_saved_time():
     assert step._choose([100e-6, 95e-6]) == 0  # 5%: noise
     assert step._choose([10e-6, 2e-6]) == 0  # a tiny call: 8 us is not worth a thread's wake-up
     assert step._choose([100e-6, -1.0]) == 0  # not timed at 2
-    # one call faster on two threads puts the whole tape on two (no wake-up of the idle core per call)
-    assert step._whole_tape([0, 2, 0, 0]) == [2, 2, 2, 2] and step._whole_tape([0, 0]) == [0, 0]
+    # calls faster on two threads that are a large share of the step put the whole tape on two (no
+    # wake-up of the idle core per call); a small share keeps the choice call by call
+    assert step._whole_tape([0, 2, 0, 0], [1.0, 3.0, 1.0, 1.0]) == [2, 2, 2, 2]
+    assert step._whole_tape([0, 2, 0, 0], [10.0, 1.0, 10.0, 10.0]) == [0, 2, 0, 0]
+    assert step._whole_tape([0, 0], [1.0, 1.0]) == [0, 0]
 
 
 def kernels_accel():

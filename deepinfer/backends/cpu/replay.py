@@ -10,7 +10,9 @@ batch-32 step of the test model measured no faster on two). The first replay of 
 call that writes no argument (calling it again changes nothing) and takes over `_MIN_TRIED` on one
 thread, on each thread count the accelerator offers (CpuAccelerator.tune_for_model: this process's
 share of the cores), and finds the calls where a larger count saved at least `_MIN_GAIN` of the
-call's time and `_MIN_SAVED` seconds. If any did, the whole tape runs at that count (`_whole_tape`):
+call's time and `_MIN_SAVED` seconds. If those calls take at least `_MIN_SHARE` of the replay's time,
+the whole tape runs at that count (`_whole_tape`; else just those calls, so one call that gained by
+chance under load does not put every call on a contended core):
 switching counts call by call leaves the second core idle between its calls, and waking it again
 costs more than the small calls gain by staying on one (the test config V3, batch 1: 199 tok/s with
 14 calls on two threads, 264 with the whole tape; a call too small to split runs on one thread at
@@ -39,6 +41,7 @@ _MIN_GAIN = 0.15  # a call keeps more threads only when they save this share of 
 _MIN_SAVED = 20e-6  # ... and at least this many seconds (waking a thread, this machine's noise)
 _PROFILE_REPEATS = 3
 _MIN_TRIED = 100e-6  # calls shorter than this on one thread are not tried on more
+_MIN_SHARE = 0.25  # the calls faster on more threads take this share of the step: the whole tape goes
 
 
 def load():
@@ -75,7 +78,8 @@ class TapeStep:
     def __call__(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         if self.threads is None and self.options:
             outputs, seconds = self.tape.profile(inputs, self.options, _PROFILE_REPEATS, _MIN_TRIED)
-            self.threads = self._whole_tape([self._choose(times[:-1]) for times in seconds])
+            self.threads = self._whole_tape([self._choose(times[:-1]) for times in seconds],
+                                            [times[-1] for times in seconds])
             self.tape.set_threads(self.threads)
             return outputs
         return self.tape.run(inputs)
@@ -103,9 +107,12 @@ class TapeStep:
         return self.options[best] if best and saved >= _MIN_GAIN * times[0] and saved >= _MIN_SAVED else 0
 
     @staticmethod
-    def _whole_tape(chosen: list[int]) -> list[int]:
-        """Every call at the largest count any call chose (module doc), or all at the default."""
-        return [max(chosen, default=0)] * len(chosen)
+    def _whole_tape(chosen: list[int], seconds: list[float]) -> list[int]:
+        """Every call at the largest count chosen when the calls that chose more threads took at least
+        _MIN_SHARE of the replay's `seconds` (module doc); else the choice call by call."""
+        best = max(chosen, default=0)
+        gained = sum(t for c, t in zip(chosen, seconds) if c)
+        return [best] * len(chosen) if best and gained >= _MIN_SHARE * sum(seconds) else chosen
 
     def threaded(self) -> list[tuple[str, int]]:
         """(operator, threads) of the calls that run on more than the default threads."""
