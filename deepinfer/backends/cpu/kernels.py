@@ -222,6 +222,24 @@ def moe_experts(x, weights, ids, gate_up, down, limit, *, reference=ops.moe_expe
     return torch.ops.deepinfer_cpu.moe_experts(x, weights, ids, gate_up, down, limit)
 
 
+def moe_experts_bf16(x, weights, ids, gate_up, down, limit, act_block=0, *, reference,
+                     max_rows_per_expert=quant.MAX_TOKENS):
+    """Accelerator.moe_experts_bf16 in one call of the experts kernel (quant_ops.cpp), on float32, bf16
+    and quantized stacks. `reference` is the base class's composite (bound to the accelerator). Past
+    `max_rows_per_expert` rows per expert on average the composite's widened MKL GEMMs win (as for a
+    quantized linear); batch-invariant mode lifts the limit."""
+    if ids.numel() <= max_rows_per_expert * gate_up.shape[0]:
+        out = quant.moe_experts(x, weights, ids, gate_up, down, limit, True, act_block)
+        if out is not None:
+            return out
+    return reference(x, weights, ids, gate_up, down, limit, act_block)
+
+
+def fp8_qdq(x, block, *, reference=ops.fp8_qdq):
+    out = quant.fp8_qdq(x, block)
+    return out if out is not None else reference(x, block)
+
+
 def argmax(logits, *, reference=ops.argmax):
     """Greedy sampling (Accelerator.argmax): the kernel for float32 [B, V]."""
     if logits.dim() != 2 or logits.dtype != _F32 or logits.shape[-1] == 0:
@@ -273,7 +291,7 @@ FUSED = {"compress_entries": compress_entries, "hc_pre_norm": hc_pre_norm, "hc_p
 
 OPS = ("hc_pre", "hc_post", "hc_head", "rms_norm", "rope", "sparse_attention", "indexer_topk", "moe_experts",
        "grouped_linear", "route_topk", "route_grouped_topk", "route_hash", "swiglu_mlp", "linear", "argmax", "sample",
-       "copy_rows")
+       "copy_rows", "fp8_qdq")
 
 
 def batch_invariant_ops() -> dict:

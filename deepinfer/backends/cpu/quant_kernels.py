@@ -44,7 +44,20 @@ def weight_args(w: Weight) -> tuple | None:
 
 
 def _input(x: torch.Tensor, w: Weight) -> torch.Tensor:
-    return act_quant(x, w.act) if isinstance(w, QuantizedWeight) and w.act is not None else x
+    if not isinstance(w, QuantizedWeight) or w.act is None:
+        return x
+    if w.act.pow2 and x.dtype == _F32 and x.dim() and x.shape[-1] % w.act.block == 0:
+        # act_quant's power-of-two form in one C++ pass (no bf16 rounding first: act_quant takes any
+        # float32), bit for bit (tests/unit/test_quant_kernels.py)
+        return torch.ops.deepinfer_cpu.fp8_qdq(x, w.act.block, False)
+    return act_quant(x, w.act)
+
+
+def fp8_qdq(x: torch.Tensor, block: int) -> torch.Tensor | None:
+    """Accelerator.fp8_qdq in one C++ pass, bit-exact; None for an input it does not take."""
+    if x.dtype != _F32 or x.dim() == 0 or block < 1 or x.shape[-1] % block:
+        return None
+    return torch.ops.deepinfer_cpu.fp8_qdq(x, block, True)
 
 
 def _widened_linear(x2: torch.Tensor, args: tuple, n: int, k: int) -> torch.Tensor:
@@ -88,13 +101,17 @@ def swiglu_mlp(x: torch.Tensor, gate_up: Weight, down: Weight, limit: float,
     return torch.ops.deepinfer_cpu.qswiglu_mlp(x, *gu, *dn, limit)
 
 
-def moe_experts(x, weights, ids, gate_up: Weight, down: Weight, limit: float) -> torch.Tensor | None:
+def moe_experts(x, weights, ids, gate_up: Weight, down: Weight, limit: float, bf16_acts: bool = False,
+                act_block: int = 0) -> torch.Tensor | None:
+    """moe_experts, or with `bf16_acts` moe_experts_bf16 (act_block as there), in one C++ call."""
     gu, dn = weight_args(gate_up), weight_args(down)
     if gu is None or dn is None or x.dtype != _F32 or x.shape[0] == 0 or gate_up.dim() != 3:
         return None
     if any(isinstance(w, QuantizedWeight) and w.act for w in (gate_up, down)):
-        return None  # the reference quantizes each GEMM's input (V4.1)
-    return torch.ops.deepinfer_cpu.qmoe_experts(x, weights, ids, *gu, *dn, limit)
+        return None  # a weight that quantizes its own input: the reference applies it per GEMM
+    if act_block and (x.shape[-1] % act_block or down.shape[-1] % act_block):
+        return None
+    return torch.ops.deepinfer_cpu.qmoe_experts(x, weights, ids, *gu, *dn, limit, bf16_acts, act_block)
 
 
 def route_topk(x, gate: Weight, bias, top_k, scaling):
