@@ -8,16 +8,15 @@ rounding order. A QuantizedWeight whose `act` asks for activation quantization (
 input quantized first (quant.act_quant), as on every backend.
 
 Decode-sized calls stream the weight once through the GEMV kernels. Past `MAX_TOKENS` rows a call
-widens the weight in row chunks (quant_ops.cpp, one rounding per value: the dequantized weight
-bit for bit) and runs MKL's GEMM on each chunk: prefill is bound by arithmetic, where a blocked
-GEMM wins. Batch-invariant mode lifts the limit (a switch by batch size would change a row's
+widens the weight one cache-sized tile of rows at a time (quant_ops.cpp, one rounding per value: the
+dequantized weight bit for bit) and runs MKL's GEMM on each tile while it is in cache: prefill and
+large decode batches are bound by arithmetic, where a blocked GEMM wins. Batch-invariant mode lifts the limit (a switch by batch size would change a row's
 rounding). Each op returns None for an input it does not take; kernels.py then uses the reference.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from deepinfer.backends import reference as ops
 from deepinfer.backends.quant import FP8, QuantizedWeight, Weight, act_quant
@@ -28,7 +27,10 @@ _FP8, _FP4 = 3, 4
 # Rows up to which the GEMV kernels beat widening + MKL (python benchmarks/quant_kernels.py
 # --crossover): see MAX_TOKENS's measurement there.
 MAX_TOKENS = 16
-_WIDEN_BYTES = 8 << 20  # float32 bytes widened per chunk on the GEMM path
+# float32 bytes of weight rows widened per tile on the GEMM path: a tile stays in cache between its
+# widening and its GEMM (512 KB measured fastest of 128 KB - 2 MB at V4-Flash shapes, 2.3-4.5x the
+# 8 MB chunks widened before: benchmarks/quant_kernels.py --crossover)
+_WIDEN_TILE_BYTES = 512 << 10
 
 
 def is_plain_f32(w: Weight) -> bool:
@@ -61,13 +63,9 @@ def fp8_qdq(x: torch.Tensor, block: int) -> torch.Tensor | None:
 
 
 def _widened_linear(x2: torch.Tensor, args: tuple, n: int, k: int) -> torch.Tensor:
-    """x2 [T, K] @ weight.T with the weight widened one row chunk at a time (MKL GEMMs)."""
-    step = max(1, _WIDEN_BYTES // (4 * max(k, 1)))
-    out = x2.new_empty(x2.shape[0], n)
-    for start in range(0, n, step):
-        stop = min(n, start + step)
-        out[:, start:stop] = F.linear(x2, torch.ops.deepinfer_cpu.widen_rows(*args, start, stop))
-    return out
+    """x2 [T, K] @ weight.T with the weight widened one cache-sized tile of rows at a time, each tile an
+    MKL GEMM (quant_ops.cpp qlinear_widened)."""
+    return torch.ops.deepinfer_cpu.qlinear_widened(x2, *args, _WIDEN_TILE_BYTES)
 
 
 def linear(x: torch.Tensor, weight: Weight, max_tokens: float = MAX_TOKENS) -> torch.Tensor | None:

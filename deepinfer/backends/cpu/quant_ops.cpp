@@ -746,6 +746,40 @@ at::Tensor widen_rows(const at::Tensor& data, const c10::optional<at::Tensor>& s
   return out;
 }
 
+// x [T, K] @ weight.T for calls past the GEMV kernels' crossover: the weight widened one tile of rows at
+// a time into a per-thread buffer that stays in cache (tile_bytes of float32), each tile multiplied by
+// MKL's GEMM (at::mm, one thread inside a task) straight into its columns of the output. The float32
+// copy of the weight is never written to memory whole, where widening it in large chunks wrote and
+// read 4 bytes per weight per call.
+at::Tensor qlinear_widened(const at::Tensor& x_in, const at::Tensor& data, const c10::optional<at::Tensor>& scale,
+                           at::IntArrayRef spec, int64_t tile_bytes) {
+  const at::Tensor x = float_rows(x_in, "x");
+  const Weight w = weight_of(data, scale, spec, "weight", 2);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == w.K, "x must be [T, ", w.K, "]");
+  const int64_t T = x.size(0), K = w.K, N = w.N;
+  at::Tensor out = at::empty({T, N}, x.options());
+  if (T == 0 || N == 0) return out;
+  const int64_t tile = std::min(N, std::max<int64_t>(8, (tile_bytes / (4 * std::max<int64_t>(K, 1))) & ~int64_t{7}));
+  const int64_t tiles = (N + tile - 1) / tile;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    at::Tensor buf = at::empty({tile, K}, x.options());
+    float* B = buf.data_ptr<float>();
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t r0 = i * tile, r1 = std::min(N, r0 + tile);
+      switch (w.fmt) {
+        case kF32: widen_typed<kF32>(w.m, r0, r1, r0, B); break;
+        case kBF16: widen_typed<kBF16>(w.m, r0, r1, r0, B); break;
+        case kF16: widen_typed<kF16>(w.m, r0, r1, r0, B); break;
+        case kFP8: widen_typed<kFP8>(w.m, r0, r1, r0, B); break;
+        default: widen_typed<kFP4>(w.m, r0, r1, r0, B);
+      }
+      at::Tensor o = out.narrow(1, r0, r1 - r0);
+      at::mm_out(o, x, buf.narrow(0, 0, r1 - r0).t());
+    }
+  });
+  return out;
+}
+
 }  // namespace
 }  // namespace deepinfer_cpu
 
@@ -763,6 +797,7 @@ TORCH_LIBRARY_FRAGMENT(deepinfer_cpu, m) {
         "-> (Tensor, Tensor)");
   m.def("qroute_hash(Tensor x, Tensor data, Tensor? scale, int[] spec, Tensor ids, float scaling) -> Tensor");
   m.def("widen_rows(Tensor data, Tensor? scale, int[] spec, int start, int stop) -> Tensor");
+  m.def("qlinear_widened(Tensor x, Tensor data, Tensor? scale, int[] spec, int tile_bytes) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(deepinfer_cpu, CPU, m) {
@@ -774,4 +809,5 @@ TORCH_LIBRARY_IMPL(deepinfer_cpu, CPU, m) {
   m.impl("qroute_topk", &qroute_topk);
   m.impl("qroute_hash", &qroute_hash);
   m.impl("widen_rows", &widen_rows);
+  m.impl("qlinear_widened", &qlinear_widened);
 }
