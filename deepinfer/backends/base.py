@@ -29,7 +29,7 @@ class WeightRole(enum.Enum):
     says the role; a backend never guesses it from a name."""
 
     PLAIN = "plain"  # read by linear, embedding, norms, routers, tables: the checkpoint layout
-    EXPERTS = "experts"  # [E, N, K] stacks of routed experts, read only by moe_experts
+    EXPERTS = "experts"  # [E, N, K] stacks of routed experts, read only by moe_experts and moe_experts_bf16
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -6,7 +6,9 @@ decode step of a small model spends its time on (the mHC mix alone is ~80 ops, 8
 rope, compress_entries, sparse_attention and indexer_topk always; linear, moe_experts, swiglu_mlp
 (the shared expert), grouped_linear and the three routers for decode-sized batches (larger ones go to
 the reference, whose GEMMs win there). The fused sequences hc_pre_norm, hc_post_pre_norm and
-rms_norm_rope chain those kernels in one call; `sampling_ops.cpp` and `pool_ops.cpp`, in the same
+rms_norm_rope chain those kernels in one call; `quant_ops.cpp` holds the weight ops on narrow weights
+(quant_kernels.py), the experts kernel with DeepSeek-V4.1's rounding points (moe_experts_bf16) and
+its FP8 activation quantization (fp8_qdq); `sampling_ops.cpp` and `pool_ops.cpp`, in the same
 library, are greedy sampling's argmax and the row copies that commit a step's staged rows. It is
 built with torch's C++ extension loader on the machine that runs it (so `-march=native` is safe)
 into ~/.cache/deepinfer/cpu_kernels/<hash>, once per source/torch/compiler version; later
