@@ -281,3 +281,21 @@ def test_moe_experts_bf16_check_catches_other_numerics():
     for wrong in (weighted_after, unquantized):
         with pytest.raises(AssertionError):
             assert_moe_bf16("wrong numerics", wrong, expected)
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp8_32_ue8m0"])
+def test_gemm_path_under_inference_mode_on_two_threads(kind):
+    """The engine runs the weight ops under torch.inference_mode with every thread of its share: the
+    GEMM path's tiles are multiplied on worker threads into the caller's output (which failed there
+    once: the mode is thread-local). Same result as outside the mode, within the bound."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        w = _case(1100, 256, kind, 13)  # 3 tiles of 512 rows: more than one task
+        x = torch.randn(40, 256, generator=torch.Generator().manual_seed(14))
+        with torch.inference_mode():
+            out = kernels.linear(x, w)
+        assert torch.equal(out, kernels.linear(x, w))
+        assert_within(f"linear {kind} T=40 inference mode", out, x @ widened(w).T, dot_bound(x, widened(w)))
+    finally:
+        torch.set_num_threads(threads)

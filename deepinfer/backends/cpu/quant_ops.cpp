@@ -20,6 +20,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/core/InferenceMode.h>
 #include <torch/library.h>
 
 #include <vector>
@@ -762,6 +763,9 @@ at::Tensor qlinear_widened(const at::Tensor& x_in, const at::Tensor& data, const
   const int64_t tile = std::min(N, std::max<int64_t>(8, (tile_bytes / (4 * std::max<int64_t>(K, 1))) & ~int64_t{7}));
   const int64_t tiles = (N + tile - 1) / tile;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    // the caller's inference mode is thread-local: a worker thread writing the output (an inference
+    // tensor under the engine) through at::mm_out needs it too
+    c10::InferenceMode inference;
     at::Tensor buf = at::empty({tile, K}, x.options());
     float* B = buf.data_ptr<float>();
     for (int64_t i = begin; i < end; ++i) {
