@@ -144,6 +144,21 @@ def test_moe_tile_schedule_has_fixed_shapes(nv):
     assert len(shapes) == 1
 
 
+def test_v41_experts_record_with_fixed_shapes(nv):
+    """moe_experts_bf16 with FP8 inputs (and so fp8_qdq) on this backend reads nothing into Python and
+    runs no data-shaped op: core/graphs.py records it, the precondition of capturing a V4.1 decode step
+    in a CUDA graph (before: the experts were a host call, the tile schedule a unique_consecutive and
+    fp8_qdq made a tensor per call)."""
+    from deepinfer.core.graphs import record
+    from op_checks import moe_bf16_case
+
+    x, weights, ids, gu, dn = moe_bf16_case("fp4_ue8m0", 5)
+    gu, dn = nv.prepare_weight(gu), nv.prepare_weight(dn)
+    recording, failure, out = record(lambda: nv.moe_experts_bf16(x, weights, ids, gu, dn, 1.5, 32), [x, weights, ids])
+    assert recording is not None, failure
+    assert not out.isnan().any()
+
+
 def test_act_quant_error(nv):
     """What DeepSeek's activation quantization costs on the nvidia FP8 path, measured against
     weight-only float32 math at a V4-like shape (README: 'FP8 activation quantization')."""
