@@ -228,8 +228,9 @@ def moe_experts_bf16(x, weights, ids, gate_up, down, limit, act_block=0, *, refe
                      max_rows_per_expert=quant.MAX_TOKENS):
     """Accelerator.moe_experts_bf16 in one call of the experts kernel (quant_ops.cpp), on float32, bf16
     and quantized stacks. `reference` is the base class's composite (bound to the accelerator). Past
-    `max_rows_per_expert` rows per expert on average the composite's widened MKL GEMMs win (as for a
-    quantized linear); batch-invariant mode lifts the limit."""
+    `max_rows_per_expert` rows per expert on average (prefill) the composite runs instead, its GEMMs
+    on the tiled GEMM path: the limit is the quantized linear's crossover, not measured for the experts
+    themselves. Batch-invariant mode lifts it (a switch by batch size would change a row's rounding)."""
     if ids.numel() <= max_rows_per_expert * gate_up.shape[0]:
         out = quant.moe_experts(x, weights, ids, gate_up, down, limit, True, act_block)
         if out is not None:

@@ -28,8 +28,9 @@ _FP8, _FP4 = 3, 4
 # --crossover): see MAX_TOKENS's measurement there.
 MAX_TOKENS = 16
 # float32 bytes of weight rows widened per tile on the GEMM path: a tile stays in cache between its
-# widening and its GEMM (512 KB measured fastest of 128 KB - 2 MB at V4-Flash shapes, 2.3-4.5x the
-# 8 MB chunks widened before: benchmarks/quant_kernels.py --crossover)
+# widening and its GEMM. 512 KB was the fastest of 128 KB / 512 KB / 2 MB at V4-Flash shapes (a one-off
+# run on the loaded machine); against the 8 MB chunks widened into memory before, 1.1-1.9x at 16-32
+# rows and about even at 64 (benchmarks/quant_kernels.py --crossover, quiet).
 _WIDEN_TILE_BYTES = 512 << 10
 
 
