@@ -3,6 +3,7 @@ crossover. Prints tables and writes benchmarks/results/quant_kernels.json.
 
     python benchmarks/quant_kernels.py                # decode at batch 1: tiny FP8/FP4 test configs
     python benchmarks/quant_kernels.py --crossover    # where widening + MKL beats the GEMV kernels
+    python benchmarks/quant_kernels.py --fp8-qdq      # V4.1's FP8 activation quantization: kernel vs torch ops
 
 Decode: each tiny test config (tests/tiny_models.py) stored as V4-Flash stores it (FP4 experts,
 FP8 dense projections, bf16 router / embedding / head: tests/quant_checks.py) against the same
@@ -12,8 +13,10 @@ recordings, core/graphs.py), and the float32 model also eagerly (DEEPINFER_ENFOR
 Python graph op by op), which shows what the replay saves. The shipped model, stored in bf16, is
 measured the same way against a float32 copy of itself at batch 1 and 32.
 
-Crossover: quant_kernels.linear's GEMV kernels against widening the weight in row chunks + MKL's
-GEMM, by rows per call (T), at V4-Flash shapes (bf16 LM-head rows, FP8 projection, FP4 expert).
+Crossover: quant_kernels.linear's GEMV kernels against its GEMM path (the weight widened one
+cache-sized tile at a time, MKL's GEMM per tile), by rows per call (T), at V4-Flash shapes (bf16
+LM-head rows, FP8 projection, FP4 expert); the peer is the GEMM path before tiles (8 MB row chunks
+widened into memory, then one GEMM each).
 """
 
 from __future__ import annotations
@@ -44,8 +47,16 @@ def crossover(repeats: int) -> dict:
     shapes = {"bf16 [16384, 4096] (LM-head rows)": torch.randn(16384, 4096, generator=gen).bfloat16(),
               "fp8 [4096, 4096] 128x128": quantize_fp8(torch.randn(4096, 4096, generator=gen) * 0.02, ue8m0=True),
               "fp4 [4096, 2048] (expert down)": quantize_fp4(torch.randn(4096, 2048, generator=gen) * 0.02)}
+    def chunked(x, w):  # the peer: the GEMM path before tiles, the weight widened in 8 MB row chunks
+        args, (n, k) = qk.weight_args(w), w.shape
+        step, out = max(1, (8 << 20) // (4 * k)), x.new_empty(x.shape[0], n)
+        for start in range(0, n, step):
+            out[:, start:start + step] = torch.nn.functional.linear(
+                x, torch.ops.deepinfer_cpu.widen_rows(*args, start, min(n, start + step)))
+        return out
+
     rows = {}
-    print(f"{'weight':<34} {'T':>4} {'GEMV ms':>9} {'widen+GEMM ms':>14}")
+    print(f"{'weight':<34} {'T':>4} {'GEMV ms':>9} {'tiles+GEMM ms':>14} {'chunks+GEMM ms':>15}")
     for label, w in shapes.items():
         k = w.shape[-1]
         rows[label] = []
@@ -53,8 +64,32 @@ def crossover(repeats: int) -> dict:
             x = torch.randn(t, k, generator=gen)
             gemv = time_call(lambda: qk.linear(x, w, max_tokens=1 << 30), repeats)
             wide = time_call(lambda: qk.linear(x, w, max_tokens=0), repeats)
-            rows[label].append({"tokens": t, "gemv_s": gemv, "widen_gemm_s": wide})
-            print(f"{label:<34} {t:>4} {gemv * 1e3:>9.2f} {wide * 1e3:>14.2f}")
+            chunks = time_call(lambda: chunked(x, w), repeats)
+            rows[label].append({"tokens": t, "gemv_s": gemv, "widen_gemm_s": wide, "chunked_widen_gemm_s": chunks})
+            print(f"{label:<34} {t:>4} {gemv * 1e3:>9.2f} {wide * 1e3:>14.2f} {chunks * 1e3:>15.2f}")
+    return rows
+
+
+def fp8_qdq_timing(repeats: int) -> list[dict]:
+    """DeepSeek-V4.1's FP8 activation quantization (fp8_qdq, per 32): the cpu kernel (quant_ops.cpp)
+    against the reference's torch ops, at the shapes a V4.1-Flash GEMM input has (hidden 4096, LoRA
+    ranks 1024, expert intermediate 2048) at batch 1 and 32."""
+    from deepinfer.backends import reference as ref
+    from deepinfer.backends.cpu import kernels
+    from deepinfer.core.spec.planner import time_call
+
+    kernels.load()
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    print(f"{'x':<14} {'kernel us':>10} {'torch ops us':>13} {'speed-up':>9}")
+    for t in (1, 32):
+        for k in (1024, 2048, 4096):
+            x = torch.randn(t, k, generator=gen)
+            assert torch.equal(kernels.fp8_qdq(x, 32), ref.fp8_qdq(x, 32))
+            kernel = time_call(lambda: kernels.fp8_qdq(x, 32), repeats)
+            torch_ops = time_call(lambda: ref.fp8_qdq(x, 32), repeats)
+            rows.append({"shape": [t, k], "kernel_s": kernel, "reference_s": torch_ops})
+            print(f"{str([t, k]):<14} {kernel * 1e6:>10.1f} {torch_ops * 1e6:>13.1f} {torch_ops / kernel:>8.1f}x")
     return rows
 
 
@@ -152,6 +187,7 @@ def decode(steps: int) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--crossover", action="store_true")
+    parser.add_argument("--fp8-qdq", action="store_true", help="time the FP8 activation quantization only")
     parser.add_argument("--steps", type=int, default=192)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default=str(HERE / "results" / "quant_kernels.json"))
@@ -159,7 +195,10 @@ def main() -> None:
     out_path = Path(args.out)
     data = json.loads(out_path.read_text()) if out_path.exists() else {}
     torch.set_num_threads(int(os.environ.get("DEEPINFER_CPU_THREADS", "0")) or torch.get_num_threads())
-    if args.crossover:
+    if args.fp8_qdq:
+        data["fp8_qdq"] = {"rows": fp8_qdq_timing(args.repeats), "threads": torch.get_num_threads(),
+                           "load_average": os.getloadavg()}
+    elif args.crossover:
         data["crossover"] = {"rows": crossover(args.repeats), "threads": torch.get_num_threads(),
                              "load_average": os.getloadavg()}
     else:

@@ -214,3 +214,59 @@ def check_v41_op(acc, op: str, t: int) -> None:
             assert o.dtype == e.dtype and torch.equal(o.view(torch.int32), e.view(torch.int32)), f"{op}: bits differ"
         else:
             assert_close(op, o, e, V41_OPS[op])
+
+
+# moe_experts_bf16 (DeepSeek-V4.1's routed experts): every backend's kernel against the base class's
+# composite on the cpu reference ops, on the stored stacks. Measured: bit-identical on every case here
+# (nvidia interpreter, ascend shim, cpu kernels): FP8 / FP4 values times FP8 inputs sum exactly in
+# float32, and the bf16 and FP8 roundings absorb the rest. Not guaranteed: an exp one float32 ulp off
+# in the SwiGLU can move one intermediate element across an e4m3 step (1/8 of it), one column of the
+# down projection times that. So: at most MOE_BF16_MISMATCH of the elements may differ at all, each
+# within MOE_BF16_TOL x max|ref| (assert_close). A misplaced rounding or routing weight, or another
+# summation order, changes far more elements (tests/unit/test_quant_kernels.py shows it fails).
+MOE_BF16_TOL = 5e-2
+MOE_BF16_MISMATCH = 0.01
+MOE_BF16_KINDS = ("f32", "bf16", "fp8_32_ue8m0", "fp8_128_f32", "fp4_ue8m0")
+
+
+def moe_bf16_case(kind: str, t: int, seed: int = 3) -> tuple:
+    """(x, weights, ids, gate_up, down): t tokens of bf16 values, k = 3 of 8 experts per token (expert 7
+    never routed to, others shared by several tokens), D = 96, I = 64 (act_block 32 divides both);
+    stacks stored as `kind` ("f32": float32)."""
+    from quant_checks import weight_kinds
+
+    gen = seeded(61, t, seed)
+    e, k, d, inter = 8, 3, 96, 64
+    gu = torch.randn(e, 2 * inter, d, generator=gen) * 0.15
+    dn = torch.randn(e, d, inter, generator=gen) * 0.15
+    if kind != "f32":
+        gu, dn = weight_kinds(gu)[kind], weight_kinds(dn)[kind]
+    x = (torch.randn(t, d, generator=gen) * 2.0).bfloat16().float()
+    ids = torch.stack([torch.randperm(e - 1, generator=gen)[:k] for _ in range(t)])
+    weights = torch.rand(t, k, generator=gen) * 2.0
+    return x, weights, ids, gu, dn
+
+
+def moe_bf16_reference(x, weights, ids, gate_up, down, limit, act_block) -> torch.Tensor:
+    """The definition: base.py's composite on the cpu reference ops."""
+    from deepinfer.backends.cpu import CpuAccelerator
+
+    return CpuAccelerator().moe_experts_bf16(x, weights, ids, gate_up, down, limit, act_block)
+
+
+def assert_moe_bf16(name: str, out: torch.Tensor, expected: torch.Tensor) -> None:
+    out = out.cpu()
+    differ = float((out != expected).float().mean()) if out.shape == expected.shape else 1.0
+    print(f"\n{name}: {differ:.2%} of the elements differ", end="")
+    assert differ <= MOE_BF16_MISMATCH, f"{name}: {differ:.2%} of the elements differ (> {MOE_BF16_MISMATCH:.0%})"
+    assert_close(name, out, expected, MOE_BF16_TOL)
+
+
+def check_moe_experts_bf16(acc, kind: str, t: int, act_block: int) -> None:
+    """The backend's moe_experts_bf16 on its prepared stacks (WeightRole.EXPERTS) against the definition;
+    limit 1.5 so the SwiGLU clamps bite."""
+    x, weights, ids, gu, dn = moe_bf16_case(kind, t)
+    stacks = [acc.prepare_weight(w, WeightRole.EXPERTS) for w in (gu, dn)]
+    out = acc.moe_experts_bf16(*to_device(acc, x, weights, ids), *stacks, 1.5, act_block)
+    assert_moe_bf16(f"moe_experts_bf16 {kind} T={t} act_block={act_block}", out,
+                    moe_bf16_reference(x, weights, ids, gu, dn, 1.5, act_block))

@@ -29,7 +29,7 @@ class WeightRole(enum.Enum):
     says the role; a backend never guesses it from a name."""
 
     PLAIN = "plain"  # read by linear, embedding, norms, routers, tables: the checkpoint layout
-    EXPERTS = "experts"  # [E, N, K] stacks of routed experts, read only by moe_experts
+    EXPERTS = "experts"  # [E, N, K] stacks of routed experts, read only by moe_experts and moe_experts_bf16
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -299,6 +299,49 @@ class Accelerator(ABC):
         """Routed experts: out[t] = sum_k weights[t, k] * E_ids[t,k](x[t]) with
         E_e(x) = down[e] @ swiglu(gate, up, limit), (gate, up) = split(gate_up[e] @ x).
         x [T, D], gate_up [E, 2I, D], down [E, D, I] -> [T, D]."""
+
+    def moe_experts_bf16(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
+                         down: torch.Tensor, limit: float, act_block: int = 0) -> torch.Tensor:
+        """Routed experts as a model trained with bfloat16 activations computes them (DeepSeek-V4.1).
+        x [T, D] float32, weights [T, k], ids [T, k] (each in [0, E)), gate_up [E, 2I, D], down
+        [E, D, I] (float, bf16 or QuantizedWeight stacks, as stored) -> [T, D] float32. With
+        q(v) = fp8_qdq(v, act_block) when act_block > 0 (FP8 per act_block before each GEMM; D and I
+        multiples of it), else bf16(v) (rounded to the nearest bfloat16), for each slot (t, j), e = ids[t, j]:
+            gate, up = split(bf16(gate_up[e] @ q(x[t])))
+            y[t, j] = bf16(down[e] @ q(swiglu(gate, up, limit) * weights[t, j]))
+        (the routing weight scales the intermediate before it is quantized, not the output), and
+        out[t] = y[t, 0] + y[t, 1] + ... + y[t, k-1] in float32, in slot order: a token's result does
+        not depend on which other tokens share the call. This composite is the definition (a loop
+        over the experts the call hits, reading the ids into Python); a backend overrides it with a
+        fixed-shape kernel (tolerances in tests/op_checks.py: check_moe_experts_bf16)."""
+        num_tokens, top_k = ids.shape
+        if not num_tokens:
+            return torch.zeros(0, x.shape[-1], device=x.device)
+
+        def q(v: torch.Tensor) -> torch.Tensor:
+            return self.fp8_qdq(v, act_block) if act_block else v.to(torch.bfloat16).float()
+
+        xq = q(x)
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        hit, counts = torch.unique_consecutive(flat[order], return_counts=True)
+        token_of = order // top_k
+        slot_weight = weights.reshape(-1).float()
+        rows = torch.empty(num_tokens * top_k, x.shape[-1], dtype=torch.float32, device=x.device)
+        begin = 0
+        for expert, count in zip(hit.tolist(), counts.tolist()):  # only the experts hit
+            sel = order[begin:begin + count]
+            gate, up = self.linear(xq[token_of[begin:begin + count]], gate_up[expert]).to(torch.bfloat16).float().chunk(2, -1)
+            h = self.swiglu(gate, up, limit) * slot_weight[sel].unsqueeze(-1)
+            rows[begin:begin + count] = self.linear(q(h), down[expert]).to(torch.bfloat16).float()
+            begin += count
+        per_slot = torch.empty_like(rows)
+        per_slot[order] = rows
+        per_slot = per_slot.view(num_tokens, top_k, -1)
+        out = per_slot[:, 0]
+        for j in range(1, top_k):
+            out = out + per_slot[:, j]
+        return out
 
     def swiglu_mlp(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, limit: float) -> torch.Tensor:
         """A dense SwiGLU MLP (the shared expert): down @ swiglu(gate, up, limit) with

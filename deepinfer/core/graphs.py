@@ -231,32 +231,6 @@ def record(fn: Callable[[], Any], inputs: list[torch.Tensor]) -> tuple[Recording
     return (None if failure else rec), failure, result
 
 
-# ---------------------------------------------------------------- host calls
-_host_calls: "weakref.WeakValueDictionary[int, HostCall]" = weakref.WeakValueDictionary()
-_library = torch.library.Library("deepinfer", "FRAGMENT")
-_library.define("host_call(int fn, Tensor[] args) -> Tensor")
-_library.impl("host_call", lambda fn, args: _host_calls[fn].fn(*args), "CompositeExplicitAutograd")
-
-
-class HostCall:
-    """A part of a step whose Python reads tensor data (a loop over the experts a step routes to,
-    from a `.tolist()`) while its result's shape does not depend on it: one operator,
-    `deepinfer::host_call`, to the recorder (what it runs inside is not recorded, and its reads are
-    its own), and called again, Python and all, at every replay. For a composite that has no
-    fixed-shape kernel yet; it keeps the step recordable on cpu (the tape calls back into Python for
-    it alone), not on a CUDA graph (its host reads cannot be captured)."""
-
-    _next = 0
-
-    def __init__(self, fn: Callable[..., torch.Tensor]):
-        self.fn, self.key = fn, HostCall._next
-        HostCall._next += 1
-        _host_calls[self.key] = self  # weakly: the call lives as long as its owner holds it
-
-    def __call__(self, *tensors: torch.Tensor) -> torch.Tensor:
-        return torch.ops.deepinfer.host_call(self.key, list(tensors))
-
-
 # ---------------------------------------------------------------- the tensors of a step's metadata
 def step_inputs(meta) -> tuple[list[torch.Tensor], tuple]:
     """What of a step's metadata changes from step to step: every tensor it holds, in a fixed order

@@ -12,6 +12,7 @@ Tolerance: max |ascend - cpu| <= TOL[op] * max |cpu|; 0.0 = bit-identical; ids/t
 | rms_norm            | npu_rms_norm (shim)                     | 1e-5            | 0                      |
 | swiglu              | npu_swiglu (shim)                       | 1e-5            | 1.9e-8                 |
 | moe_experts         | npu_grouped_matmul + npu_swiglu (shim)  | 1e-5            | 3.3e-7                 |
+| moe_experts_bf16    | the same + Triton fp8_qdq (V4.1)        | op_checks       | 0 (bit-identical)      |
 | rope                | Triton                                  | 0               | 0                      |
 | hc_pre/post/head    | Triton                                  | 1e-5            | 2.0e-7/8.6e-8/2.9e-7   |
 | compress_windows    | Triton, re-tiled (AscendC not built)    | 1e-5            | 1.8e-7                 |
@@ -47,8 +48,9 @@ from deepinfer.backends.base import WeightRole  # noqa: E402
 from deepinfer.backends.quant import QuantizedWeight, quantize_fp4  # noqa: E402
 from deepinfer.backends import reference as ref  # noqa: E402
 from quant_checks import assert_within, dot_bound, weight_kinds, widened  # noqa: E402
-from op_checks import (FUSED_OPS, GROUPED_ROUTINGS, V41_OPS, assert_close, check_attention_without_sink,  # noqa: E402
-                       check_fused, check_route_grouped_topk, check_unclamped_experts, check_v41_op,
+from op_checks import (FUSED_OPS, GROUPED_ROUTINGS, MOE_BF16_KINDS, V41_OPS, assert_close, check_attention_without_sink,  # noqa: E402
+                       check_fused, check_moe_experts_bf16, check_route_grouped_topk, check_unclamped_experts,
+                       check_v41_op,
                        grouped_routing_id, indices, poisoned, randn, run, seeded)
 
 TOL = {"rms_norm": 1e-5, "swiglu": 1e-5, "moe_experts": 1e-5, "rope": 0.0, "hc_pre": 1e-5, "hc_post": 1e-5,
@@ -102,6 +104,15 @@ def test_moe_experts(asc, t, e, k, d, inter):
     out = asc.moe_experts(x, weights, ids, asc.prepare_weight(gate_up, WeightRole.EXPERTS),
                           asc.prepare_weight(down, WeightRole.EXPERTS), 1.0)  # clamp is hit
     _close("moe_experts", out, ref.moe_experts(x, weights, ids, gate_up, down, 1.0))
+
+
+@pytest.mark.parametrize("kind", MOE_BF16_KINDS)
+@pytest.mark.parametrize("t", [1, 9])
+@pytest.mark.parametrize("act_block", [0, 32])
+def test_moe_experts_bf16(asc, kind, t, act_block):
+    """DeepSeek-V4.1's routed experts: moe_experts' grouped GEMMs (float stacks in the transposed layout
+    prepare_weight stores) with its rounding points and the Triton fp8_qdq, against base.py's composite."""
+    check_moe_experts_bf16(asc, kind, t, act_block)
 
 
 def test_prepare_weight_layouts_and_dtypes(asc):

@@ -8,6 +8,7 @@ formats (tests/quant_checks.py); K and N off the block edges; outputs poisoned w
 |   (DeepSeek's FP8 GEMM, act per 1x128) | x @ dequant(w).T (weight-only)              | e4m3 rounding of x       |
 | linear, bf16 / f16 weights             | x @ w.float().T                             | float32 rounding order   |
 | moe_experts, FP4 / FP8 / bf16 stacks   | reference moe on the dequantized stacks     | 1e-5 x max|ref|          |
+| moe_experts_bf16 (V4.1), every stack   | base.py's composite on the reference ops    | op_checks (measured: =)  |
 
 The second FP8 row is the activation-quantization error the README states: printed with -s
 (`pytest -s tests/conformance/test_nvidia_quantized.py -k act_quant_error`).
@@ -22,7 +23,7 @@ pytest.importorskip("triton", reason="triton is not installed: the nvidia backen
 
 from deepinfer.backends import reference as ref  # noqa: E402
 from deepinfer.backends.quant import ActQuant, QuantizedWeight, act_quant, quantize_fp8  # noqa: E402
-from op_checks import assert_close, poisoned  # noqa: E402
+from op_checks import MOE_BF16_KINDS, assert_close, check_moe_experts_bf16, poisoned  # noqa: E402
 from quant_checks import act_quant_bound, assert_within, dot_bound, moe_case, weight_kinds, widened  # noqa: E402
 
 SHAPES = [(130, 258), (40, 96), (17, 40)]
@@ -113,6 +114,49 @@ def test_moe_experts(nv, kind, t):
     out = nv.moe_experts(x, weights, ids, nv.prepare_weight(gu), nv.prepare_weight(dn), 7.0)
     assert_close(f"moe_experts {kind} T={t}", out, ref.moe_experts(x, weights, ids, widened(gu), widened(dn), 7.0),
                  1e-5)
+
+
+@pytest.mark.parametrize("kind", MOE_BF16_KINDS)
+@pytest.mark.parametrize("t", [1, 9])
+@pytest.mark.parametrize("act_block", [0, 32])
+def test_moe_experts_bf16(nv, kind, t, act_block):
+    """DeepSeek-V4.1's routed experts (moe_experts_bf16): the MoE kernels with its rounding points and
+    the fp8_qdq kernel, against base.py's composite (tests/op_checks.py: tolerance; measured equal)."""
+    check_moe_experts_bf16(nv, kind, t, act_block)
+
+
+def test_moe_tile_schedule_has_fixed_shapes(nv):
+    """The MoE kernels' tile schedule is a function of the call's shapes only (no host read, no
+    data-shaped op: a CUDA graph captures it, core/graphs.py records it), and covers every slot once:
+    routings that hit 1 expert or all of them give the same tensor shapes."""
+    from deepinfer.backends.triton.gemm import _tile_schedule
+
+    shapes = set()
+    for ids in (torch.zeros(40, dtype=torch.int64), torch.arange(40) % 8, torch.tensor([3] * 33 + [5] * 7)):
+        expert, start, end = _tile_schedule(ids.sort().values, 8, 32)
+        shapes.add((expert.shape, start.shape, end.shape))
+        covered = torch.zeros(40, dtype=torch.int64)
+        for e, a, b in zip(expert.tolist(), start.tolist(), end.tolist()):
+            b = min(b, a + 32)  # a tile runs slots [start, start + 32) below its expert's end
+            assert a == b or bool((ids.sort().values[a:b] == e).all())
+            covered[a:b] += 1
+        assert bool((covered == 1).all())
+    assert len(shapes) == 1
+
+
+def test_v41_experts_record_with_fixed_shapes(nv):
+    """moe_experts_bf16 with FP8 inputs (and so fp8_qdq) on this backend reads nothing into Python and
+    runs no data-shaped op: core/graphs.py records it, the precondition of capturing a V4.1 decode step
+    in a CUDA graph (before: the experts were a host call, the tile schedule a unique_consecutive and
+    fp8_qdq made a tensor per call)."""
+    from deepinfer.core.graphs import record
+    from op_checks import moe_bf16_case
+
+    x, weights, ids, gu, dn = moe_bf16_case("fp4_ue8m0", 5)
+    gu, dn = nv.prepare_weight(gu), nv.prepare_weight(dn)
+    recording, failure, out = record(lambda: nv.moe_experts_bf16(x, weights, ids, gu, dn, 1.5, 32), [x, weights, ids])
+    assert recording is not None, failure
+    assert not out.isnan().any()
 
 
 def test_act_quant_error(nv):

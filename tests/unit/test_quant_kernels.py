@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from deepinfer.backends import reference as ref
-from deepinfer.backends.cpu import kernels
+from deepinfer.backends.cpu import kernels, quant_kernels
 from deepinfer.backends.quant import ActQuant, QuantizedWeight, act_quant, quantize_fp8
 from quant_checks import assert_within, dot_bound, moe_case, weight_kinds, widened
 
@@ -163,3 +163,139 @@ def test_every_code_decodes_exactly(t):
     fp4 = QuantizedWeight(packed, torch.full((16, 1), 125, dtype=torch.uint8), "fp4_e2m1", (1, 32))
     e2m1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, 0, -0.5, -1, -1.5, -2, -3, -4, -6]) * 0.25 * x[:16]
     assert torch.equal(kernels.linear(x[:32].expand(t, 32).contiguous(), fp4), e2m1.expand(t, 16))
+
+
+# ---------------------------------------------------------------- DeepSeek-V4.1's activation quantization
+def _fp8_qdq_inputs() -> torch.Tensor:
+    """Groups of 32 built to hit every branch of fp8_qdq: random values over 40 binades; float32 and
+    e4m3 subnormals (after scaling); exact e4m3 ties (odd and even neighbours) at several scales; the
+    group amax exactly at 448 * 2^n (a scale boundary: fp32(1/448) is not exact, so the product's
+    mantissa decides) and one ulp either side; all-zero and tiny groups (the 1e-4 floor) and amax at
+    the floor itself and one ulp around it; signed zeros; bf16 rounding ties of the input."""
+    gen = torch.Generator().manual_seed(17)
+    groups = [torch.randn(64, 32, generator=gen) * torch.exp2(torch.randint(-20, 20, (64, 1), generator=gen).float())]
+    groups.append(torch.randn(8, 32, generator=gen) * torch.exp2(torch.randint(-140, -126, (8, 32), generator=gen).float()))
+    # ties: midpoints of consecutive e4m3 values (normal and subnormal) under a group max of 448 * 2^e
+    e4m3 = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    mids = ((e4m3[1:] + e4m3[:-1]) / 2)
+    for e in (-8, 0, 5):
+        g = torch.cat([mids, -mids, torch.zeros(-(2 * mids.numel()) % 31)]).view(-1, 31)
+        groups.append(torch.cat([torch.full((g.shape[0], 1), 448.0), g], 1) * 2.0 ** e)
+    for e in (-10, 0, 3):  # the amax at the boundary and one float32 ulp either side
+        amax = torch.tensor(448.0 * 2.0 ** e)
+        for v in (amax, torch.nextafter(amax, torch.tensor(0.0)), torch.nextafter(amax, torch.tensor(1e9))):
+            g = torch.randn(1, 32, generator=gen) * float(v) / 8
+            g[0, 3] = v
+            groups.append(g)
+    floor = torch.tensor(1e-4)
+    for v in (floor, torch.nextafter(floor, torch.tensor(0.0)), torch.nextafter(floor, torch.tensor(1.0)), torch.tensor(3e-5)):
+        g = torch.randn(1, 32, generator=gen) * float(v) / 4
+        g[0, 0] = -v
+        groups.append(g)
+    groups.append(torch.zeros(1, 32))
+    groups.append(torch.tensor([[0.0, -0.0] * 16]))
+    # bf16 ties: halfway between two bf16 values, both parities
+    base = torch.arange(1, 33, dtype=torch.float32).view(1, 32) * 0.37
+    bits = base.bfloat16().float().view(torch.int32) | 0x8000
+    groups.append(bits.view(torch.float32))
+    return torch.cat(groups)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype == torch.float32 and torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+@pytest.mark.parametrize("block", [32, 16, 64])
+def test_fp8_qdq_kernel_is_bit_exact(block):
+    """The cpu backend's fp8_qdq (quant_ops.cpp) equals the reference's bit for bit (the sign of zero
+    included), on the edge cases of _fp8_qdq_inputs, in rows of 64, one long row and [R, 2, 64]; and its form
+    without the bf16 rounding equals quant.act_quant (ActQuant(pow2), the weight op's input quantization)."""
+    x = _fp8_qdq_inputs()
+    x = torch.cat([x, torch.zeros(x.shape[0] % 2, 32)]).reshape(-1, 64)  # rows of two groups of 32
+    for rows in (x, x.reshape(1, -1), x.reshape(-1, 2, 64)):
+        assert _same_bits(kernels.fp8_qdq(rows, block), ref.fp8_qdq(rows, block))
+        assert _same_bits(torch.ops.deepinfer_cpu.fp8_qdq(rows, block, False), act_quant(rows, ActQuant(block)))
+    assert not _same_bits(torch.ops.deepinfer_cpu.fp8_qdq(x, block, False), ref.fp8_qdq(x, block))  # bf16 first matters
+    with pytest.raises(RuntimeError, match="not a multiple"):
+        torch.ops.deepinfer_cpu.fp8_qdq(torch.randn(2, 40), block, True)
+
+
+def _moe_bf16_accelerators():
+    from deepinfer.backends.cpu import CpuInvariantKernelAccelerator, CpuKernelAccelerator
+
+    return {"fast": CpuKernelAccelerator(), "invariant": CpuInvariantKernelAccelerator()}
+
+
+@pytest.mark.parametrize("kind", ["f32", "bf16", "fp8_32_ue8m0", "fp8_128_f32", "fp4_ue8m0"])
+@pytest.mark.parametrize("t", [1, 9, 40])
+@pytest.mark.parametrize("act_block", [0, 32])
+def test_moe_experts_bf16_kernel(kind, t, act_block):
+    """moe_experts_bf16 in the experts kernel (one call, no host read) against the definition (base.py's
+    composite on the reference ops; tolerances in tests/op_checks.py), fast and batch-invariant classes
+    (at T=40 the fast class's composite takes over: 120 rows for 8 experts), and against the same
+    composite on the kernel ops; a token's result alone equals its row in the batch, bit for bit."""
+    from deepinfer.backends.base import Accelerator
+    from op_checks import assert_moe_bf16, moe_bf16_case, moe_bf16_reference
+
+    x, weights, ids, gu, dn = moe_bf16_case(kind, t)
+    expected = moe_bf16_reference(x, weights, ids, gu, dn, 1.5, act_block)
+    for mode, acc in _moe_bf16_accelerators().items():
+        out = acc.moe_experts_bf16(x, weights, ids, gu, dn, 1.5, act_block)
+        assert_moe_bf16(f"cpu {mode} {kind} T={t} act_block={act_block}", out, expected)
+        composite = Accelerator.moe_experts_bf16(acc, x, weights, ids, gu, dn, 1.5, act_block)
+        assert_moe_bf16(f"cpu {mode} vs composite on its ops", out, composite)
+        alone = acc.moe_experts_bf16(x[-1:], weights[-1:], ids[-1:], gu, dn, 1.5, act_block)
+        assert _same_bits(alone[0], out[-1]) or mode == "fast" and t > 16
+
+
+def test_moe_experts_bf16_kernel_is_one_recorded_call():
+    """A decode-sized call is one operator, recorded with fixed shapes (core/graphs.py): no host read, no
+    data-shaped op, so a replayed step holds it as an ordinary call. The definition itself is not
+    recordable (its loop reads the ids): the test can tell them apart."""
+    from deepinfer.backends.base import Accelerator
+    from deepinfer.core.graphs import record
+    from op_checks import moe_bf16_case
+
+    acc = _moe_bf16_accelerators()["fast"]
+    x, weights, ids, gu, dn = moe_bf16_case("fp4_ue8m0", 4)
+    recording, failure, out = record(lambda: acc.moe_experts_bf16(x, weights, ids, gu, dn, 1.5, 32), [x, weights, ids])
+    assert recording is not None, failure
+    assert "deepinfer_cpu.qmoe_experts.default" in recording.ops()
+    recording, failure, _ = record(lambda: Accelerator.moe_experts_bf16(acc, x, weights, ids, gu, dn, 1.5, 32),
+                                   [x, weights, ids])
+    assert recording is None and failure
+
+
+def test_moe_experts_bf16_check_catches_other_numerics():
+    """The tolerance of op_checks.assert_moe_bf16 is tight enough to fail on the numerics this op is
+    not: the routing weight on the output instead of the intermediate (moe_experts' order), or the
+    intermediate not quantized."""
+    from op_checks import assert_moe_bf16, moe_bf16_case, moe_bf16_reference
+
+    x, weights, ids, gu, dn = moe_bf16_case("fp4_ue8m0", 9)
+    expected = moe_bf16_reference(x, weights, ids, gu, dn, 1.5, 32)
+    weighted_after = torch.ops.deepinfer_cpu.qmoe_experts(
+        torch.ops.deepinfer_cpu.fp8_qdq(x, 32, True), weights, ids,
+        *quant_kernels.weight_args(gu), *quant_kernels.weight_args(dn), 1.5)
+    unquantized = moe_bf16_reference(x, weights, ids, gu, dn, 1.5, 0)
+    for wrong in (weighted_after, unquantized):
+        with pytest.raises(AssertionError):
+            assert_moe_bf16("wrong numerics", wrong, expected)
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp8_32_ue8m0"])
+def test_gemm_path_under_inference_mode_on_two_threads(kind):
+    """The engine runs the weight ops under torch.inference_mode with every thread of its share: the
+    GEMM path's tiles are multiplied on worker threads into the caller's output (which failed there
+    once: the mode is thread-local). Same result as outside the mode, within the bound."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        w = _case(1100, 256, kind, 13)  # 3 tiles of 512 rows: more than one task
+        x = torch.randn(40, 256, generator=torch.Generator().manual_seed(14))
+        with torch.inference_mode():
+            out = kernels.linear(x, w)
+        assert torch.equal(out, kernels.linear(x, w))
+        assert_within(f"linear {kind} T=40 inference mode", out, x @ widened(w).T, dot_bound(x, widened(w)))
+    finally:
+        torch.set_num_threads(threads)

@@ -12,6 +12,7 @@ Op mapping (a torch_npu operator is used only where its documented semantics equ
 | rms_norm            | torch_npu.npu_rms_norm (gamma = ones for the unweighted norm)            |
 | swiglu              | clamp (the limit), then torch_npu.npu_swiglu                             |
 | moe_experts         | torch_npu.npu_grouped_matmul x2 + npu_swiglu; fixed-order combine        |
+| moe_experts_bf16    | the same, with its bf16 rounding and Triton fp8_qdq at the GEMM inputs   |
 | compress_windows    | AscendC `compress_windows` when built, else Triton (re-tiled)       [a]  |
 | hc_pre              | AscendC `mhc_sinkhorn` + torch when built, else Triton              [a]  |
 | hc_post, hc_head    | Triton (shared kernels)                                             [a]  |
@@ -178,6 +179,12 @@ class AscendAccelerator(Accelerator):
             return ascendc.hc_pre(self.rms_norm, self.linear, streams, fn, base, scale, norm_eps, hc_eps,
                                   sinkhorn_iters)
         return elementwise.hc_pre(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters)
+
+    def moe_experts_bf16(self, x, weights, ids, gate_up, down, limit, act_block=0):
+        # moe_experts' grouped GEMMs with the bf16 rounding points; the FP8 quantize-dequantize the
+        # shared Triton kernel (bit-exact)
+        act = (lambda v: self.fp8_qdq(v, act_block)) if act_block else npu_ops.round_bf16
+        return npu_ops.moe_experts(x, weights, ids, gate_up, down, limit, act)
 
     def prepare_weight(self, tensor, role: WeightRole = WeightRole.PLAIN):
         # Kept as loaded (bf16, FP8, FP4 are widened per call: npu_ops' doc); float expert stacks

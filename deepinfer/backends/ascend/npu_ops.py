@@ -69,10 +69,17 @@ def _experts_for_call(stack, hit: torch.Tensor | None) -> torch.Tensor:
     return stack[hit].float()
 
 
-def moe_experts(x, weights, ids, gate_up, down, limit):
+def round_bf16(v: torch.Tensor) -> torch.Tensor:
+    return v.to(torch.bfloat16).float()
+
+
+def moe_experts(x, weights, ids, gate_up, down, limit, act=None):
     """gate_up [E, D, 2I], down [E, I, D]: the layouts prepare_weight stored (role EXPERTS), float32;
     bf16 stacks (same layout) and QuantizedWeight stacks ([E, 2I, D] / [E, D, I]) are widened per call,
-    only the experts the call hits (npu_grouped_matmul takes no FP8 / FP4 weights: npu_ops' doc)."""
+    only the experts the call hits (npu_grouped_matmul takes no FP8 / FP4 weights: npu_ops' doc).
+    `act` (a callable: FP8 quantize-dequantize or round_bf16) selects moe_experts_bf16's numerics:
+    each GEMM input through it, each GEMM output rounded to bf16, the routing weight scaling the
+    intermediate, the slots' outputs summed unweighted in slot order."""
     num_tokens, top_k = ids.shape
     if num_tokens == 0:
         return torch.zeros(0, x.shape[-1], dtype=torch.float32, device=x.device)
@@ -85,13 +92,24 @@ def moe_experts(x, weights, ids, gate_up, down, limit):
     flat_ids = ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)  # the reference's grouping by expert
     counts = torch.bincount(flat_ids, minlength=num_experts).to(torch.int64)
-    rows = x.float()[order // top_k].contiguous()
+    rows = (x.float() if act is None else act(x.float()))[order // top_k].contiguous()
     h = _npu.npu_grouped_matmul([rows], [gate_up], group_list=counts, split_item=2, group_type=0,
                                 group_list_type=1)[0]
-    act = _swiglu_clamped(h[:, :inter], h[:, inter:], limit)
-    out_rows = _npu.npu_grouped_matmul([act], [down], group_list=counts, split_item=2, group_type=0,
+    if act is not None:
+        h = round_bf16(h)
+    hidden = _swiglu_clamped(h[:, :inter], h[:, inter:], limit)
+    if act is not None:
+        hidden = act(hidden * weights.reshape(-1)[order].float().unsqueeze(-1)).contiguous()
+    out_rows = _npu.npu_grouped_matmul([hidden], [down], group_list=counts, split_item=2, group_type=0,
                                        group_list_type=1)[0]
-    # token-major order, then a fixed-order weighted sum over each token's k experts (as the reference)
+    # token-major order, then a fixed-order sum over each token's k experts (as the reference)
     per_slot = torch.empty_like(out_rows)
     per_slot[order] = out_rows
-    return (per_slot.view(num_tokens, top_k, -1) * weights.float().unsqueeze(-1)).sum(dim=1)
+    per_slot = per_slot.view(num_tokens, top_k, -1)
+    if act is None:
+        return (per_slot * weights.float().unsqueeze(-1)).sum(dim=1)
+    per_slot = round_bf16(per_slot)
+    out = per_slot[:, 0]
+    for j in range(1, top_k):
+        out = out + per_slot[:, j]
+    return out

@@ -5,6 +5,7 @@ ops of each class are its methods."""
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -126,7 +127,14 @@ for _name in invariant.OPS:
 
 
 class _Kernels:
-    """What the kernel classes share: the fused sequences."""
+    """What the kernel classes share: the fused sequences, and the experts kernel with the base
+    class's composite as its fallback."""
+
+    _expert_rows_limit = kernels.quant.MAX_TOKENS  # rows per expert (kernels.moe_experts_bf16)
+
+    def moe_experts_bf16(self, x, weights, ids, gate_up, down, limit, act_block=0):
+        return kernels.moe_experts_bf16(x, weights, ids, gate_up, down, limit, act_block,
+                                        reference=super().moe_experts_bf16, max_rows_per_expert=self._expert_rows_limit)
 
     def kernel(self, name: str):
         return kernels.FUSED.get(name)
@@ -146,6 +154,8 @@ for _name in kernels.OPS:
 class CpuInvariantKernelAccelerator(_Kernels, CpuInvariantAccelerator):
     """The kernels at every batch size (each computes a row in a fixed order), invariant.py's ops for
     inputs they do not take."""
+
+    _expert_rows_limit = math.inf
 
 
 for _name, _op in kernels.batch_invariant_ops().items():

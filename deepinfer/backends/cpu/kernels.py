@@ -6,7 +6,9 @@ decode step of a small model spends its time on (the mHC mix alone is ~80 ops, 8
 rope, compress_entries, sparse_attention and indexer_topk always; linear, moe_experts, swiglu_mlp
 (the shared expert), grouped_linear and the three routers for decode-sized batches (larger ones go to
 the reference, whose GEMMs win there). The fused sequences hc_pre_norm, hc_post_pre_norm and
-rms_norm_rope chain those kernels in one call; `sampling_ops.cpp` and `pool_ops.cpp`, in the same
+rms_norm_rope chain those kernels in one call; `quant_ops.cpp` holds the weight ops on narrow weights
+(quant_kernels.py), the experts kernel with DeepSeek-V4.1's rounding points (moe_experts_bf16) and
+its FP8 activation quantization (fp8_qdq); `sampling_ops.cpp` and `pool_ops.cpp`, in the same
 library, are greedy sampling's argmax and the row copies that commit a step's staged rows. It is
 built with torch's C++ extension loader on the machine that runs it (so `-march=native` is safe)
 into ~/.cache/deepinfer/cpu_kernels/<hash>, once per source/torch/compiler version; later
@@ -222,6 +224,25 @@ def moe_experts(x, weights, ids, gate_up, down, limit, *, reference=ops.moe_expe
     return torch.ops.deepinfer_cpu.moe_experts(x, weights, ids, gate_up, down, limit)
 
 
+def moe_experts_bf16(x, weights, ids, gate_up, down, limit, act_block=0, *, reference,
+                     max_rows_per_expert=quant.MAX_TOKENS):
+    """Accelerator.moe_experts_bf16 in one call of the experts kernel (quant_ops.cpp), on float32, bf16
+    and quantized stacks. `reference` is the base class's composite (bound to the accelerator). Past
+    `max_rows_per_expert` rows per expert on average (prefill) the composite runs instead, its GEMMs
+    on the tiled GEMM path: the limit is the quantized linear's crossover, not measured for the experts
+    themselves. Batch-invariant mode lifts it (a switch by batch size would change a row's rounding)."""
+    if ids.numel() <= max_rows_per_expert * gate_up.shape[0]:
+        out = quant.moe_experts(x, weights, ids, gate_up, down, limit, True, act_block)
+        if out is not None:
+            return out
+    return reference(x, weights, ids, gate_up, down, limit, act_block)
+
+
+def fp8_qdq(x, block, *, reference=ops.fp8_qdq):
+    out = quant.fp8_qdq(x, block)
+    return out if out is not None else reference(x, block)
+
+
 def argmax(logits, *, reference=ops.argmax):
     """Greedy sampling (Accelerator.argmax): the kernel for float32 [B, V]."""
     if logits.dim() != 2 or logits.dtype != _F32 or logits.shape[-1] == 0:
@@ -273,7 +294,7 @@ FUSED = {"compress_entries": compress_entries, "hc_pre_norm": hc_pre_norm, "hc_p
 
 OPS = ("hc_pre", "hc_post", "hc_head", "rms_norm", "rope", "sparse_attention", "indexer_topk", "moe_experts",
        "grouped_linear", "route_topk", "route_grouped_topk", "route_hash", "swiglu_mlp", "linear", "argmax", "sample",
-       "copy_rows")
+       "copy_rows", "fp8_qdq")
 
 
 def batch_invariant_ops() -> dict:

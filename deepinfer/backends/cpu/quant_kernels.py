@@ -8,16 +8,15 @@ rounding order. A QuantizedWeight whose `act` asks for activation quantization (
 input quantized first (quant.act_quant), as on every backend.
 
 Decode-sized calls stream the weight once through the GEMV kernels. Past `MAX_TOKENS` rows a call
-widens the weight in row chunks (quant_ops.cpp, one rounding per value: the dequantized weight
-bit for bit) and runs MKL's GEMM on each chunk: prefill is bound by arithmetic, where a blocked
-GEMM wins. Batch-invariant mode lifts the limit (a switch by batch size would change a row's
+widens the weight one cache-sized tile of rows at a time (quant_ops.cpp, one rounding per value: the
+dequantized weight bit for bit) and runs MKL's GEMM on each tile while it is in cache: prefill and
+large decode batches are bound by arithmetic, where a blocked GEMM wins. Batch-invariant mode lifts the limit (a switch by batch size would change a row's
 rounding). Each op returns None for an input it does not take; kernels.py then uses the reference.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from deepinfer.backends import reference as ops
 from deepinfer.backends.quant import FP8, QuantizedWeight, Weight, act_quant
@@ -28,7 +27,11 @@ _FP8, _FP4 = 3, 4
 # Rows up to which the GEMV kernels beat widening + MKL (python benchmarks/quant_kernels.py
 # --crossover): see MAX_TOKENS's measurement there.
 MAX_TOKENS = 16
-_WIDEN_BYTES = 8 << 20  # float32 bytes widened per chunk on the GEMM path
+# float32 bytes of weight rows widened per tile on the GEMM path: a tile stays in cache between its
+# widening and its GEMM. 512 KB was the fastest of 128 KB / 512 KB / 2 MB at V4-Flash shapes (a one-off
+# run on the loaded machine); against the 8 MB chunks widened into memory before, 1.1-1.9x at 16-32
+# rows and about even at 64 (benchmarks/quant_kernels.py --crossover, quiet).
+_WIDEN_TILE_BYTES = 512 << 10
 
 
 def is_plain_f32(w: Weight) -> bool:
@@ -44,17 +47,26 @@ def weight_args(w: Weight) -> tuple | None:
 
 
 def _input(x: torch.Tensor, w: Weight) -> torch.Tensor:
-    return act_quant(x, w.act) if isinstance(w, QuantizedWeight) and w.act is not None else x
+    if not isinstance(w, QuantizedWeight) or w.act is None:
+        return x
+    if w.act.pow2 and x.dtype == _F32 and x.dim() and x.shape[-1] % w.act.block == 0:
+        # act_quant's power-of-two form in one C++ pass (no bf16 rounding first: act_quant takes any
+        # float32), bit for bit (tests/unit/test_quant_kernels.py)
+        return torch.ops.deepinfer_cpu.fp8_qdq(x, w.act.block, False)
+    return act_quant(x, w.act)
+
+
+def fp8_qdq(x: torch.Tensor, block: int) -> torch.Tensor | None:
+    """Accelerator.fp8_qdq in one C++ pass, bit-exact; None for an input it does not take."""
+    if x.dtype != _F32 or x.dim() == 0 or block < 1 or x.shape[-1] % block:
+        return None
+    return torch.ops.deepinfer_cpu.fp8_qdq(x, block, True)
 
 
 def _widened_linear(x2: torch.Tensor, args: tuple, n: int, k: int) -> torch.Tensor:
-    """x2 [T, K] @ weight.T with the weight widened one row chunk at a time (MKL GEMMs)."""
-    step = max(1, _WIDEN_BYTES // (4 * max(k, 1)))
-    out = x2.new_empty(x2.shape[0], n)
-    for start in range(0, n, step):
-        stop = min(n, start + step)
-        out[:, start:stop] = F.linear(x2, torch.ops.deepinfer_cpu.widen_rows(*args, start, stop))
-    return out
+    """x2 [T, K] @ weight.T with the weight widened one cache-sized tile of rows at a time, each tile an
+    MKL GEMM (quant_ops.cpp qlinear_widened)."""
+    return torch.ops.deepinfer_cpu.qlinear_widened(x2, *args, _WIDEN_TILE_BYTES)
 
 
 def linear(x: torch.Tensor, weight: Weight, max_tokens: float = MAX_TOKENS) -> torch.Tensor | None:
@@ -88,13 +100,17 @@ def swiglu_mlp(x: torch.Tensor, gate_up: Weight, down: Weight, limit: float,
     return torch.ops.deepinfer_cpu.qswiglu_mlp(x, *gu, *dn, limit)
 
 
-def moe_experts(x, weights, ids, gate_up: Weight, down: Weight, limit: float) -> torch.Tensor | None:
+def moe_experts(x, weights, ids, gate_up: Weight, down: Weight, limit: float, bf16_acts: bool = False,
+                act_block: int = 0) -> torch.Tensor | None:
+    """moe_experts, or with `bf16_acts` moe_experts_bf16 (act_block as there), in one C++ call."""
     gu, dn = weight_args(gate_up), weight_args(down)
     if gu is None or dn is None or x.dtype != _F32 or x.shape[0] == 0 or gate_up.dim() != 3:
         return None
     if any(isinstance(w, QuantizedWeight) and w.act for w in (gate_up, down)):
-        return None  # the reference quantizes each GEMM's input (V4.1)
-    return torch.ops.deepinfer_cpu.qmoe_experts(x, weights, ids, *gu, *dn, limit)
+        return None  # a weight that quantizes its own input: the reference applies it per GEMM
+    if act_block and (x.shape[-1] % act_block or down.shape[-1] % act_block):
+        return None
+    return torch.ops.deepinfer_cpu.qmoe_experts(x, weights, ids, *gu, *dn, limit, bf16_acts, act_block)
 
 
 def route_topk(x, gate: Weight, bias, top_k, scaling):

@@ -20,6 +20,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/core/InferenceMode.h>
 #include <torch/library.h>
 
 #include <vector>
@@ -454,6 +455,86 @@ void swiglu_hidden(const float* gu, float* hidden, int64_t T, int64_t I, float l
   }
 }
 
+// ---------------------------------------------------------------- DeepSeek-V4.1's activation rounding
+// float32 -> the nearest bfloat16 (ties to even), kept in float32: c10::BFloat16's rounding (NaN kept).
+inline float round_bf16(float x) {
+  uint32_t b;
+  std::memcpy(&b, &x, 4);
+  if ((b & 0x7FFFFFFFu) > 0x7F800000u) return x;
+  b = (b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u;
+  float out;
+  std::memcpy(&out, &b, 4);
+  return out;
+}
+
+inline void round_bf16_rows(float* v, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) v[i] = round_bf16(v[i]);
+}
+
+inline float from_bits(uint32_t b) {
+  float out;
+  std::memcpy(&out, &b, 4);
+  return out;
+}
+
+// v (|v| <= 448) rounded to float8_e4m3fn's grid (3 mantissa bits, exponents >= -6 with subnormals
+// below), to nearest, ties to even, the sign kept (-0 included): a power-of-two scaling to the
+// integer grid, nearbyint (the default rounding mode: ties to even) and back, all exact.
+inline float round_e4m3(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, 4);
+  const int32_t e = std::max<int32_t>(static_cast<int32_t>((bits >> 23) & 0xFF) - 127, -6);
+  const float a = std::fabs(v);
+  const float r = std::nearbyint(a * from_bits(static_cast<uint32_t>(127 + 3 - e) << 23)) *
+                  from_bits(static_cast<uint32_t>(127 + e - 3) << 23);
+  return std::copysign(r, v);
+}
+
+// One group of `block` values: DeepSeek-V4.1's FP8 quantize-dequantize (backends/base.py fp8_qdq):
+// [bf16 rounding,] amax floored at 1e-4, s = 2^ceil(log2(amax * fp32(1/448))) from the product's
+// bits, q = e4m3(clamp(x / s, +-448)), out = q * s. Bit-exact to the reference. `in` may be `out`.
+inline void fp8_qdq_group(const float* in, float* out, int64_t block, bool bf16_first) {
+  float amax = 0.0f;
+  for (int64_t i = 0; i < block; ++i) {
+    const float v = bf16_first ? round_bf16(in[i]) : in[i];
+    out[i] = v;
+    amax = max_of(amax, std::fabs(v));
+  }
+  amax = max_of(amax, 1e-4f);
+  uint32_t pb;
+  const float prod = amax * static_cast<float>(1.0 / 448.0);
+  std::memcpy(&pb, &prod, 4);
+  const uint32_t exponent = ((pb >> 23) & 0xFF) + ((pb & 0x7FFFFF) != 0 ? 1 : 0);
+  const float s = from_bits(exponent << 23);
+  for (int64_t i = 0; i < block; ++i) out[i] = round_e4m3(min_of(max_of(out[i] / s, -448.0f), 448.0f)) * s;
+}
+
+// Rows of n values through the GEMM-input rounding of a bf16-activation model: FP8 per act_block
+// (act_block > 0, n a multiple of it) or bf16.
+inline void act_round(float* v, int64_t n, int64_t act_block) {
+  if (act_block > 0) {
+    for (int64_t g = 0; g < n; g += act_block) fp8_qdq_group(v + g, v + g, act_block, true);
+  } else {
+    round_bf16_rows(v, n);
+  }
+}
+
+// x [..., K] float32 -> fp8_qdq per `block` of the last dim (backends/base.py); round_bf16 False
+// skips the bf16 rounding of the input (quant.act_quant's pow2 form: the same quantizer on any float32).
+at::Tensor fp8_qdq(const at::Tensor& x_in, int64_t block, bool round_bf16_first) {
+  const at::Tensor x = float_rows(x_in, "x");
+  TORCH_CHECK(block >= 1 && x.dim() >= 1 && x.size(-1) % block == 0, "fp8_qdq: the last dim ", x.size(-1),
+              " is not a multiple of the quantization group ", block);
+  at::Tensor out = at::empty_like(x);
+  const float* X = x.data_ptr<float>();
+  float* O = out.data_ptr<float>();
+  const int64_t groups = x.numel() / block;
+  at::parallel_for(0, groups, std::max<int64_t>(1, 8192 / block), [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) fp8_qdq_group(X + g * block, O + g * block, block, round_bf16_first);
+  });
+  return out;
+}
+
 // The shared expert: down @ swiglu(gate_up @ x). Each projection split over threads by rows.
 at::Tensor qswiglu_mlp(const at::Tensor& x_in, const at::Tensor& gu_data, const c10::optional<at::Tensor>& gu_scale,
                        at::IntArrayRef gu_spec, const at::Tensor& dn_data, const c10::optional<at::Tensor>& dn_scale,
@@ -482,11 +563,14 @@ at::Tensor qswiglu_mlp(const at::Tensor& x_in, const at::Tensor& gu_data, const 
 
 // Routed experts (backends/base.py moe_experts) on [E, 2I, D] / [E, D, I] stacks: the (token, slot)
 // rows grouped by expert, each expert's matrices read once for all its rows, experts over threads;
-// a token's sum over its experts in slot order.
+// a token's sum over its experts in slot order. bf16_acts: moe_experts_bf16's numerics instead (each
+// GEMM input through act_round, each GEMM output rounded to bf16, the routing weight scaling the
+// intermediate before its rounding, the slots' outputs summed unweighted). Shapes are all the call
+// fixes: no host reads, so a recorded step replays it as one call.
 at::Tensor qmoe_experts(const at::Tensor& x_in, const at::Tensor& weights_in, const at::Tensor& ids_in,
                         const at::Tensor& gu_data, const c10::optional<at::Tensor>& gu_scale, at::IntArrayRef gu_spec,
                         const at::Tensor& dn_data, const c10::optional<at::Tensor>& dn_scale, at::IntArrayRef dn_spec,
-                        double limit) {
+                        double limit, bool bf16_acts, int64_t act_block) {
   const at::Tensor x = float_rows(x_in, "x");
   const at::Tensor weights = weights_in.contiguous().to(at::kFloat), ids = ids_in.contiguous();
   TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 2, "ids must be int64 [T, k]");
@@ -495,12 +579,23 @@ at::Tensor qmoe_experts(const at::Tensor& x_in, const at::Tensor& weights_in, co
   const int64_t T = x.size(0), D = x.size(1), k = ids.size(1), E = gu.lead[0], I = gu.N / 2;
   TORCH_CHECK(gu.K == D && gu.N == 2 * I && dn.lead[0] == E && dn.N == D && dn.K == I,
               "expert weight shapes do not match x");
+  TORCH_CHECK(act_block >= 0 && (act_block == 0 || (D % act_block == 0 && I % act_block == 0)),
+              "act_block ", act_block, " must divide the hidden size ", D, " and the intermediate size ", I);
   at::Tensor out = at::empty({T, D}, x.options());
-  const float *X = x.data_ptr<float>(), *Wt = weights.data_ptr<float>();
+  const float* X = x.data_ptr<float>();
+  const float* Wt = weights.data_ptr<float>();
   const int64_t* ID = ids.data_ptr<int64_t>();
   float* O = out.data_ptr<float>();
   const float lim = static_cast<float>(limit);
   const int64_t R = T * k;
+  std::vector<float> x_rounded;
+  if (bf16_acts) {  // each token's GEMM input once, as the reference rounds x before grouping
+    x_rounded.assign(X, X + T * D);
+    at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) act_round(x_rounded.data() + t * D, D, act_block);
+    });
+    X = x_rounded.data();
+  }
   const RowsByExpert grouped(ID, R, E);
   const std::vector<int64_t>&first = grouped.first, &by_expert = grouped.by_expert;
   std::vector<int64_t> hit;
@@ -518,14 +613,33 @@ at::Tensor qmoe_experts(const at::Tensor& x_in, const at::Tensor& weights_in, co
       const Matrix gm = gu.at(e), dm = dn.at(e);
       gemm_rows_any(gu.fmt, [&](int64_t j) { return X + (rows[j] / k) * D; },
                     [&](int64_t j) { return gu_rows.data() + j * 2 * I; }, n, gm, 0, 2 * I);
+      if (bf16_acts) round_bf16_rows(gu_rows.data(), n * 2 * I);
       swiglu_hidden(gu_rows.data(), hidden.data(), n, I, lim);
+      if (bf16_acts) {
+        for (int64_t j = 0; j < n; ++j) {
+          float* hj = hidden.data() + j * I;
+          const float p = Wt[rows[j]];
+          for (int64_t i = 0; i < I; ++i) hj[i] *= p;
+          act_round(hj, I, act_block);
+        }
+      }
       gemm_rows_any(dn.fmt, [&](int64_t j) { return hidden.data() + j * I; },
                     [&](int64_t j) { return ER + rows[j] * D; }, n, dm, 0, D);
+      if (bf16_acts)
+        for (int64_t j = 0; j < n; ++j) round_bf16_rows(ER + rows[j] * D, D);
     }
   });
   at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       float* o = O + t * D;
+      if (bf16_acts) {  // y_0 + y_1 + ... in slot order, as the reference adds them
+        std::copy(ER + t * k * D, ER + (t * k + 1) * D, o);
+        for (int64_t j = 1; j < k; ++j) {
+          const float* row = ER + (t * k + j) * D;
+          for (int64_t d = 0; d < D; ++d) o[d] += row[d];
+        }
+        continue;
+      }
       std::fill(o, o + D, 0.0f);
       for (int64_t j = 0; j < k; ++j) {  // slot order
         const float p = Wt[t * k + j];
@@ -633,6 +747,43 @@ at::Tensor widen_rows(const at::Tensor& data, const c10::optional<at::Tensor>& s
   return out;
 }
 
+// x [T, K] @ weight.T for calls past the GEMV kernels' crossover: the weight widened one tile of rows at
+// a time into a per-thread buffer that stays in cache (tile_bytes of float32), each tile multiplied by
+// MKL's GEMM (at::mm, one thread inside a task) straight into its columns of the output. The float32
+// copy of the weight is never written to memory whole, where widening it in large chunks wrote and
+// read 4 bytes per weight per call.
+at::Tensor qlinear_widened(const at::Tensor& x_in, const at::Tensor& data, const c10::optional<at::Tensor>& scale,
+                           at::IntArrayRef spec, int64_t tile_bytes) {
+  const at::Tensor x = float_rows(x_in, "x");
+  const Weight w = weight_of(data, scale, spec, "weight", 2);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == w.K, "x must be [T, ", w.K, "]");
+  const int64_t T = x.size(0), K = w.K, N = w.N;
+  at::Tensor out = at::empty({T, N}, x.options());
+  if (T == 0 || N == 0) return out;
+  const int64_t tile = std::min(N, std::max<int64_t>(8, (tile_bytes / (4 * std::max<int64_t>(K, 1))) & ~int64_t{7}));
+  const int64_t tiles = (N + tile - 1) / tile;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    // the caller's inference mode is thread-local: a worker thread writing the output (an inference
+    // tensor under the engine) through at::mm_out needs it too
+    c10::InferenceMode inference;
+    at::Tensor buf = at::empty({tile, K}, x.options());
+    float* B = buf.data_ptr<float>();
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t r0 = i * tile, r1 = std::min(N, r0 + tile);
+      switch (w.fmt) {
+        case kF32: widen_typed<kF32>(w.m, r0, r1, r0, B); break;
+        case kBF16: widen_typed<kBF16>(w.m, r0, r1, r0, B); break;
+        case kF16: widen_typed<kF16>(w.m, r0, r1, r0, B); break;
+        case kFP8: widen_typed<kFP8>(w.m, r0, r1, r0, B); break;
+        default: widen_typed<kFP4>(w.m, r0, r1, r0, B);
+      }
+      at::Tensor o = out.narrow(1, r0, r1 - r0);
+      at::mm_out(o, x, buf.narrow(0, 0, r1 - r0).t());
+    }
+  });
+  return out;
+}
+
 }  // namespace
 }  // namespace deepinfer_cpu
 
@@ -644,11 +795,13 @@ TORCH_LIBRARY_FRAGMENT(deepinfer_cpu, m) {
   m.def("qswiglu_mlp(Tensor x, Tensor gu, Tensor? gu_scale, int[] gu_spec, Tensor dn, Tensor? dn_scale, "
         "int[] dn_spec, float limit) -> Tensor");
   m.def("qmoe_experts(Tensor x, Tensor weights, Tensor ids, Tensor gu, Tensor? gu_scale, int[] gu_spec, Tensor dn, "
-        "Tensor? dn_scale, int[] dn_spec, float limit) -> Tensor");
+        "Tensor? dn_scale, int[] dn_spec, float limit, bool bf16_acts=False, int act_block=0) -> Tensor");
+  m.def("fp8_qdq(Tensor x, int block, bool round_bf16=True) -> Tensor");
   m.def("qroute_topk(Tensor x, Tensor data, Tensor? scale, int[] spec, Tensor bias, int top_k, float scaling) "
         "-> (Tensor, Tensor)");
   m.def("qroute_hash(Tensor x, Tensor data, Tensor? scale, int[] spec, Tensor ids, float scaling) -> Tensor");
   m.def("widen_rows(Tensor data, Tensor? scale, int[] spec, int start, int stop) -> Tensor");
+  m.def("qlinear_widened(Tensor x, Tensor data, Tensor? scale, int[] spec, int tile_bytes) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(deepinfer_cpu, CPU, m) {
@@ -656,7 +809,9 @@ TORCH_LIBRARY_IMPL(deepinfer_cpu, CPU, m) {
   m.impl("qgrouped_linear", &qgrouped_linear);
   m.impl("qswiglu_mlp", &qswiglu_mlp);
   m.impl("qmoe_experts", &qmoe_experts);
+  m.impl("fp8_qdq", &fp8_qdq);
   m.impl("qroute_topk", &qroute_topk);
   m.impl("qroute_hash", &qroute_hash);
   m.impl("widen_rows", &widen_rows);
+  m.impl("qlinear_widened", &qlinear_widened);
 }

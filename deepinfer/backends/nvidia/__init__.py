@@ -9,7 +9,7 @@ activations are used as given).
 Not everything is a Triton kernel: indexer_topk and route_topk compute scores in Triton and select
 with torch's (stable) sort/topk exactly as the reference; sample's top-k/top-p mask is the
 reference's sort-based filter (temperature, the SplitMix64 Gumbel noise and argmax are Triton);
-the MoE expert grouping is torch (argsort + bincount) around Triton GEMMs; the base class's fused
+the MoE expert grouping is torch (argsort, a fixed-shape tile schedule) around Triton GEMMs; the base class's fused
 sequences (hc_pre_norm, hc_post_pre_norm, rms_norm_rope, swiglu_mlp, compress_entries) run as
 composites of the kernels.
 
@@ -88,6 +88,7 @@ class NvidiaAccelerator(Accelerator):
     fp8_qdq = staticmethod(quant.fp8_qdq)
     fp4_qdq = staticmethod(quant.fp4_qdq)
     moe_experts = staticmethod(gemm.moe_experts)
+    moe_experts_bf16 = staticmethod(gemm.moe_experts_bf16)
     embedding = staticmethod(elementwise.embedding)
     rms_norm = staticmethod(elementwise.rms_norm)
     rope = staticmethod(elementwise.rope)
@@ -111,8 +112,6 @@ class NvidiaAccelerator(Accelerator):
     def compile_step(self, recording, step_fn):
         if self.device.type != "cuda" or step_fn is None:
             return None
-        if any(ins.op._schema.name == "deepinfer::host_call" for ins in recording.instructions):
-            return None  # Python that reads tensor data (a host call, core/graphs.py) cannot run under stream capture
         from deepinfer.backends.nvidia import graphs
 
         if self._graph_pool is None:

@@ -12,8 +12,9 @@ import triton
 import triton.language as tl
 
 from deepinfer.backends.quant import FP8, QuantizedWeight
-from deepinfer.backends.triton import alloc
+from deepinfer.backends.triton import alloc, quant
 from deepinfer.backends.triton.fp8 import e8m0_float
+from deepinfer.backends.triton.quant import _bf16
 
 
 def tiles(n: int, k: int) -> tuple[int, int, int]:
@@ -114,12 +115,15 @@ def _weight_tile(w_ptr, s_ptr, rn, kk, mask, stride_wn, stride_sn, b0, b1,
 
 
 @triton.jit
-def _moe_gate_up_kernel(x_ptr, w_ptr, s_ptr, act_ptr, rows_ptr, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
-                        I, K, limit, stride_xm, stride_we, stride_wn, stride_se, stride_sn, b0, b1, stride_am,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        W_FMT: tl.constexpr, E8M0: tl.constexpr):
+def _moe_gate_up_kernel(x_ptr, w_ptr, s_ptr, act_ptr, rows_ptr, scale_ptr, tile_expert_ptr, tile_start_ptr,
+                        tile_end_ptr, I, K, limit, stride_xm, stride_we, stride_wn, stride_se, stride_sn, b0, b1,
+                        stride_am, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        W_FMT: tl.constexpr, E8M0: tl.constexpr, BF16: tl.constexpr, ROUND_ACT: tl.constexpr):
     """act[p] = swiglu(x[rows[p]] @ w[e, :I].T, x[rows[p]] @ w[e, I:].T) for the sorted slots p of
-    one (expert, row tile); grid (row tiles, I tiles). Weights as _weight_tile reads them."""
+    one (expert, row tile); grid (row tiles, I tiles). Weights as _weight_tile reads them. BF16
+    (moe_experts_bf16): the products rounded to bf16 before the swiglu, whose output is scaled by
+    the slot's routing weight scale[p], then rounded to bf16 too with ROUND_ACT (else the caller
+    quantizes it)."""
     tile, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(tile_expert_ptr + tile)
     start = tl.load(tile_start_ptr + tile)
@@ -144,9 +148,16 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, s_ptr, act_ptr, rows_ptr, tile_expert_ptr,
         wu = _weight_tile(w_base, s_base, rn + I, kk, wmask, stride_wn, stride_sn, b0, b1, W_FMT, E8M0)
         acc_g += tl.dot(a, wg, input_precision="ieee")
         acc_u += tl.dot(a, wu, input_precision="ieee")
+    if BF16:
+        acc_g = _bf16(acc_g)
+        acc_u = _bf16(acc_u)
     g = tl.minimum(acc_g, limit)
     u = tl.minimum(tl.maximum(acc_u, -limit), limit)
     act = g / (1.0 + tl.exp(-g)) * u
+    if BF16:
+        act = act * tl.load(scale_ptr + rp, mask=rmask, other=0.0)[:, None]
+        if ROUND_ACT:
+            act = _bf16(act)
     tl.store(act_ptr + rp[:, None] * stride_am + rn[None, :], act, mask=rmask[:, None] & nmask[None, :])
 
 
@@ -154,8 +165,9 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, s_ptr, act_ptr, rows_ptr, tile_expert_ptr,
 def _moe_down_kernel(act_ptr, w_ptr, s_ptr, out_ptr, scale_ptr, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
                      N, K, stride_am, stride_we, stride_wn, stride_se, stride_sn, b0, b1, stride_om,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     W_FMT: tl.constexpr, E8M0: tl.constexpr):
-    """out[p] = scale[p] * (act[p] @ w[e].T) for the sorted slots p of one (expert, row tile)."""
+                     W_FMT: tl.constexpr, E8M0: tl.constexpr, BF16: tl.constexpr):
+    """out[p] = scale[p] * (act[p] @ w[e].T) for the sorted slots p of one (expert, row tile); BF16
+    (moe_experts_bf16, the weight already in act): bf16(act[p] @ w[e].T)."""
     tile, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(tile_expert_ptr + tile)
     start = tl.load(tile_start_ptr + tile)
@@ -175,9 +187,11 @@ def _moe_down_kernel(act_ptr, w_ptr, s_ptr, out_ptr, scale_ptr, tile_expert_ptr,
         w = _weight_tile(w_base, s_base, rn, kk, kmask[:, None] & nmask[None, :], stride_wn, stride_sn, b0, b1,
                          W_FMT, E8M0)
         acc += tl.dot(a.to(tl.float32), w, input_precision="ieee")
-    scale = tl.load(scale_ptr + rp, mask=rmask, other=0.0)
-    tl.store(out_ptr + rp[:, None] * stride_om + rn[None, :], acc * scale[:, None],
-             mask=rmask[:, None] & nmask[None, :])
+    if BF16:
+        acc = _bf16(acc)
+    else:
+        acc = acc * tl.load(scale_ptr + rp, mask=rmask, other=0.0)[:, None]
+    tl.store(out_ptr + rp[:, None] * stride_om + rn[None, :], acc, mask=rmask[:, None] & nmask[None, :])
 
 
 @triton.jit
@@ -193,17 +207,26 @@ def _moe_combine_kernel(rows_ptr, slot_ptr, out_ptr, D, TOP_K: tl.constexpr, BLO
     tl.store(out_ptr + t * D + d, acc, mask=dmask)
 
 
-def _tile_schedule(sorted_ids: torch.Tensor, block_m: int):
-    """Per row tile of the expert-sorted slots: (expert, first slot, end slot)."""
-    hit, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
+def _tile_schedule(sorted_ids: torch.Tensor, num_experts: int, block_m: int):
+    """Per row tile of the expert-sorted slots: (expert, first slot, end slot), in fixed-shape tensors
+    (no host read: a CUDA graph captures it). Each expert hit gets ceil(rows / block_m) tiles; the
+    list is padded to the most tiles any routing of these slots can need, the padding empty
+    (first slot = end slot: the kernels mask every row)."""
+    device, n = sorted_ids.device, sorted_ids.numel()
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, sorted_ids, torch.ones_like(sorted_ids))
     ends = counts.cumsum(0)
-    starts = ends - counts
     per = (counts + block_m - 1) // block_m
-    tile_expert = hit.repeat_interleave(per)
-    first_tile = (per.cumsum(0) - per).repeat_interleave(per)
-    local = torch.arange(tile_expert.numel(), device=sorted_ids.device) - first_tile
-    tile_start = starts.repeat_interleave(per) + local * block_m
-    return tile_expert, tile_start, ends.repeat_interleave(per)
+    tiles_end = per.cumsum(0)
+    max_tiles = triton.cdiv(n, block_m) + min(num_experts, n)
+    tile = torch.arange(max_tiles, device=device)
+    expert = torch.searchsorted(tiles_end, tile, right=True)
+    real = expert < num_experts
+    expert = expert.clamp(max=num_experts - 1)
+    local = tile - (tiles_end - per)[expert]
+    end = torch.where(real, ends[expert], 0)
+    start = torch.where(real, (ends - counts)[expert] + local * block_m, 0)
+    return expert, start, end
 
 
 def _expert_args(w) -> tuple:
@@ -217,19 +240,25 @@ def _expert_args(w) -> tuple:
     return w, w, 0, 0, 1, 1, 0, False
 
 
-def moe_experts(x, weights, ids, gate_up, down, limit):
-    """Routed experts (base.py). Expert stacks may be float (any dtype) or QuantizedWeight (FP8
-    block-scaled, FP4 e2m1): widened in registers, activations as given, float32 accumulation."""
+def moe_experts(x, weights, ids, gate_up, down, limit, bf16: bool = False, act_block: int = 0):
+    """Routed experts (base.py moe_experts; with `bf16` moe_experts_bf16, act_block as there). Expert
+    stacks may be float (any dtype) or QuantizedWeight (FP8 block-scaled, FP4 e2m1): widened in
+    registers, float32 accumulation; activations as given (moe_experts) or rounded as moe_experts_bf16
+    defines (the FP8 quantize-dequantize by quant.fp8_qdq, bit-exact). Every shape is fixed by the
+    call's: no host read (a CUDA graph captures it)."""
     num_tokens, top_k = ids.shape
     d = x.shape[-1]
     num_experts, two_i, _ = gate_up.shape
     inter = two_i // 2
-    x = x.contiguous()
     out = alloc.empty(num_tokens, d, dtype=torch.float32, device=x.device)
     if num_tokens == 0:
         return out
+    if bf16:  # each token's GEMM input, once
+        x = quant.fp8_qdq(x, act_block) if act_block else x.to(torch.bfloat16).float()
+    x = x.contiguous()
     flat_ids = ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)  # the reference's grouping by expert
+    sorted_ids = flat_ids[order]
     rows = order // top_k  # token of each sorted slot
     slot_of = torch.empty_like(order)
     slot_of[order] = torch.arange(order.numel(), device=x.device)
@@ -241,23 +270,30 @@ def moe_experts(x, weights, ids, gate_up, down, limit):
     dn_we, dn_wn = dn.stride(0), dn.stride(1)
 
     bm, bn, bk = tiles(inter, d)  # keyed on the expert weight shape, like linear
-    tile_expert, tile_start, tile_end = _tile_schedule(flat_ids[order], bm)
+    tile_expert, tile_start, tile_end = _tile_schedule(sorted_ids, num_experts, bm)
     act = alloc.empty(order.numel(), inter, dtype=torch.float32, device=x.device)
     _moe_gate_up_kernel[(tile_expert.numel(), triton.cdiv(inter, bn))](
-        x, gu, gu_s, act, rows, tile_expert, tile_start, tile_end, inter, d, float(limit),
+        x, gu, gu_s, act, rows, scale, tile_expert, tile_start, tile_end, inter, d, float(limit),
         x.stride(0), gu_we, gu_wn, gu_se, gu_sn, gu_b0, gu_b1, act.stride(0),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, W_FMT=gu_fmt, E8M0=gu_e8)
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, W_FMT=gu_fmt, E8M0=gu_e8, BF16=bf16, ROUND_ACT=not act_block)
+    if bf16 and act_block:
+        act = quant.fp8_qdq(act, act_block)
 
     bm2, bn2, bk2 = tiles(d, inter)
     if bm2 != bm:
-        tile_expert, tile_start, tile_end = _tile_schedule(flat_ids[order], bm2)
+        tile_expert, tile_start, tile_end = _tile_schedule(sorted_ids, num_experts, bm2)
     expert_rows = alloc.empty(order.numel(), d, dtype=torch.float32, device=x.device)
     _moe_down_kernel[(tile_expert.numel(), triton.cdiv(d, bn2))](
         act, dn, dn_s, expert_rows, scale, tile_expert, tile_start, tile_end, d, inter,
         act.stride(0), dn_we, dn_wn, dn_se, dn_sn, dn_b0, dn_b1, expert_rows.stride(0),
-        BLOCK_M=bm2, BLOCK_N=bn2, BLOCK_K=bk2, W_FMT=dn_fmt, E8M0=dn_e8)
+        BLOCK_M=bm2, BLOCK_N=bn2, BLOCK_K=bk2, W_FMT=dn_fmt, E8M0=dn_e8, BF16=bf16)
 
     block_d = min(1024, triton.next_power_of_2(d))
     _moe_combine_kernel[(num_tokens, triton.cdiv(d, block_d))](
         expert_rows, slot_of.view(num_tokens, top_k).contiguous(), out, d, TOP_K=top_k, BLOCK_D=block_d)
     return out
+
+
+def moe_experts_bf16(x, weights, ids, gate_up, down, limit, act_block=0):
+    """Accelerator.moe_experts_bf16: the MoE kernels above with its rounding points."""
+    return moe_experts(x, weights, ids, gate_up, down, limit, True, act_block)

@@ -21,6 +21,9 @@ from deepinfer.backends.triton import alloc
 _GROUPS = 16  # groups per program
 _FP8_MAX_INV = float(torch.tensor(1 / 448, dtype=torch.float32))  # the float32 constant DeepSeek multiplies by
 _FP4_MAX_INV = float(torch.tensor(1 / 6, dtype=torch.float32))
+# float32(1e-4) (the reference's clamp_min(1e-4) on float32), made once here: a tensor made per call
+# would be a host value inside a recorded step (core/graphs.py), and the step would stay eager
+_FP8_AMAX_FLOOR = float(torch.tensor(1e-4, dtype=torch.float32))
 
 
 @triton.jit
@@ -96,7 +99,7 @@ def _qdq(x: torch.Tensor, block: int, fp4: bool, e4m3_scale: bool) -> torch.Tens
     out = alloc.empty(*x.shape, dtype=torch.float32, device=x.device)
     groups = xc.numel() // block
     if groups:
-        floor = (6 * 2.0 ** -9 if e4m3_scale else 6 * 2.0 ** -126) if fp4 else float(torch.tensor(1e-4))
+        floor = (6 * 2.0 ** -9 if e4m3_scale else 6 * 2.0 ** -126) if fp4 else _FP8_AMAX_FLOOR
         _qdq_kernel[(triton.cdiv(groups, _GROUPS),)](xc, out, groups, _FP4_MAX_INV if fp4 else _FP8_MAX_INV, floor,
                                                      FP4=fp4, E4M3_SCALE=e4m3_scale, BLOCK=block, GROUPS=_GROUPS)
     return out

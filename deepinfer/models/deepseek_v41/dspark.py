@@ -115,7 +115,7 @@ class DSparkDrafter:
         # RoPE of every position a block can reach (anchors lie before max_len), looked up on the device
         # by position tensors: drafting and verify steps read no positions into Python (core/graphs.py)
         self.cos_sin = self.cfg.rope_main.device_table(max_len + dcfg.block_size, self.accel.device)
-        # each stage's routed experts: the backbone's call (one recorded host call in a captured step)
+        # each stage's routed experts: the backbone's call (one fixed-shape op, recorded like any other)
         self.experts = [model._local_experts(self.w[f"mtp.{k}.ffn.experts.gate_up"],
                                              self.w[f"mtp.{k}.ffn.experts.down"]) for k in range(dcfg.num_stages)]
 

@@ -33,7 +33,6 @@ from deepinfer import envs
 from deepinfer.backends.base import Accelerator, WeightRole
 from deepinfer.backends.quant import ActQuant, cat_rows, with_act
 from deepinfer.core.cache import CacheSpec, StateCache
-from deepinfer.core.graphs import HostCall
 from deepinfer.models.base import (CausalLM, MultimodalItem, MultimodalPrompt, ParallelContext,
                                    StepInput, TensorSpec, ViewCache)
 from deepinfer.models.deepseek_v41 import moe, weights as checkpoint
@@ -131,16 +130,15 @@ class DeepseekV41Model(CausalLM):
                      down: torch.Tensor) -> torch.Tensor:
         return moe.routed_experts(self.accel, h, weights, ids, gate_up, down, self.limit, self.experts_quantized)
 
-    def _local_experts(self, gate_up: torch.Tensor, down: torch.Tensor) -> HostCall:
-        """A layer's (or a DSpark stage's: dspark.py) routed experts: a loop over the experts the step hits,
-        one recorded call in a captured step (core/graphs.py: HostCall) until a fixed-shape kernel runs
-        V4.1's expert numerics."""
+    def _local_experts(self, gate_up: torch.Tensor, down: torch.Tensor):
+        """A layer's (or a DSpark stage's: dspark.py) routed experts, (h, weights, ids) -> [T, D]: one
+        fixed-shape op (moe.routed_experts)."""
         ops, limit, quantized = self.accel, self.limit, self.experts_quantized
 
         def experts(h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
             return moe.routed_experts(ops, h, weights, ids, gate_up, down, limit, quantized)
 
-        return HostCall(experts)
+        return experts
 
     # ------------------------------------------------------------ the model interface
     @classmethod

@@ -47,31 +47,11 @@ def swiglu_expert(ops, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tenso
 
 def routed_experts(ops, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
                    down: torch.Tensor, limit: float, quantized: bool) -> torch.Tensor:
-    """sum_k expert_{ids[t, k]}(x[t], weights[t, k]) -> [T, D] float32. Experts run on the rows routed to
-    them (only the experts hit); each token's k outputs are summed in a fixed order (slot order), so
-    a token's result does not depend on which other tokens share the step."""
-    num_tokens, top_k = ids.shape
-    if not num_tokens:  # a context-parallel rank with no rows this step (the ops need some)
-        return torch.zeros(0, x.shape[-1], device=x.device)
-    xq = _qdq(ops, x, quantized)
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    hit, counts = torch.unique_consecutive(flat[order], return_counts=True)
-    token_of = order // top_k
-    rows = torch.empty(num_tokens * top_k, x.shape[-1], dtype=torch.float32, device=x.device)
-    begin = 0
-    for expert, count in zip(hit.tolist(), counts.tolist()):
-        sel = order[begin:begin + count]
-        rows[begin:begin + count] = swiglu_expert(ops, xq[token_of[begin:begin + count]], gate_up[expert],
-                                                  down[expert], limit, quantized, weights.reshape(-1)[sel])
-        begin += count
-    per_slot = torch.empty_like(rows)
-    per_slot[order] = rows
-    per_slot = per_slot.view(num_tokens, top_k, -1)
-    out = per_slot[:, 0]
-    for j in range(1, top_k):
-        out = out + per_slot[:, j]
-    return out
+    """sum_k expert_{ids[t, k]}(x[t], weights[t, k]) -> [T, D] float32: the accelerator's moe_experts_bf16
+    (backends/base.py: swiglu_expert's numerics per slot, the k outputs summed in float32 in slot order,
+    so a token's result does not depend on which other tokens share the step). The one call of the
+    routed experts, the backbone's and the drafter's."""
+    return ops.moe_experts_bf16(x, weights, ids, gate_up, down, limit, ACT_BLOCK if quantized else 0)
 
 
 def swiglu_limit(limit: float) -> float:
