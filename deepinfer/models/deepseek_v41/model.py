@@ -27,6 +27,8 @@ reading no window key before that tail; `mask` computes every row with the same 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from deepinfer import envs
@@ -132,13 +134,8 @@ class DeepseekV41Model(CausalLM):
 
     def _local_experts(self, gate_up: torch.Tensor, down: torch.Tensor):
         """A layer's (or a DSpark stage's: dspark.py) routed experts, (h, weights, ids) -> [T, D]: one
-        fixed-shape op (moe.routed_experts)."""
-        ops, limit, quantized = self.accel, self.limit, self.experts_quantized
-
-        def experts(h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-            return moe.routed_experts(ops, h, weights, ids, gate_up, down, limit, quantized)
-
-        return experts
+        fixed-shape op (moe.routed_experts, as _expert_rows calls it)."""
+        return functools.partial(self._expert_rows, gate_up=gate_up, down=down)
 
     # ------------------------------------------------------------ the model interface
     @classmethod
