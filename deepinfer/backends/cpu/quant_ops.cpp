@@ -203,7 +203,7 @@ struct Matrix {
   }
 };
 
-// The values of a row, as dot_rows reads them: decoded from the stored bytes in registers
+// The values of a row, as dot_tile reads them: decoded from the stored bytes in registers
 // (Packed), or loaded from a buffer a row group was decoded into once for all tokens (Decoded).
 // Both give the same raw values (value / kFold, exact), so both paths compute bit-identical sums.
 template <int64_t F>
@@ -222,56 +222,90 @@ struct Decoded {
   float load1(int64_t k) const { return row[k]; }
 };
 
-// part[r] += x[k..kv) * row r's values, 8 at a time in k order (the order every source keeps),
-// W vectors decoded per step where the source decodes several at once.
-template <int R, class Rows>
-inline void fma_rows(const float* __restrict x, const Rows* rows, int64_t k, int64_t kv, V8* part) {
+// part[t][r] += x_t[k..kv) * row r's values, 8 at a time in k order (the order every source keeps),
+// W vectors decoded per step where the source decodes several at once; each decoded vector feeds
+// all TT tokens.
+template <int R, int TT, class Rows>
+inline void fma_tile(const float* const* xs, const Rows* rows, int64_t k, int64_t kv, V8 (*part)[R]) {
   constexpr int W = Rows::kW;
   for (; k + 8 * W <= kv; k += 8 * W)
+    #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {  // row by row: W decoded vectors live at a time, not R x W
       V8 vals[W];
       rows[r].load_wide(k, vals);
-      for (int j = 0; j < W; ++j) part[r] = v_fma(v_load(x + k + 8 * j), vals[j], part[r]);
+      #pragma GCC unroll 16
+      for (int j = 0; j < W; ++j)
+        #pragma GCC unroll 16
+        for (int t = 0; t < TT; ++t) part[t][r] = v_fma(v_load(xs[t] + k + 8 * j), vals[j], part[t][r]);
     }
   for (; k < kv; k += 8) {
-    const V8 xv = v_load(x + k);
-    for (int r = 0; r < R; ++r) part[r] = v_fma(xv, rows[r].load8(k), part[r]);
+    V8 xv[TT];
+    #pragma GCC unroll 16
+    for (int t = 0; t < TT; ++t) xv[t] = v_load(xs[t] + k);
+    #pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const V8 wv = rows[r].load8(k);
+      #pragma GCC unroll 16
+      for (int t = 0; t < TT; ++t) part[t][r] = v_fma(xv[t], wv, part[t][r]);
+    }
   }
 }
 
-// out[r] = x . row r0 + r of `w` for R rows (the module formula), the rows' values from `rows`.
-template <int64_t F, int R, class Rows>
-inline void dot_rows(const float* __restrict x, const Matrix& w, int64_t r0, const Rows* rows, float* __restrict out) {
+// outs[t][r] = x_t . row r0 + r of `w` for TT tokens and R rows (the module formula), the rows' values
+// from `rows`, the blocks' scales (times the format's fold) from sc[r * blocks + kb]. Each (t, r)
+// dot runs the same sequence of multiply-adds whatever TT and R (a tile only shares the loads: a
+// row vector feeds TT tokens, a token's vector R rows), so a token's bits do not depend on how many
+// tokens share the call. TT x R vector accumulators (and as many block partials) stay in registers
+// up to TT * R = 12 with AVX-512's 32.
+template <int64_t F, int R, int TT, class Rows>
+inline void dot_tile(const float* const* xs, const Matrix& w, const Rows* rows, const float* sc,
+                     float* const* outs) {
   const int64_t K = w.K;
-  V8 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = v_zero();
+  V8 acc[TT][R];
+  #pragma GCC unroll 16
+  for (int t = 0; t < TT; ++t)
+    #pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) acc[t][r] = v_zero();
   if constexpr (!scaled(F)) {
     const int64_t body = K & ~int64_t{7};
-    fma_rows<R>(x, rows, 0, body, acc);
-    for (int r = 0; r < R; ++r) {
-      float s = v_sum(acc[r]);
-      for (int64_t k = body; k < K; ++k) s += x[k] * rows[r].load1(k);
-      out[r] = s;
-    }
+    fma_tile<R, TT>(xs, rows, 0, body, acc);
+    #pragma GCC unroll 16
+    for (int t = 0; t < TT; ++t)
+      #pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        float s = v_sum(acc[t][r]);
+        for (int64_t k = body; k < K; ++k) s += xs[t][k] * rows[r].load1(k);
+        outs[t][r] = s;
+      }
   } else {
-    float tail[R] = {};
-    const int64_t b1 = w.b1;
+    float tail[TT][R] = {};
+    const int64_t b1 = w.b1, blocks = w.scale_cols;
     for (int64_t k0 = 0, kb = 0; k0 < K; k0 += b1, ++kb) {
       const int64_t k1 = std::min(K, k0 + b1), kv = k0 + ((k1 - k0) & ~int64_t{7});
-      V8 part[R];
-      for (int r = 0; r < R; ++r) part[r] = v_zero();
-      fma_rows<R>(x, rows, k0, kv, part);
+      V8 part[TT][R];
+      #pragma GCC unroll 16
+      for (int t = 0; t < TT; ++t)
+        #pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) part[t][r] = v_zero();
+      fma_tile<R, TT>(xs, rows, k0, kv, part);
+      #pragma GCC unroll 16
       for (int r = 0; r < R; ++r) {
-        const float s = w.scale(r0 + r, kb, fold(F));
-        acc[r] = v_fma(part[r], v_set1(s), acc[r]);
-        if (kv < k1) {
-          float p = 0.0f;
-          for (int64_t k = kv; k < k1; ++k) p += x[k] * rows[r].load1(k);
-          tail[r] += p * s;
-        }
+        const V8 sv = v_set1(sc[r * blocks + kb]);
+        #pragma GCC unroll 16
+        for (int t = 0; t < TT; ++t) acc[t][r] = v_fma(part[t][r], sv, acc[t][r]);
       }
+      if (kv < k1)  // a block not a multiple of 8 wide: its last values one by one
+        for (int r = 0; r < R; ++r)
+          for (int t = 0; t < TT; ++t) {
+            float p = 0.0f;
+            for (int64_t k = kv; k < k1; ++k) p += xs[t][k] * rows[r].load1(k);
+            tail[t][r] += p * sc[r * blocks + kb];
+          }
     }
-    for (int r = 0; r < R; ++r) out[r] = v_sum(acc[r]) + tail[r];
+    #pragma GCC unroll 16
+    for (int t = 0; t < TT; ++t)
+      #pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) outs[t][r] = v_sum(acc[t][r]) + tail[t][r];
   }
 }
 
@@ -297,6 +331,42 @@ inline void decode_row(const Matrix& w, int64_t r, float* __restrict buf) {
 // A group of rows is decoded once into a buffer when this many tokens share the call (the decode
 // of FP8 / FP4 costs more than the multiply-adds); a single token decodes in registers.
 constexpr int64_t kDecodeOnceTokens = 2;
+// Tokens per tile (dot_tile): 3 x 4 rows of accumulators and block partials fill the registers.
+constexpr int kTileTokens = 3;
+
+// The scales of rows [r, r + R) times the format's fold, sc[i * scale_cols + kb] (once per row
+// group, not once per token and block).
+template <int64_t F, int R>
+inline void row_scales(const Matrix& w, int64_t r, float* sc) {
+  if constexpr (scaled(F))
+    for (int i = 0; i < R; ++i)
+      for (int64_t kb = 0; kb < w.scale_cols; ++kb) sc[i * w.scale_cols + kb] = w.scale(r + i, kb, fold(F));
+}
+
+// Every token of the call against R rows from `rows`: tiles of kTileTokens tokens, the rest (1 or 2) as one.
+template <int64_t F, int R, class Rows, class XOf, class OutOf>
+inline void tokens_by_tiles(XOf x_of, OutOf out_of, int64_t T, const Matrix& w, int64_t r, const Rows* rows,
+                            const float* sc) {
+  int64_t t = 0;
+  for (; t + kTileTokens <= T; t += kTileTokens) {
+    const float* xs[kTileTokens];
+    float* outs[kTileTokens];
+    for (int i = 0; i < kTileTokens; ++i) {
+      xs[i] = x_of(t + i);
+      outs[i] = out_of(t + i) + r;
+    }
+    dot_tile<F, R, kTileTokens>(xs, w, rows, sc, outs);
+  }
+  if (T - t == 2) {
+    const float* xs[2] = {x_of(t), x_of(t + 1)};
+    float* outs[2] = {out_of(t) + r, out_of(t + 1) + r};
+    dot_tile<F, R, 2>(xs, w, rows, sc, outs);
+  } else if (T - t == 1) {
+    const float* xs[1] = {x_of(t)};
+    float* outs[1] = {out_of(t) + r};
+    dot_tile<F, R, 1>(xs, w, rows, sc, outs);
+  }
+}
 
 // out_of(t)[r] for rows [r_begin, r_end) of w and T inputs x_of(t): rows in groups of 4, each group
 // for every token while its bytes are in cache.
@@ -304,25 +374,28 @@ template <int64_t F, class XOf, class OutOf>
 void gemm_rows_typed(XOf x_of, OutOf out_of, int64_t T, const Matrix& w, int64_t r_begin, int64_t r_end) {
   const int64_t K = w.K;
   const bool decode_once = T >= kDecodeOnceTokens && F != kF32;
-  std::vector<float> buf(decode_once ? 4 * K : 0);
+  Scratch<float, 4096> buf(decode_once ? 4 * K : 0);
+  Scratch<float, 256> sc(scaled(F) ? 4 * w.scale_cols : 0);
   int64_t r = r_begin;
   for (; r + 4 <= r_end; r += 4) {
+    row_scales<F, 4>(w, r, sc.data());
     if (decode_once) {
       Decoded rows[4];
       for (int i = 0; i < 4; ++i) {
         decode_row<F>(w, r + i, buf.data() + i * K);
         rows[i].row = buf.data() + i * K;
       }
-      for (int64_t t = 0; t < T; ++t) dot_rows<F, 4>(x_of(t), w, r, rows, out_of(t) + r);
+      tokens_by_tiles<F, 4>(x_of, out_of, T, w, r, rows, sc.data());
     } else {
       Packed<F> rows[4];
       for (int i = 0; i < 4; ++i) rows[i].row = w.row(r + i);
-      for (int64_t t = 0; t < T; ++t) dot_rows<F, 4>(x_of(t), w, r, rows, out_of(t) + r);
+      tokens_by_tiles<F, 4>(x_of, out_of, T, w, r, rows, sc.data());
     }
   }
   for (; r < r_end; ++r) {
+    row_scales<F, 1>(w, r, sc.data());
     Packed<F> rows[1] = {{w.row(r)}};
-    for (int64_t t = 0; t < T; ++t) dot_rows<F, 1>(x_of(t), w, r, rows, out_of(t) + r);
+    tokens_by_tiles<F, 1>(x_of, out_of, T, w, r, rows, sc.data());
   }
 }
 
