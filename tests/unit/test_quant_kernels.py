@@ -79,6 +79,20 @@ def test_routed_experts_give_each_token_its_own_bits(kind):
         assert torch.equal(alone[0], batch[row]), (kind, row)
 
 
+def test_prefill_sized_experts_switch_to_gemm_except_when_batch_invariant():
+    """Past MOE_GEMM_FROM_ROWS rows an expert's GEMMs run widened + MKL in the fast mode (a row's bits
+    then depend on the batch: seen here as a differing row) and never in batch-invariant mode."""
+    x, weights, ids, gu, dn = moe_case("fp4_ue8m0", 120, e=3, d=64, i=48)
+    invariant = kernels.batch_invariant_ops()["moe_experts"]
+    fast_batch = kernels.moe_experts(x, weights, ids, gu, dn, 7.0)
+    inv_batch = invariant(x, weights, ids, gu, dn, 7.0)
+    alone = torch.cat([kernels.moe_experts(x[r:r + 1], weights[r:r + 1], ids[r:r + 1], gu, dn, 7.0)
+                       for r in range(120)])
+    assert torch.equal(inv_batch, alone)
+    assert not torch.equal(fast_batch, alone)
+    torch.testing.assert_close(fast_batch, alone, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("t", [1, 5])
 def test_grouped_linear(kind, t):
@@ -108,7 +122,7 @@ def test_swiglu_mlp(kind, t):
 
 
 @pytest.mark.parametrize("kind", ["bf16", "fp8_128_f32", "fp8_32_ue8m0", "fp4_ue8m0", "fp4_f32_scales"])
-@pytest.mark.parametrize("t", [1, 9])
+@pytest.mark.parametrize("t", [1, 9, 120])  # 120: ~40 rows per expert, past MOE_GEMM_FROM_ROWS (widened + MKL)
 def test_moe_experts(kind, t):
     d, i, k = 64, 48, 2
     x, weights, ids, gu, dn = moe_case(kind, t, d=d, i=i, k=k)

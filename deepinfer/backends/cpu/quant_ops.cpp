@@ -634,16 +634,70 @@ at::Tensor qswiglu_mlp(const at::Tensor& x_in, const at::Tensor& gu_data, const 
   return out;
 }
 
+// float32 rows [start, stop) of a weight (the large-batch path: widened in chunks for an MKL GEMM).
+// value = raw * (scale * fold): one rounding, the reference's dequantized value bit for bit.
+template <int64_t F>
+void widen_typed(const Matrix& w, int64_t begin, int64_t end, int64_t start, float* O) {
+  const int64_t K = w.K;
+  for (int64_t r = begin; r < end; ++r) {
+    float* __restrict o = O + (r - start) * K;
+    decode_row<F>(w, r, o);
+    if constexpr (scaled(F)) {
+      for (int64_t k0 = 0, kb = 0; k0 < K; k0 += w.b1, ++kb) {
+        const float s = w.scale(r, kb, fold(F));
+        const int64_t k1 = std::min(K, k0 + w.b1);
+#pragma omp simd
+        for (int64_t k = k0; k < k1; ++k) o[k] *= s;
+      }
+    }
+  }
+}
+
+void widen_any(int64_t fmt, const Matrix& w, int64_t begin, int64_t end, int64_t start, float* O) {
+  switch (fmt) {
+    case kF32: return widen_typed<kF32>(w, begin, end, start, O);
+    case kBF16: return widen_typed<kBF16>(w, begin, end, start, O);
+    case kF16: return widen_typed<kF16>(w, begin, end, start, O);
+    case kFP8: return widen_typed<kFP8>(w, begin, end, start, O);
+    default: return widen_typed<kFP4>(w, begin, end, start, O);
+  }
+}
+
+// Rows of a widened tile: tile_bytes of float32, a multiple of 8 rows (at least 8, at most N).
+int64_t tile_rows(int64_t N, int64_t K, int64_t tile_bytes) {
+  return std::min(N, std::max<int64_t>(8, (tile_bytes / (4 * std::max<int64_t>(K, 1))) & ~int64_t{7}));
+}
+
+// out[:, r0:r1) = x @ rows [r0, r1) of w.T for the tiles [tile_begin, tile_end) of buf's size: each tile
+// widened into buf (float32, one rounding per value: the dequantized weight bit for bit) and multiplied
+// by MKL's GEMM (at::mm, one thread inside a parallel task) while it is in cache, straight into its
+// columns of the output. The float32 copy of the weight is never written to memory whole.
+void widened_gemm(int64_t fmt, const Matrix& w, const at::Tensor& x, at::Tensor& out, at::Tensor& buf,
+                  int64_t tile_begin, int64_t tile_end) {
+  const int64_t tile = buf.size(0);
+  for (int64_t i = tile_begin; i < tile_end; ++i) {
+    const int64_t r0 = i * tile, r1 = std::min(w.N, r0 + tile);
+    widen_any(fmt, w, r0, r1, r0, buf.data_ptr<float>());
+    at::Tensor o = out.narrow(1, r0, r1 - r0);
+    at::mm_out(o, x, buf.narrow(0, 0, r1 - r0).t());
+  }
+}
+
 // Routed experts (backends/base.py moe_experts) on [E, 2I, D] / [E, D, I] stacks: the (token, slot)
 // rows grouped by expert, each expert's matrices read once for all its rows, experts over threads;
 // a token's sum over its experts in slot order. bf16_acts: moe_experts_bf16's numerics instead (each
 // GEMM input through act_round, each GEMM output rounded to bf16, the routing weight scaling the
 // intermediate before its rounding, the slots' outputs summed unweighted). Shapes are all the call
-// fixes: no host reads, so a recorded step replays it as one call.
+// fixes: no host reads, so a recorded step replays it as one call. An expert with more than
+// `gemm_from_rows` rows (>= 0; prefill) multiplies them by its matrices widened tile by tile and MKL's
+// GEMM (widened_gemm), as qlinear_widened: bound by arithmetic there, where the GEMV tiles are not.
+// That changes those rows' rounding with the batch, so batch-invariant mode passes -1 (never);
+// bf16_acts keeps the GEMV tiles too.
 at::Tensor qmoe_experts(const at::Tensor& x_in, const at::Tensor& weights_in, const at::Tensor& ids_in,
                         const at::Tensor& gu_data, const c10::optional<at::Tensor>& gu_scale, at::IntArrayRef gu_spec,
                         const at::Tensor& dn_data, const c10::optional<at::Tensor>& dn_scale, at::IntArrayRef dn_spec,
-                        double limit, bool bf16_acts, int64_t act_block) {
+                        double limit, bool bf16_acts, int64_t act_block, int64_t gemm_from_rows,
+                        int64_t tile_bytes) {
   const at::Tensor x = float_rows(x_in, "x");
   const at::Tensor weights = weights_in.contiguous().to(at::kFloat), ids = ids_in.contiguous();
   TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 2, "ids must be int64 [T, k]");
@@ -684,6 +738,22 @@ at::Tensor qmoe_experts(const at::Tensor& x_in, const at::Tensor& weights_in, co
       gu_rows.resize(n * 2 * I);
       hidden.resize(n * I);
       const Matrix gm = gu.at(e), dm = dn.at(e);
+      if (!bf16_acts && gemm_from_rows >= 0 && n > gemm_from_rows) {
+        c10::InferenceMode inference;  // thread-local: the worker threads' at:: ops need it too
+        const at::TensorOptions f32 = x.options();
+        at::Tensor xg = at::empty({n, D}, f32), g = at::empty({n, 2 * I}, f32), h = at::empty({n, I}, f32),
+                   y = at::empty({n, D}, f32);
+        for (int64_t j = 0; j < n; ++j)
+          std::memcpy(xg.data_ptr<float>() + j * D, X + (rows[j] / k) * D, D * sizeof(float));
+        at::Tensor gbuf = at::empty({tile_rows(2 * I, D, tile_bytes), D}, f32);
+        widened_gemm(gu.fmt, gm, xg, g, gbuf, 0, (2 * I + gbuf.size(0) - 1) / gbuf.size(0));
+        swiglu_hidden(g.data_ptr<float>(), h.data_ptr<float>(), n, I, lim);
+        at::Tensor dbuf = at::empty({tile_rows(D, I, tile_bytes), I}, f32);
+        widened_gemm(dn.fmt, dm, h, y, dbuf, 0, (D + dbuf.size(0) - 1) / dbuf.size(0));
+        for (int64_t j = 0; j < n; ++j)
+          std::memcpy(ER + rows[j] * D, y.data_ptr<float>() + j * D, D * sizeof(float));
+        continue;
+      }
       gemm_rows_any(gu.fmt, [&](int64_t j) { return X + (rows[j] / k) * D; },
                     [&](int64_t j) { return gu_rows.data() + j * 2 * I; }, n, gm, 0, 2 * I);
       if (bf16_acts) round_bf16_rows(gu_rows.data(), n * 2 * I);
@@ -783,25 +853,6 @@ at::Tensor qroute_hash(const at::Tensor& x_in, const at::Tensor& data, const c10
   return weights;
 }
 
-// float32 rows [start, stop) of a weight (the large-batch path: widened in chunks for an MKL GEMM).
-// value = raw * (scale * fold): one rounding, the reference's dequantized value bit for bit.
-template <int64_t F>
-void widen_typed(const Matrix& w, int64_t begin, int64_t end, int64_t start, float* O) {
-  const int64_t K = w.K;
-  for (int64_t r = begin; r < end; ++r) {
-    float* __restrict o = O + (r - start) * K;
-    decode_row<F>(w, r, o);
-    if constexpr (scaled(F)) {
-      for (int64_t k0 = 0, kb = 0; k0 < K; k0 += w.b1, ++kb) {
-        const float s = w.scale(r, kb, fold(F));
-        const int64_t k1 = std::min(K, k0 + w.b1);
-#pragma omp simd
-        for (int64_t k = k0; k < k1; ++k) o[k] *= s;
-      }
-    }
-  }
-}
-
 at::Tensor widen_rows(const at::Tensor& data, const c10::optional<at::Tensor>& scale, at::IntArrayRef spec,
                       int64_t start, int64_t stop) {
   const Weight w = weight_of(data, scale, spec, "weight", 2);
@@ -809,13 +860,7 @@ at::Tensor widen_rows(const at::Tensor& data, const c10::optional<at::Tensor>& s
   at::Tensor out = at::empty({stop - start, w.K}, data.options().dtype(at::kFloat));
   float* O = out.data_ptr<float>();
   at::parallel_for(start, stop, row_grain(w), [&](int64_t begin, int64_t end) {
-    switch (w.fmt) {
-      case kF32: return widen_typed<kF32>(w.m, begin, end, start, O);
-      case kBF16: return widen_typed<kBF16>(w.m, begin, end, start, O);
-      case kF16: return widen_typed<kF16>(w.m, begin, end, start, O);
-      case kFP8: return widen_typed<kFP8>(w.m, begin, end, start, O);
-      default: return widen_typed<kFP4>(w.m, begin, end, start, O);
-    }
+    widen_any(w.fmt, w.m, begin, end, start, O);
   });
   return out;
 }
@@ -833,26 +878,13 @@ at::Tensor qlinear_widened(const at::Tensor& x_in, const at::Tensor& data, const
   const int64_t T = x.size(0), K = w.K, N = w.N;
   at::Tensor out = at::empty({T, N}, x.options());
   if (T == 0 || N == 0) return out;
-  const int64_t tile = std::min(N, std::max<int64_t>(8, (tile_bytes / (4 * std::max<int64_t>(K, 1))) & ~int64_t{7}));
-  const int64_t tiles = (N + tile - 1) / tile;
+  const int64_t tile = tile_rows(N, K, tile_bytes), tiles = (N + tile - 1) / tile;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     // the caller's inference mode is thread-local: a worker thread writing the output (an inference
     // tensor under the engine) through at::mm_out needs it too
     c10::InferenceMode inference;
     at::Tensor buf = at::empty({tile, K}, x.options());
-    float* B = buf.data_ptr<float>();
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t r0 = i * tile, r1 = std::min(N, r0 + tile);
-      switch (w.fmt) {
-        case kF32: widen_typed<kF32>(w.m, r0, r1, r0, B); break;
-        case kBF16: widen_typed<kBF16>(w.m, r0, r1, r0, B); break;
-        case kF16: widen_typed<kF16>(w.m, r0, r1, r0, B); break;
-        case kFP8: widen_typed<kFP8>(w.m, r0, r1, r0, B); break;
-        default: widen_typed<kFP4>(w.m, r0, r1, r0, B);
-      }
-      at::Tensor o = out.narrow(1, r0, r1 - r0);
-      at::mm_out(o, x, buf.narrow(0, 0, r1 - r0).t());
-    }
+    widened_gemm(w.fmt, w.m, x, out, buf, begin, end);
   });
   return out;
 }
@@ -868,7 +900,8 @@ TORCH_LIBRARY_FRAGMENT(deepinfer_cpu, m) {
   m.def("qswiglu_mlp(Tensor x, Tensor gu, Tensor? gu_scale, int[] gu_spec, Tensor dn, Tensor? dn_scale, "
         "int[] dn_spec, float limit) -> Tensor");
   m.def("qmoe_experts(Tensor x, Tensor weights, Tensor ids, Tensor gu, Tensor? gu_scale, int[] gu_spec, Tensor dn, "
-        "Tensor? dn_scale, int[] dn_spec, float limit, bool bf16_acts=False, int act_block=0) -> Tensor");
+        "Tensor? dn_scale, int[] dn_spec, float limit, bool bf16_acts=False, int act_block=0, "
+        "int gemm_from_rows=-1, int tile_bytes=524288) -> Tensor");
   m.def("fp8_qdq(Tensor x, int block, bool round_bf16=True) -> Tensor");
   m.def("qroute_topk(Tensor x, Tensor data, Tensor? scale, int[] spec, Tensor bias, int top_k, float scaling) "
         "-> (Tensor, Tensor)");
