@@ -48,6 +48,51 @@ def test_leading_dims_and_a_row_alone(kind):
     assert torch.equal(kernels.linear(x.view(7, 1, 160), w).view(7, 72), batch)
 
 
+@pytest.mark.parametrize("kind", ["bf16", "f16", "fp8_128_f32", "fp8_32_ue8m0", "fp4_ue8m0"])
+@pytest.mark.parametrize("n,k", [(37, 100), (12, 258)])
+def test_token_tiles_give_each_token_its_own_bits(kind, n, k):
+    """quant_ops.cpp multiplies tiles of up to 3 tokens against a row group at once (and 2 or 1 for
+    the rest); each token's dot keeps the single-token order, so every T from 1 to 9 gives every
+    token the bits it gets alone, with K and blocks off the multiples of 8 (the tails), on 1 and 2
+    threads."""
+    w = _case(n, k, kind, 5)
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(6))
+    alone = torch.cat([kernels.linear(x[i:i + 1], w) for i in range(9)])
+    threads = torch.get_num_threads()
+    try:
+        for nthreads in (1, 2):
+            torch.set_num_threads(nthreads)
+            for t in range(1, 10):
+                assert torch.equal(kernels.linear(x[:t], w), alone[:t]), (kind, t, nthreads)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp8_32_ue8m0", "fp4_ue8m0"])
+def test_routed_experts_give_each_token_its_own_bits(kind):
+    """An expert's rows go through the token tiles in groups of 3: a token's output is the same as
+    when it is the only token of the call (so the same whatever the other tokens route to)."""
+    x, weights, ids, gu, dn = moe_case(kind, 13, e=3, d=64, i=48)
+    batch = kernels.moe_experts(x, weights, ids, gu, dn, 7.0)
+    for row in range(13):
+        alone = kernels.moe_experts(x[row:row + 1], weights[row:row + 1], ids[row:row + 1], gu, dn, 7.0)
+        assert torch.equal(alone[0], batch[row]), (kind, row)
+
+
+def test_prefill_sized_experts_switch_to_gemm_except_when_batch_invariant():
+    """Past MOE_GEMM_FROM_ROWS rows an expert's GEMMs run widened + MKL in the fast mode (a row's bits
+    then depend on the batch: seen here as a differing row) and never in batch-invariant mode."""
+    x, weights, ids, gu, dn = moe_case("fp4_ue8m0", 120, e=3, d=64, i=48)
+    invariant = kernels.batch_invariant_ops()["moe_experts"]
+    fast_batch = kernels.moe_experts(x, weights, ids, gu, dn, 7.0)
+    inv_batch = invariant(x, weights, ids, gu, dn, 7.0)
+    alone = torch.cat([kernels.moe_experts(x[r:r + 1], weights[r:r + 1], ids[r:r + 1], gu, dn, 7.0)
+                       for r in range(120)])
+    assert torch.equal(inv_batch, alone)
+    assert not torch.equal(fast_batch, alone)
+    torch.testing.assert_close(fast_batch, alone, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("t", [1, 5])
 def test_grouped_linear(kind, t):
@@ -77,7 +122,7 @@ def test_swiglu_mlp(kind, t):
 
 
 @pytest.mark.parametrize("kind", ["bf16", "fp8_128_f32", "fp8_32_ue8m0", "fp4_ue8m0", "fp4_f32_scales"])
-@pytest.mark.parametrize("t", [1, 9])
+@pytest.mark.parametrize("t", [1, 9, 120])  # 120: ~40 rows per expert, past MOE_GEMM_FROM_ROWS (widened + MKL)
 def test_moe_experts(kind, t):
     d, i, k = 64, 48, 2
     x, weights, ids, gu, dn = moe_case(kind, t, d=d, i=i, k=k)

@@ -213,9 +213,9 @@ def route_hash(x, gate, ids, scaling, *, reference=ops.route_hash, max_macs=_ROU
 
 
 def moe_experts(x, weights, ids, gate_up, down, limit, *, reference=ops.moe_experts,
-                max_macs_per_expert=_MOE_MAX_MACS_PER_EXPERT):
+                max_macs_per_expert=_MOE_MAX_MACS_PER_EXPERT, max_qrows_per_expert=quant.MOE_GEMM_FROM_ROWS):
     if not (quant.is_plain_f32(gate_up) and quant.is_plain_f32(down)):
-        out = quant.moe_experts(x, weights, ids, gate_up, down, limit)
+        out = quant.moe_experts(x, weights, ids, gate_up, down, limit, gemm_from_rows=max_qrows_per_expert)
         return out if out is not None else reference(x, weights, ids, gate_up, down, limit)
     per_row = gate_up[0].numel() + down[0].numel() if gate_up.shape[0] else 0
     if (ids.numel() * per_row > max_macs_per_expert * gate_up.shape[0] or x.dtype != _F32
@@ -313,7 +313,7 @@ def batch_invariant_ops() -> dict:
         # 16 for a fixed-shape GEMM, ~9x the GEMV's time for a decode row; the GEMV loses only on
         # prefills of narrow matrices (1.5x at 64 x 512, 256 rows; it wins at every size at 256 wide;
         # `python benchmarks/cpu_kernels.py --invariant-linear`).
-        limits = {"max_macs_per_expert": math.inf} if name == "moe_experts" else \
+        limits = {"max_macs_per_expert": math.inf, "max_qrows_per_expert": math.inf} if name == "moe_experts" else \
             {"max_macs": math.inf} if name in ("route_topk", "route_grouped_topk", "route_hash") else \
             {"max_macs": math.inf, "max_qtokens": math.inf} if name in ("grouped_linear", "swiglu_mlp") else \
             {"max_tokens": math.inf, "max_qtokens": math.inf} if name == "linear" else {}

@@ -203,7 +203,7 @@ struct Matrix {
   }
 };
 
-// The values of a row, as dot_rows reads them: decoded from the stored bytes in registers
+// The values of a row, as dot_tile reads them: decoded from the stored bytes in registers
 // (Packed), or loaded from a buffer a row group was decoded into once for all tokens (Decoded).
 // Both give the same raw values (value / kFold, exact), so both paths compute bit-identical sums.
 template <int64_t F>
@@ -222,56 +222,90 @@ struct Decoded {
   float load1(int64_t k) const { return row[k]; }
 };
 
-// part[r] += x[k..kv) * row r's values, 8 at a time in k order (the order every source keeps),
-// W vectors decoded per step where the source decodes several at once.
-template <int R, class Rows>
-inline void fma_rows(const float* __restrict x, const Rows* rows, int64_t k, int64_t kv, V8* part) {
+// part[t][r] += x_t[k..kv) * row r's values, 8 at a time in k order (the order every source keeps),
+// W vectors decoded per step where the source decodes several at once; each decoded vector feeds
+// all TT tokens.
+template <int R, int TT, class Rows>
+inline void fma_tile(const float* const* xs, const Rows* rows, int64_t k, int64_t kv, V8 (*part)[R]) {
   constexpr int W = Rows::kW;
   for (; k + 8 * W <= kv; k += 8 * W)
+    #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {  // row by row: W decoded vectors live at a time, not R x W
       V8 vals[W];
       rows[r].load_wide(k, vals);
-      for (int j = 0; j < W; ++j) part[r] = v_fma(v_load(x + k + 8 * j), vals[j], part[r]);
+      #pragma GCC unroll 16
+      for (int j = 0; j < W; ++j)
+        #pragma GCC unroll 16
+        for (int t = 0; t < TT; ++t) part[t][r] = v_fma(v_load(xs[t] + k + 8 * j), vals[j], part[t][r]);
     }
   for (; k < kv; k += 8) {
-    const V8 xv = v_load(x + k);
-    for (int r = 0; r < R; ++r) part[r] = v_fma(xv, rows[r].load8(k), part[r]);
+    V8 xv[TT];
+    #pragma GCC unroll 16
+    for (int t = 0; t < TT; ++t) xv[t] = v_load(xs[t] + k);
+    #pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const V8 wv = rows[r].load8(k);
+      #pragma GCC unroll 16
+      for (int t = 0; t < TT; ++t) part[t][r] = v_fma(xv[t], wv, part[t][r]);
+    }
   }
 }
 
-// out[r] = x . row r0 + r of `w` for R rows (the module formula), the rows' values from `rows`.
-template <int64_t F, int R, class Rows>
-inline void dot_rows(const float* __restrict x, const Matrix& w, int64_t r0, const Rows* rows, float* __restrict out) {
+// outs[t][r] = x_t . row r0 + r of `w` for TT tokens and R rows (the module formula), the rows' values
+// from `rows`, the blocks' scales (times the format's fold) from sc[r * blocks + kb]. Each (t, r)
+// dot runs the same sequence of multiply-adds whatever TT and R (a tile only shares the loads: a
+// row vector feeds TT tokens, a token's vector R rows), so a token's bits do not depend on how many
+// tokens share the call. TT x R vector accumulators (and as many block partials) stay in registers
+// up to TT * R = 12 with AVX-512's 32.
+template <int64_t F, int R, int TT, class Rows>
+inline void dot_tile(const float* const* xs, const Matrix& w, const Rows* rows, const float* sc,
+                     float* const* outs) {
   const int64_t K = w.K;
-  V8 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = v_zero();
+  V8 acc[TT][R];
+  #pragma GCC unroll 16
+  for (int t = 0; t < TT; ++t)
+    #pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) acc[t][r] = v_zero();
   if constexpr (!scaled(F)) {
     const int64_t body = K & ~int64_t{7};
-    fma_rows<R>(x, rows, 0, body, acc);
-    for (int r = 0; r < R; ++r) {
-      float s = v_sum(acc[r]);
-      for (int64_t k = body; k < K; ++k) s += x[k] * rows[r].load1(k);
-      out[r] = s;
-    }
+    fma_tile<R, TT>(xs, rows, 0, body, acc);
+    #pragma GCC unroll 16
+    for (int t = 0; t < TT; ++t)
+      #pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        float s = v_sum(acc[t][r]);
+        for (int64_t k = body; k < K; ++k) s += xs[t][k] * rows[r].load1(k);
+        outs[t][r] = s;
+      }
   } else {
-    float tail[R] = {};
-    const int64_t b1 = w.b1;
+    float tail[TT][R] = {};
+    const int64_t b1 = w.b1, blocks = w.scale_cols;
     for (int64_t k0 = 0, kb = 0; k0 < K; k0 += b1, ++kb) {
       const int64_t k1 = std::min(K, k0 + b1), kv = k0 + ((k1 - k0) & ~int64_t{7});
-      V8 part[R];
-      for (int r = 0; r < R; ++r) part[r] = v_zero();
-      fma_rows<R>(x, rows, k0, kv, part);
+      V8 part[TT][R];
+      #pragma GCC unroll 16
+      for (int t = 0; t < TT; ++t)
+        #pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) part[t][r] = v_zero();
+      fma_tile<R, TT>(xs, rows, k0, kv, part);
+      #pragma GCC unroll 16
       for (int r = 0; r < R; ++r) {
-        const float s = w.scale(r0 + r, kb, fold(F));
-        acc[r] = v_fma(part[r], v_set1(s), acc[r]);
-        if (kv < k1) {
-          float p = 0.0f;
-          for (int64_t k = kv; k < k1; ++k) p += x[k] * rows[r].load1(k);
-          tail[r] += p * s;
-        }
+        const V8 sv = v_set1(sc[r * blocks + kb]);
+        #pragma GCC unroll 16
+        for (int t = 0; t < TT; ++t) acc[t][r] = v_fma(part[t][r], sv, acc[t][r]);
       }
+      if (kv < k1)  // a block not a multiple of 8 wide: its last values one by one
+        for (int r = 0; r < R; ++r)
+          for (int t = 0; t < TT; ++t) {
+            float p = 0.0f;
+            for (int64_t k = kv; k < k1; ++k) p += xs[t][k] * rows[r].load1(k);
+            tail[t][r] += p * sc[r * blocks + kb];
+          }
     }
-    for (int r = 0; r < R; ++r) out[r] = v_sum(acc[r]) + tail[r];
+    #pragma GCC unroll 16
+    for (int t = 0; t < TT; ++t)
+      #pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) outs[t][r] = v_sum(acc[t][r]) + tail[t][r];
   }
 }
 
@@ -297,6 +331,42 @@ inline void decode_row(const Matrix& w, int64_t r, float* __restrict buf) {
 // A group of rows is decoded once into a buffer when this many tokens share the call (the decode
 // of FP8 / FP4 costs more than the multiply-adds); a single token decodes in registers.
 constexpr int64_t kDecodeOnceTokens = 2;
+// Tokens per tile (dot_tile): 3 x 4 rows of accumulators and block partials fill the registers.
+constexpr int kTileTokens = 3;
+
+// The scales of rows [r, r + R) times the format's fold, sc[i * scale_cols + kb] (once per row
+// group, not once per token and block).
+template <int64_t F, int R>
+inline void row_scales(const Matrix& w, int64_t r, float* sc) {
+  if constexpr (scaled(F))
+    for (int i = 0; i < R; ++i)
+      for (int64_t kb = 0; kb < w.scale_cols; ++kb) sc[i * w.scale_cols + kb] = w.scale(r + i, kb, fold(F));
+}
+
+// Every token of the call against R rows from `rows`: tiles of kTileTokens tokens, the rest (1 or 2) as one.
+template <int64_t F, int R, class Rows, class XOf, class OutOf>
+inline void tokens_by_tiles(XOf x_of, OutOf out_of, int64_t T, const Matrix& w, int64_t r, const Rows* rows,
+                            const float* sc) {
+  int64_t t = 0;
+  for (; t + kTileTokens <= T; t += kTileTokens) {
+    const float* xs[kTileTokens];
+    float* outs[kTileTokens];
+    for (int i = 0; i < kTileTokens; ++i) {
+      xs[i] = x_of(t + i);
+      outs[i] = out_of(t + i) + r;
+    }
+    dot_tile<F, R, kTileTokens>(xs, w, rows, sc, outs);
+  }
+  if (T - t == 2) {
+    const float* xs[2] = {x_of(t), x_of(t + 1)};
+    float* outs[2] = {out_of(t) + r, out_of(t + 1) + r};
+    dot_tile<F, R, 2>(xs, w, rows, sc, outs);
+  } else if (T - t == 1) {
+    const float* xs[1] = {x_of(t)};
+    float* outs[1] = {out_of(t) + r};
+    dot_tile<F, R, 1>(xs, w, rows, sc, outs);
+  }
+}
 
 // out_of(t)[r] for rows [r_begin, r_end) of w and T inputs x_of(t): rows in groups of 4, each group
 // for every token while its bytes are in cache.
@@ -304,25 +374,28 @@ template <int64_t F, class XOf, class OutOf>
 void gemm_rows_typed(XOf x_of, OutOf out_of, int64_t T, const Matrix& w, int64_t r_begin, int64_t r_end) {
   const int64_t K = w.K;
   const bool decode_once = T >= kDecodeOnceTokens && F != kF32;
-  std::vector<float> buf(decode_once ? 4 * K : 0);
+  Scratch<float, 4096> buf(decode_once ? 4 * K : 0);
+  Scratch<float, 256> sc(scaled(F) ? 4 * w.scale_cols : 0);
   int64_t r = r_begin;
   for (; r + 4 <= r_end; r += 4) {
+    row_scales<F, 4>(w, r, sc.data());
     if (decode_once) {
       Decoded rows[4];
       for (int i = 0; i < 4; ++i) {
         decode_row<F>(w, r + i, buf.data() + i * K);
         rows[i].row = buf.data() + i * K;
       }
-      for (int64_t t = 0; t < T; ++t) dot_rows<F, 4>(x_of(t), w, r, rows, out_of(t) + r);
+      tokens_by_tiles<F, 4>(x_of, out_of, T, w, r, rows, sc.data());
     } else {
       Packed<F> rows[4];
       for (int i = 0; i < 4; ++i) rows[i].row = w.row(r + i);
-      for (int64_t t = 0; t < T; ++t) dot_rows<F, 4>(x_of(t), w, r, rows, out_of(t) + r);
+      tokens_by_tiles<F, 4>(x_of, out_of, T, w, r, rows, sc.data());
     }
   }
   for (; r < r_end; ++r) {
+    row_scales<F, 1>(w, r, sc.data());
     Packed<F> rows[1] = {{w.row(r)}};
-    for (int64_t t = 0; t < T; ++t) dot_rows<F, 1>(x_of(t), w, r, rows, out_of(t) + r);
+    tokens_by_tiles<F, 1>(x_of, out_of, T, w, r, rows, sc.data());
   }
 }
 
@@ -561,16 +634,70 @@ at::Tensor qswiglu_mlp(const at::Tensor& x_in, const at::Tensor& gu_data, const 
   return out;
 }
 
+// float32 rows [start, stop) of a weight (the large-batch path: widened in chunks for an MKL GEMM).
+// value = raw * (scale * fold): one rounding, the reference's dequantized value bit for bit.
+template <int64_t F>
+void widen_typed(const Matrix& w, int64_t begin, int64_t end, int64_t start, float* O) {
+  const int64_t K = w.K;
+  for (int64_t r = begin; r < end; ++r) {
+    float* __restrict o = O + (r - start) * K;
+    decode_row<F>(w, r, o);
+    if constexpr (scaled(F)) {
+      for (int64_t k0 = 0, kb = 0; k0 < K; k0 += w.b1, ++kb) {
+        const float s = w.scale(r, kb, fold(F));
+        const int64_t k1 = std::min(K, k0 + w.b1);
+#pragma omp simd
+        for (int64_t k = k0; k < k1; ++k) o[k] *= s;
+      }
+    }
+  }
+}
+
+void widen_any(int64_t fmt, const Matrix& w, int64_t begin, int64_t end, int64_t start, float* O) {
+  switch (fmt) {
+    case kF32: return widen_typed<kF32>(w, begin, end, start, O);
+    case kBF16: return widen_typed<kBF16>(w, begin, end, start, O);
+    case kF16: return widen_typed<kF16>(w, begin, end, start, O);
+    case kFP8: return widen_typed<kFP8>(w, begin, end, start, O);
+    default: return widen_typed<kFP4>(w, begin, end, start, O);
+  }
+}
+
+// Rows of a widened tile: tile_bytes of float32, a multiple of 8 rows (at least 8, at most N).
+int64_t tile_rows(int64_t N, int64_t K, int64_t tile_bytes) {
+  return std::min(N, std::max<int64_t>(8, (tile_bytes / (4 * std::max<int64_t>(K, 1))) & ~int64_t{7}));
+}
+
+// out[:, r0:r1) = x @ rows [r0, r1) of w.T for the tiles [tile_begin, tile_end) of buf's size: each tile
+// widened into buf (float32, one rounding per value: the dequantized weight bit for bit) and multiplied
+// by MKL's GEMM (at::mm, one thread inside a parallel task) while it is in cache, straight into its
+// columns of the output. The float32 copy of the weight is never written to memory whole.
+void widened_gemm(int64_t fmt, const Matrix& w, const at::Tensor& x, at::Tensor& out, at::Tensor& buf,
+                  int64_t tile_begin, int64_t tile_end) {
+  const int64_t tile = buf.size(0);
+  for (int64_t i = tile_begin; i < tile_end; ++i) {
+    const int64_t r0 = i * tile, r1 = std::min(w.N, r0 + tile);
+    widen_any(fmt, w, r0, r1, r0, buf.data_ptr<float>());
+    at::Tensor o = out.narrow(1, r0, r1 - r0);
+    at::mm_out(o, x, buf.narrow(0, 0, r1 - r0).t());
+  }
+}
+
 // Routed experts (backends/base.py moe_experts) on [E, 2I, D] / [E, D, I] stacks: the (token, slot)
 // rows grouped by expert, each expert's matrices read once for all its rows, experts over threads;
 // a token's sum over its experts in slot order. bf16_acts: moe_experts_bf16's numerics instead (each
 // GEMM input through act_round, each GEMM output rounded to bf16, the routing weight scaling the
 // intermediate before its rounding, the slots' outputs summed unweighted). Shapes are all the call
-// fixes: no host reads, so a recorded step replays it as one call.
+// fixes: no host reads, so a recorded step replays it as one call. An expert with more than
+// `gemm_from_rows` rows (>= 0; prefill) multiplies them by its matrices widened tile by tile and MKL's
+// GEMM (widened_gemm), as qlinear_widened: bound by arithmetic there, where the GEMV tiles are not.
+// That changes those rows' rounding with the batch, so batch-invariant mode passes -1 (never);
+// bf16_acts keeps the GEMV tiles too.
 at::Tensor qmoe_experts(const at::Tensor& x_in, const at::Tensor& weights_in, const at::Tensor& ids_in,
                         const at::Tensor& gu_data, const c10::optional<at::Tensor>& gu_scale, at::IntArrayRef gu_spec,
                         const at::Tensor& dn_data, const c10::optional<at::Tensor>& dn_scale, at::IntArrayRef dn_spec,
-                        double limit, bool bf16_acts, int64_t act_block) {
+                        double limit, bool bf16_acts, int64_t act_block, int64_t gemm_from_rows,
+                        int64_t tile_bytes) {
   const at::Tensor x = float_rows(x_in, "x");
   const at::Tensor weights = weights_in.contiguous().to(at::kFloat), ids = ids_in.contiguous();
   TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 2, "ids must be int64 [T, k]");
@@ -611,6 +738,22 @@ at::Tensor qmoe_experts(const at::Tensor& x_in, const at::Tensor& weights_in, co
       gu_rows.resize(n * 2 * I);
       hidden.resize(n * I);
       const Matrix gm = gu.at(e), dm = dn.at(e);
+      if (!bf16_acts && gemm_from_rows >= 0 && n > gemm_from_rows) {
+        c10::InferenceMode inference;  // thread-local: the worker threads' at:: ops need it too
+        const at::TensorOptions f32 = x.options();
+        at::Tensor xg = at::empty({n, D}, f32), g = at::empty({n, 2 * I}, f32), h = at::empty({n, I}, f32),
+                   y = at::empty({n, D}, f32);
+        for (int64_t j = 0; j < n; ++j)
+          std::memcpy(xg.data_ptr<float>() + j * D, X + (rows[j] / k) * D, D * sizeof(float));
+        at::Tensor gbuf = at::empty({tile_rows(2 * I, D, tile_bytes), D}, f32);
+        widened_gemm(gu.fmt, gm, xg, g, gbuf, 0, (2 * I + gbuf.size(0) - 1) / gbuf.size(0));
+        swiglu_hidden(g.data_ptr<float>(), h.data_ptr<float>(), n, I, lim);
+        at::Tensor dbuf = at::empty({tile_rows(D, I, tile_bytes), I}, f32);
+        widened_gemm(dn.fmt, dm, h, y, dbuf, 0, (D + dbuf.size(0) - 1) / dbuf.size(0));
+        for (int64_t j = 0; j < n; ++j)
+          std::memcpy(ER + rows[j] * D, y.data_ptr<float>() + j * D, D * sizeof(float));
+        continue;
+      }
       gemm_rows_any(gu.fmt, [&](int64_t j) { return X + (rows[j] / k) * D; },
                     [&](int64_t j) { return gu_rows.data() + j * 2 * I; }, n, gm, 0, 2 * I);
       if (bf16_acts) round_bf16_rows(gu_rows.data(), n * 2 * I);
@@ -710,25 +853,6 @@ at::Tensor qroute_hash(const at::Tensor& x_in, const at::Tensor& data, const c10
   return weights;
 }
 
-// float32 rows [start, stop) of a weight (the large-batch path: widened in chunks for an MKL GEMM).
-// value = raw * (scale * fold): one rounding, the reference's dequantized value bit for bit.
-template <int64_t F>
-void widen_typed(const Matrix& w, int64_t begin, int64_t end, int64_t start, float* O) {
-  const int64_t K = w.K;
-  for (int64_t r = begin; r < end; ++r) {
-    float* __restrict o = O + (r - start) * K;
-    decode_row<F>(w, r, o);
-    if constexpr (scaled(F)) {
-      for (int64_t k0 = 0, kb = 0; k0 < K; k0 += w.b1, ++kb) {
-        const float s = w.scale(r, kb, fold(F));
-        const int64_t k1 = std::min(K, k0 + w.b1);
-#pragma omp simd
-        for (int64_t k = k0; k < k1; ++k) o[k] *= s;
-      }
-    }
-  }
-}
-
 at::Tensor widen_rows(const at::Tensor& data, const c10::optional<at::Tensor>& scale, at::IntArrayRef spec,
                       int64_t start, int64_t stop) {
   const Weight w = weight_of(data, scale, spec, "weight", 2);
@@ -736,13 +860,7 @@ at::Tensor widen_rows(const at::Tensor& data, const c10::optional<at::Tensor>& s
   at::Tensor out = at::empty({stop - start, w.K}, data.options().dtype(at::kFloat));
   float* O = out.data_ptr<float>();
   at::parallel_for(start, stop, row_grain(w), [&](int64_t begin, int64_t end) {
-    switch (w.fmt) {
-      case kF32: return widen_typed<kF32>(w.m, begin, end, start, O);
-      case kBF16: return widen_typed<kBF16>(w.m, begin, end, start, O);
-      case kF16: return widen_typed<kF16>(w.m, begin, end, start, O);
-      case kFP8: return widen_typed<kFP8>(w.m, begin, end, start, O);
-      default: return widen_typed<kFP4>(w.m, begin, end, start, O);
-    }
+    widen_any(w.fmt, w.m, begin, end, start, O);
   });
   return out;
 }
@@ -760,26 +878,13 @@ at::Tensor qlinear_widened(const at::Tensor& x_in, const at::Tensor& data, const
   const int64_t T = x.size(0), K = w.K, N = w.N;
   at::Tensor out = at::empty({T, N}, x.options());
   if (T == 0 || N == 0) return out;
-  const int64_t tile = std::min(N, std::max<int64_t>(8, (tile_bytes / (4 * std::max<int64_t>(K, 1))) & ~int64_t{7}));
-  const int64_t tiles = (N + tile - 1) / tile;
+  const int64_t tile = tile_rows(N, K, tile_bytes), tiles = (N + tile - 1) / tile;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     // the caller's inference mode is thread-local: a worker thread writing the output (an inference
     // tensor under the engine) through at::mm_out needs it too
     c10::InferenceMode inference;
     at::Tensor buf = at::empty({tile, K}, x.options());
-    float* B = buf.data_ptr<float>();
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t r0 = i * tile, r1 = std::min(N, r0 + tile);
-      switch (w.fmt) {
-        case kF32: widen_typed<kF32>(w.m, r0, r1, r0, B); break;
-        case kBF16: widen_typed<kBF16>(w.m, r0, r1, r0, B); break;
-        case kF16: widen_typed<kF16>(w.m, r0, r1, r0, B); break;
-        case kFP8: widen_typed<kFP8>(w.m, r0, r1, r0, B); break;
-        default: widen_typed<kFP4>(w.m, r0, r1, r0, B);
-      }
-      at::Tensor o = out.narrow(1, r0, r1 - r0);
-      at::mm_out(o, x, buf.narrow(0, 0, r1 - r0).t());
-    }
+    widened_gemm(w.fmt, w.m, x, out, buf, begin, end);
   });
   return out;
 }
@@ -795,7 +900,8 @@ TORCH_LIBRARY_FRAGMENT(deepinfer_cpu, m) {
   m.def("qswiglu_mlp(Tensor x, Tensor gu, Tensor? gu_scale, int[] gu_spec, Tensor dn, Tensor? dn_scale, "
         "int[] dn_spec, float limit) -> Tensor");
   m.def("qmoe_experts(Tensor x, Tensor weights, Tensor ids, Tensor gu, Tensor? gu_scale, int[] gu_spec, Tensor dn, "
-        "Tensor? dn_scale, int[] dn_spec, float limit, bool bf16_acts=False, int act_block=0) -> Tensor");
+        "Tensor? dn_scale, int[] dn_spec, float limit, bool bf16_acts=False, int act_block=0, "
+        "int gemm_from_rows=-1, int tile_bytes=524288) -> Tensor");
   m.def("fp8_qdq(Tensor x, int block, bool round_bf16=True) -> Tensor");
   m.def("qroute_topk(Tensor x, Tensor data, Tensor? scale, int[] spec, Tensor bias, int top_k, float scaling) "
         "-> (Tensor, Tensor)");
