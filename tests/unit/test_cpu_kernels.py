@@ -121,15 +121,15 @@ def test_moe_experts_match_the_reference(seed):
         _close(kernels.moe_experts(x, w, ids, gate_up, down, limit), ref.moe_experts(x, w, ids, gate_up, down, limit))
 
 
-@pytest.mark.parametrize("T,K,N", [(32, 64, 512), (1, 37, 5), (9, 128, 64), (2, 256, 1024)])
+@pytest.mark.parametrize("T,K,N", [(32, 64, 512), (1, 37, 5), (9, 128, 64), (2, 256, 1024), (33, 64, 40)])
 def test_gemv_linear_matches_the_reference(T, K, N):
     g = _gen(T)
     x, w = torch.randn(T, K, generator=g), torch.randn(N, K, generator=g)
     _close(torch.ops.deepinfer_cpu.linear(x, w), ref.linear(x, w))
     strided = torch.randn(T, 2 * K, generator=g)[:, ::2]  # copied to contiguous rows first
     _close(torch.ops.deepinfer_cpu.linear(strided, w), ref.linear(strided, w))
-    # kernels.linear takes the GEMV for one or two rows only, the reference GEMM beyond
-    assert torch.equal(kernels.linear(x, w), (torch.ops.deepinfer_cpu.linear if T <= 2 else ref.linear)(x, w))
+    # kernels.linear takes the kernel up to _LINEAR_MAX_TOKENS (32) rows, the reference GEMM beyond
+    assert torch.equal(kernels.linear(x, w), (torch.ops.deepinfer_cpu.linear if T <= 32 else ref.linear)(x, w))
 
 
 @pytest.mark.parametrize("K,N", [(37, 29), (203, 53), (256, 1003), (7, 13)])
@@ -268,10 +268,10 @@ def test_the_backend_runs_the_kernels_unless_disabled(monkeypatch):
 
 def test_fused_kernels_are_row_invariant(monkeypatch):
     """Each kernel works token by token: a row's result is bit-identical in any batch (of these
-    9-token sizes; linear is left out: it hands more than 2 rows to MKL, as the reference does)."""
+    9-token sizes; linear too: it hands rows to MKL only above 32)."""
     monkeypatch.delenv("DEEPINFER_BATCH_INVARIANT", raising=False)
     bad = _differences(make())
-    fused = (set(kernels.OPS) - {"linear"}) & set(bad)
+    fused = set(kernels.OPS) & set(bad)
     assert fused and all(bad[op] == 0 for op in fused), {op: bad[op] for op in fused}
 
 

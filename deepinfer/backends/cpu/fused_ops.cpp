@@ -185,7 +185,7 @@ inline void dot_tile(const float* __restrict xp, int64_t pair_stride, const floa
     __m512 xv[NP];
 #pragma GCC unroll 32
     for (int p = 0; p < NP; ++p) xv[p] = _mm512_loadu_ps(xp + p * pair_stride + c * 2 * kLanes);
-    if (prefetch != nullptr)
+    if (prefetch != nullptr && c % 2 == 0)  // a 64-byte line holds two chunks
 #pragma GCC unroll 32
       for (int r = 0; r < RR; ++r)
         _mm_prefetch(reinterpret_cast<const char*>(prefetch + r * ldw + c * kLanes), _MM_HINT_T0);
