@@ -72,7 +72,7 @@ CROSSOVER_SHAPES = {"test model": (64, 8, 32, 2, 64), "shipped": (256, 8, 256, 2
 
 def crossover(reps: int, shapes: list[str] | None = None) -> None:
     """The projection kernels (GEMVs) against the reference GEMMs over batch sizes: where the
-    limits in kernels.py (_GEMV_MAX_MACS, _ROUTER_MAX_MACS, _MOE_MAX_MACS_PER_EXPERT) come from.
+    limits in kernels.py (_GEMV_MAX_MACS, _MLP_MAX_TOKENS, _ROUTER_MAX_MACS, _MOE_MAX_MACS_PER_EXPERT) come from.
     The raw kernels are timed, whatever those limits would pick; '*' marks what kernels.py picks."""
     g = torch.Generator().manual_seed(0)
     rn = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
