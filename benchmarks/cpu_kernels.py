@@ -145,12 +145,13 @@ def linear_crossover(threads: list[int], json_path: str) -> None:
                 picks = _picks_kernel("linear", (x, w))
                 print(f"| {label} | {t} | {kern * 1e6:.1f}{'*' if picks else ''} | {mkl * 1e6:.1f}{'' if picks else '*'} | "
                       f"{flops / kern / 1e9:.1f} | {flops / mkl / 1e9:.1f} | {mkl / kern:.2f}x | {flops / kern / 1e9 / peak:.0%} |")
-                rows.append(dict(threads=nt, shape=label, n=n, k=k, tokens=t, kernel_us=kern * 1e6, mkl_us=mkl * 1e6,
-                                 kernel_gflops=flops / kern / 1e9, mkl_gflops=flops / mkl / 1e9, mkl_peak_gflops=peak,
-                                 kernel_picked=picks))
+                rows.append({"threads": nt, "shape": label, "n": n, "k": k, "tokens": t, "kernel_us": kern * 1e6,
+                             "mkl_us": mkl * 1e6, "kernel_gflops": flops / kern / 1e9, "mkl_gflops": flops / mkl / 1e9,
+                             "mkl_peak_gflops": peak, "kernel_picked": picks})
     os.makedirs(os.path.dirname(json_path) or ".", exist_ok=True)
     with open(json_path, "w") as f:
-        json.dump(dict(load_average=load, threads=threads, timing="fastest of several calls", rows=rows), f, indent=2)
+        json.dump({"load_average": load, "threads": threads, "timing": "fastest of several calls", "rows": rows}, f,
+                  indent=2)
 
 
 def invariant_linear(reps: int) -> None:
