@@ -5,18 +5,21 @@ and the relative difference of the outputs. Prints a table.
     python benchmarks/cpu_kernels.py [--tokens 32] [--candidates 256]
     python benchmarks/cpu_kernels.py --crossover   # the small-batch kernels vs GEMMs over batch sizes
     python benchmarks/cpu_kernels.py --invariant-linear   # batch-invariant mode's linear: GEMV vs padded GEMM
+    python benchmarks/cpu_kernels.py --linear-crossover   # the linear kernel vs MKL at real shapes, GF/s
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import time
 
 import torch
 
-from deepinfer.backends.cpu import kernels, ops
+from deepinfer.backends import reference as ops
+from deepinfer.backends.cpu import kernels
 
 
 def _time(fn, args, reps: int) -> float:
@@ -64,23 +67,25 @@ def cases(t: int, m: int) -> dict:
 # (hidden, experts, intermediate, top-k, output group width) of the test model, the shipped model
 # and a 512-hidden model with 64 experts
 CROSSOVER_SHAPES = {"test model": (64, 8, 32, 2, 64), "shipped": (256, 8, 256, 2, 128),
-                    "512 hidden, 64 experts": (512, 64, 256, 6, 512)}
+                    "512 hidden, 64 experts": (512, 64, 256, 6, 512), "v3 bench": (512, 16, 256, 2, 64)}
 
 
-def crossover(reps: int) -> None:
+def crossover(reps: int, shapes: list[str] | None = None) -> None:
     """The projection kernels (GEMVs) against the reference GEMMs over batch sizes: where the
-    limits in kernels.py (_GEMV_MAX_MACS, _ROUTER_MAX_MACS, _MOE_MAX_MACS_PER_EXPERT) come from.
+    limits in kernels.py (_GEMV_MAX_MACS, _MLP_MAX_TOKENS, _ROUTER_MAX_MACS, _MOE_MAX_MACS_PER_EXPERT) come from.
     The raw kernels are timed, whatever those limits would pick; '*' marks what kernels.py picks."""
     g = torch.Generator().manual_seed(0)
     rn = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
     k_ops = torch.ops.deepinfer_cpu
     for label, (d, e, inter, k, gk) in CROSSOVER_SHAPES.items():
+        if shapes and label not in shapes:
+            continue
         print(f"\n{label}: hidden {d}, {e} experts x {inter}, top-{k}; us per call, fused / reference")
         print("| tokens | moe_experts | swiglu_mlp | grouped_linear | route_topk |")
         print("|---|---|---|---|---|")
         gu, dn, sgu, sdn = rn(e, 2 * inter, d), rn(e, d, inter), rn(2 * inter, d), rn(d, inter)
         wg, gate, bias = rn(2 * 16, gk), rn(e, d), rn(e)
-        for t in (1, 8, 32, 64, 128, 256, 512):
+        for t in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512):
             x, xg = rn(t, d), rn(t, 2, gk)
             ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
             w = torch.rand(t, k, generator=g)
@@ -91,6 +96,62 @@ def crossover(reps: int) -> None:
                 mark = _picks_kernel(name, args)
                 cells.append(f"{fused:.1f}{'*' if mark else ''} / {ref:.1f}{'' if mark else '*'}")
             print(f"| {t} | " + " | ".join(cells) + " |")
+
+# (N, K) of plain float32 linears: the LM heads of DeepSeek's vocabulary at hidden 256 and of the
+# v3 bench model (8,192 x 512), and that model's projections (hidden 512, q_lora 384, kv_lora 128,
+# 8 heads of 64 + 32: q_a, q_b, kv_a, o_proj)
+LINEAR_SHAPES = {"LM head 129280 x 256": (129280, 256), "LM head 8192 x 512": (8192, 512),
+                 "q_a 384 x 512": (384, 512), "q_b 768 x 384": (768, 384), "kv_a 160 x 512": (160, 512),
+                 "o_proj 512 x 512": (512, 512)}
+
+
+def _best(fn, args, reps: int) -> float:
+    """Seconds of the fastest of `reps` calls (after 2 warm-up calls): the least disturbed by the
+    other work on a shared machine."""
+    for _ in range(2):
+        fn(*args)
+    best = math.inf
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn(*args)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def linear_crossover(threads: list[int], json_path: str) -> None:
+    """The linear kernel (GEMV for one token, register tiles of token pairs x weight rows beyond)
+    against MKL (torch's F.linear, the reference) at real shapes, per thread count: GF/s of each, their
+    ratio, and the kernel's share of MKL's large-GEMM rate (1024^3, the most this machine gives a
+    float32 GEMM here). '*' marks what kernels.linear picks (_LINEAR_MAX_TOKENS)."""
+    g = torch.Generator().manual_seed(0)
+    k_op = torch.ops.deepinfer_cpu.linear
+    rows = []
+    load = os.getloadavg()
+    print(f"load average {load[0]:.2f}; fastest of several calls")
+    for nt in threads:
+        torch.set_num_threads(nt)
+        a, b = torch.randn(1024, 1024, generator=g), torch.randn(1024, 1024, generator=g)
+        peak = 2 * 1024 ** 3 / _best(ops.linear, (a, b), 10) / 1e9
+        print(f"\n{nt} thread(s): MKL 1024^3 GEMM {peak:.0f} GF/s")
+        print("| shape (N x K) | tokens | kernel us | MKL us | kernel GF/s | MKL GF/s | kernel / MKL speed | kernel / MKL peak |")
+        print("|---|---|---|---|---|---|---|---|")
+        for label, (n, k) in LINEAR_SHAPES.items():
+            w = torch.randn(n, k, generator=g)
+            for t in (1, 2, 4, 8, 16, 32, 64):
+                x = torch.randn(t, k, generator=g)
+                reps = max(5, min(200, int(2e8 / (t * n * k))))
+                kern, mkl = _best(k_op, (x, w), reps), _best(ops.linear, (x, w), reps)
+                flops = 2 * t * n * k
+                picks = _picks_kernel("linear", (x, w))
+                print(f"| {label} | {t} | {kern * 1e6:.1f}{'*' if picks else ''} | {mkl * 1e6:.1f}{'' if picks else '*'} | "
+                      f"{flops / kern / 1e9:.1f} | {flops / mkl / 1e9:.1f} | {mkl / kern:.2f}x | {flops / kern / 1e9 / peak:.0%} |")
+                rows.append({"threads": nt, "shape": label, "n": n, "k": k, "tokens": t, "kernel_us": kern * 1e6,
+                             "mkl_us": mkl * 1e6, "kernel_gflops": flops / kern / 1e9, "mkl_gflops": flops / mkl / 1e9,
+                             "mkl_peak_gflops": peak, "kernel_picked": picks})
+    os.makedirs(os.path.dirname(json_path) or ".", exist_ok=True)
+    with open(json_path, "w") as f:
+        json.dump({"load_average": load, "threads": threads, "timing": "fastest of several calls", "rows": rows}, f,
+                  indent=2)
 
 
 def invariant_linear(reps: int) -> None:
@@ -124,13 +185,25 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=300)
     parser.add_argument("--crossover", action="store_true", help="projection kernels vs GEMMs over batch sizes")
     parser.add_argument("--invariant-linear", action="store_true", help="batch-invariant linear: GEMV vs padded GEMM")
-    parser.add_argument("--json", default="benchmarks/results/cpu_kernels.json", help="where the main table goes")
+    parser.add_argument("--linear-crossover", action="store_true", help="linear kernel vs MKL at real shapes, GF/s")
+    parser.add_argument("--shape", action="append", choices=list(CROSSOVER_SHAPES),
+                        help="--crossover: only this shape (repeatable; default: all)")
+    parser.add_argument("--threads", default="1", help="intra-op threads, e.g. 1,2 (--crossover, --linear-crossover)")
+    parser.add_argument("--json", default=None, help="where the table goes (default: benchmarks/results/cpu_kernels.json, "
+                        "cpu_linear_crossover.json for --linear-crossover)")
     args = parser.parse_args()
     if not kernels.load():
         raise SystemExit("the cpu kernels did not build (see the warning)")
-    torch.set_num_threads(1)
+    threads = [int(n) for n in args.threads.split(",")]
+    if args.linear_crossover:
+        return linear_crossover(threads, args.json or "benchmarks/results/cpu_linear_crossover.json")
     if args.crossover:
-        return crossover(max(args.reps // 10, 10))
+        for n in threads:
+            torch.set_num_threads(n)
+            print(f"\n## {n} thread(s), load average {os.getloadavg()[0]:.2f}")
+            crossover(max(args.reps // 10, 10), args.shape)
+        return
+    torch.set_num_threads(1)
     if args.invariant_linear:
         return invariant_linear(args.reps)
     load = os.getloadavg()  # other work on the cores inflates both columns: recorded with them
@@ -150,8 +223,9 @@ def main() -> None:
         ref_us, fused_us = _time(ref_fn, inputs, args.reps), _time(fused_fn, inputs, args.reps)
         print(f"| {name} | {ref_us:.1f} | {fused_us:.1f} | {ref_us / fused_us:.1f}x | {diff} |")
         rows.append(dict(op=name, reference_us=ref_us, fused_us=fused_us, speedup=ref_us / fused_us, max_rel_diff=diff))
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
+    path = args.json or "benchmarks/results/cpu_kernels.json"
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
         json.dump(dict(tokens=args.tokens, candidates=args.candidates, reps=args.reps, threads=1, load_average=load,
                        rows=rows), f, indent=2)
 

@@ -35,11 +35,20 @@ namespace deepinfer_cpu {
 // then the tail elements in order. dot_rows computes R such dots that share x in one pass: R
 // independent accumulator chains (a single dot is bound by the FMA latency, ~4 cycles per chunk)
 // and, for R = 8, one reduction of the 8 rows together instead of a horizontal reduction per dot.
-// Which block a row lands in depends only on the shapes (and, in sparse_attention, on the token's
-// own valid keys), never on the other tokens. (The summation order is the same in every block,
-// but GCC may fuse a multiply-add in one instantiation and not another (its znver tuning avoids
-// FMA in some reduction chains), so bits can differ between R, never between batches.)
+// Every multiply-add is one fused multiply-add (madd) where the CPU has FMA, spelled out rather
+// than left to GCC's contraction (its znver tuning splits FMA chains in some loops and not others),
+// so the bits are the same in every block and in gemm_rows' register tiles: a dot's result depends
+// only on its two vectors, never on the block, the tile, the batch or the thread count.
 constexpr int kLanes = 8;
+
+// acc + x * w with one rounding where the CPU fuses it (every CPU the AVX-512 tiles below run on)
+inline float madd(float x, float w, float acc) {
+#if defined(__FMA__)
+  return std::fma(x, w, acc);
+#else
+  return x * w + acc;
+#endif
+}
 
 // ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7))
 inline float sum_lanes(const float* a) { return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7])); }
@@ -71,7 +80,7 @@ inline void dot_rows(const float* __restrict x, RowOf row_of, int64_t n, float* 
     for (int r = 0; r < R; ++r) {
       const float* __restrict w = row_of(r);
 #pragma omp simd
-      for (int l = 0; l < kLanes; ++l) acc[r][l] += x[k + l] * w[k + l];
+      for (int l = 0; l < kLanes; ++l) acc[r][l] = madd(x[k + l], w[k + l], acc[r][l]);
     }
   if constexpr (R == 8) {
     sum_lanes_8_rows(acc, out);
@@ -82,7 +91,7 @@ inline void dot_rows(const float* __restrict x, RowOf row_of, int64_t n, float* 
     for (int r = 0; r < R; ++r) {
       const float* __restrict w = row_of(r);
       float s = out[r];
-      for (int64_t k = body; k < n; ++k) s += x[k] * w[k];
+      for (int64_t k = body; k < n; ++k) s = madd(x[k], w[k], s);
       out[r] = s;
     }
 }
@@ -134,16 +143,154 @@ inline void gemv(const float* x, const float* w, int64_t ldw, int64_t n, int64_t
   dot_many(x, [w, ldw](int64_t r) { return w + r * ldw; }, n, rows, out);
 }
 
+#if defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
+#define DEEPINFER_DOT_TILES 1
+// Register tiles for gemm_rows: the dots of several tokens with several weight rows at once, so
+// each weight chunk loaded feeds several FMAs (a GEMV feeds one: it is bound by loads, ~half a
+// core's FMA rate). A 512-bit register holds the kLanes partial sums of two dots, one token in
+// each half: the tokens' chunks are packed in pairs, x[2p] and x[2p + 1] side by side, and a
+// weight chunk is broadcast to both halves. Every lane still does dot_rows' arithmetic, a chain
+// of madd over the chunks in k order from 0, and the reduction is sum_lanes' tree, so each dot
+// has dot_rows' bits (tests/unit/test_cpu_kernels.py compares them for T = 1..40).
+constexpr int kTilePairs = 4, kTileRows = 6;  // 24 accumulators + 4 token pairs + a weight chunk: 29 of 32 registers
+
+// per 128-bit lane: (a0 + a1, a2 + a3, b0 + b1, b2 + b3), vhaddps's step on 512 bits
+inline __m512 hadd_lanes(__m512 a, __m512 b) {
+  return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x88), _mm512_shuffle_ps(a, b, 0xDD));
+}
+
+// sum_lanes of the 8 dots in 4 accumulators of two dots each: (a, b, c, d of the low-half token |
+// the same of the high-half token). Two hadd steps give ((l0 + l1) + (l2 + l3)) of each dot in
+// 128-bit lanes 0 and 2 and ((l4 + l5) + (l6 + l7)) in lanes 1 and 3; the last add joins them.
+inline __m256 sum_lanes_4x2(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const __m512 s = hadd_lanes(hadd_lanes(a, b), hadd_lanes(c, d));
+  return _mm256_add_ps(_mm512_castps512_ps256(_mm512_shuffle_f32x4(s, s, 0x08)),
+                       _mm512_castps512_ps256(_mm512_shuffle_f32x4(s, s, 0x0D)));
+}
+
+// outs[2p + h][r] = sum_lanes of the body (chunks x kLanes) of the dot of token pair p, half h,
+// with row r of w, for p < NP, r < RR. xp: NP packed pairs, `pair_stride` floats apart;
+// outs[2p + 1] may be null (an odd last token: that half is zeros and is not stored). `prefetch`
+// (or null): the rows a later tile needs, fetched into cache during this one (the weight is
+// streamed from memory once; the hardware prefetcher alone left the LM head at ~1/2 the bandwidth).
+template <int NP, int RR>
+inline void dot_tile(const float* __restrict xp, int64_t pair_stride, const float* __restrict w, int64_t ldw,
+                     int64_t chunks, float* const* outs, const float* prefetch) {
+  __m512 acc[NP][RR];
+#pragma GCC unroll 32
+  for (int p = 0; p < NP; ++p)
+#pragma GCC unroll 32
+    for (int r = 0; r < RR; ++r) acc[p][r] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < chunks; ++c) {
+    __m512 xv[NP];
+#pragma GCC unroll 32
+    for (int p = 0; p < NP; ++p) xv[p] = _mm512_loadu_ps(xp + p * pair_stride + c * 2 * kLanes);
+    if (prefetch != nullptr && c % 2 == 0)  // a 64-byte line holds two chunks
+#pragma GCC unroll 32
+      for (int r = 0; r < RR; ++r)
+        _mm_prefetch(reinterpret_cast<const char*>(prefetch + r * ldw + c * kLanes), _MM_HINT_T0);
+#pragma GCC unroll 32
+    for (int r = 0; r < RR; ++r) {
+      const __m512 wv = _mm512_broadcast_f32x8(_mm256_loadu_ps(w + r * ldw + c * kLanes));
+#pragma GCC unroll 32
+      for (int p = 0; p < NP; ++p) acc[p][r] = _mm512_fmadd_ps(xv[p], wv, acc[p][r]);  // x * w + acc, one rounding
+    }
+  }
+#pragma GCC unroll 32
+  for (int p = 0; p < NP; ++p)
+#pragma GCC unroll 32
+    for (int g = 0; g < RR; g += 4) {  // 4 rows at a time; a short group repeats its last row (not stored)
+      const int cnt = std::min(4, RR - g);
+      const __m256 s = sum_lanes_4x2(acc[p][g], acc[p][g + std::min(1, cnt - 1)], acc[p][g + std::min(2, cnt - 1)],
+                                     acc[p][g + std::min(3, cnt - 1)]);
+      const __mmask8 m = static_cast<__mmask8>((1 << cnt) - 1);
+      _mm_mask_storeu_ps(outs[2 * p] + g, m, _mm256_castps256_ps128(s));
+      if (outs[2 * p + 1] != nullptr) _mm_mask_storeu_ps(outs[2 * p + 1] + g, m, _mm256_extractf128_ps(s, 1));
+    }
+}
+
+// dot_tile over `pairs` token pairs (1..kTilePairs) and RR rows
+template <int RR>
+inline void dot_tile_any(int64_t pairs, const float* xp, int64_t pair_stride, const float* w, int64_t ldw,
+                         int64_t chunks, float* const* outs, const float* prefetch) {
+  static_assert(kTilePairs == 4, "one case per tile height");
+  switch (pairs) {
+    case 1: return dot_tile<1, RR>(xp, pair_stride, w, ldw, chunks, outs, prefetch);
+    case 2: return dot_tile<2, RR>(xp, pair_stride, w, ldw, chunks, outs, prefetch);
+    case 3: return dot_tile<3, RR>(xp, pair_stride, w, ldw, chunks, outs, prefetch);
+    default: return dot_tile<4, RR>(xp, pair_stride, w, ldw, chunks, outs, prefetch);
+  }
+}
+
+// gemm_rows on the tiles, T >= 2 tokens: tokens in groups of up to kRowGroup, each group packed in
+// pairs; for each block of kTileRows weight rows (read from memory once per group), the group's
+// pairs in tiles of <= kTilePairs (balanced: 8 pairs are 4 + 4, 5 are 3 + 2); the first tile of a
+// block prefetches the block after next. Then the tail (n % kLanes) of every dot, as dot_rows: madd
+// in k order onto the tile's sum.
+template <class XOf, class OutOf>
+void gemm_rows_tiled(XOf x_of, OutOf out_of, int64_t T, const float* w, int64_t ldw, int64_t n, int64_t rows) {
+  constexpr int64_t kPrefetchBlocks = 2;
+  const int64_t chunks = n / kLanes, body = chunks * kLanes, pair_stride = chunks * 2 * kLanes;
+  const int64_t group_max = std::min(T, kRowGroup), pairs_max = (group_max + 1) / 2;
+  Scratch<float, 8192> packed_buf(pairs_max * pair_stride);
+  Scratch<float*, kRowGroup> base_buf(2 * pairs_max), outs_buf(2 * pairs_max);
+  float *packed = packed_buf.data(), **base = base_buf.data(), **outs = outs_buf.data();
+  for (int64_t t0 = 0; t0 < T; t0 += kRowGroup) {
+    const int64_t G = std::min(kRowGroup, T - t0), P = (G + 1) / 2;
+    for (int64_t t = 0; t < G; ++t) {
+      const float* x = x_of(t0 + t);
+      float* dst = packed + (t / 2) * pair_stride + (t % 2) * kLanes;
+      for (int64_t c = 0; c < chunks; ++c) std::memcpy(dst + c * 2 * kLanes, x + c * kLanes, kLanes * sizeof(float));
+      base[t] = out_of(t0 + t);
+    }
+    if (G % 2) {  // the odd last token's partner: zeros, never stored
+      float* dst = packed + (P - 1) * pair_stride + kLanes;
+      for (int64_t c = 0; c < chunks; ++c) std::fill(dst + c * 2 * kLanes, dst + c * 2 * kLanes + kLanes, 0.0f);
+    }
+    const int64_t tiles = (P + kTilePairs - 1) / kTilePairs;
+    auto block = [&](auto rows_tag, int64_t r) {
+      constexpr int RR = decltype(rows_tag)::value;
+      for (int64_t t = 0; t < 2 * P; ++t) outs[t] = t < G ? base[t] + r : nullptr;
+      const int64_t ahead = r + kPrefetchBlocks * RR;
+      const float* prefetch = ahead + RR <= rows ? w + ahead * ldw : nullptr;
+      for (int64_t i = 0, p = 0; i < tiles; ++i) {
+        const int64_t np = P / tiles + (i < P % tiles);
+        dot_tile_any<RR>(np, packed + p * pair_stride, pair_stride, w + r * ldw, ldw, chunks, outs + 2 * p,
+                         i == 0 ? prefetch : nullptr);
+        p += np;
+      }
+      if (body < n)
+        for (int64_t t = 0; t < G; ++t) {
+          const float* x = x_of(t0 + t);
+          for (int i = 0; i < RR; ++i) {
+            const float* wr = w + (r + i) * ldw;
+            float s = outs[t][i];
+            for (int64_t k = body; k < n; ++k) s = madd(x[k], wr[k], s);
+            outs[t][i] = s;
+          }
+        }
+    };
+    int64_t r = 0;
+    for (; r + kTileRows <= rows; r += kTileRows) block(std::integral_constant<int, kTileRows>{}, r);
+    for (; r < rows; ++r) block(std::integral_constant<int, 1>{}, r);
+  }
+}
+#endif
+
 // out_of(t)[r] = dot(x_of(t), w + r * ldw, n) for t < T, r < rows: gemv for T inputs, weight-stationary.
 // Each block of weight rows is loaded once for all T inputs, so a matrix that does not fit in cache
 // (a 768 KB expert of the shipped model) is read from memory once per call, not once per token.
-// The blocks (8, then 4, then single rows) and every dot are gemv's: a token's result does not depend
-// on T or on the other inputs.
+// With AVX-512, two tokens or more go through gemm_rows_tiled; otherwise the blocks (8, then 4,
+// then single rows) and every dot are gemv's. Either way a token's result does not depend on T or
+// on the other inputs.
 // A matrix up to this size stays in cache across tokens: then token by token is faster (x stays hot).
 constexpr int64_t kCachedWeightBytes = 256 * 1024;
 
 template <class XOf, class OutOf>
 inline void gemm_rows(XOf x_of, OutOf out_of, int64_t T, const float* w, int64_t ldw, int64_t n, int64_t rows) {
+#if defined(DEEPINFER_DOT_TILES)
+  if (T >= 2) return gemm_rows_tiled(x_of, out_of, T, w, ldw, n, rows);
+#endif
   if (rows * n * static_cast<int64_t>(sizeof(float)) <= kCachedWeightBytes) {  // same blocks, same dots
     for (int64_t t = 0; t < T; ++t) gemv(x_of(t), w, ldw, n, rows, out_of(t));
     return;
@@ -637,10 +784,16 @@ at::Tensor grouped_linear(const at::Tensor& x_in, const at::Tensor& w_in) {
   at::Tensor out = at::empty({T, G, N}, x.options());
   const float *X = x.data_ptr<float>(), *W = w.data_ptr<float>();
   float* O = out.data_ptr<float>();
-  // one task per (token, group): a decode token's groups (heads) spread over the threads
-  at::parallel_for(0, T * G, std::max<int64_t>(1, kMinChunkMacs / std::max<int64_t>(1, N * K)),
+  // one task per (group, block of up to kRowGroup tokens): a decode step's groups (heads) spread over
+  // the threads, and a group's weight is read once for the block's tokens (gemm_rows)
+  const int64_t blocks = (T + kRowGroup - 1) / kRowGroup;
+  at::parallel_for(0, G * blocks, std::max<int64_t>(1, kMinChunkMacs / std::max<int64_t>(1, std::min(T, kRowGroup) * N * K)),
                    [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) gemv(X + i * K, W + (i % G) * N * K, K, K, N, O + i * N);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t g = i % G, t0 = (i / G) * kRowGroup;
+      gemm_rows([&](int64_t t) { return X + ((t0 + t) * G + g) * K; }, [&](int64_t t) { return O + ((t0 + t) * G + g) * N; },
+                std::min(kRowGroup, T - t0), W + g * N * K, K, K, N);
+    }
   });
   return out;
 }

@@ -95,20 +95,30 @@ def _try_load(path: str) -> bool:
 # kernels do not take (non-float32 tensors, e.g. a bfloat16 cache): the kernels are an
 # optimisation, never a second set of semantics.
 _F32 = torch.float32
-# The projection kernels are GEMVs: each token's dots are its own (about half a GEMM's speed per
-# multiply-add), where the reference's GEMMs block tokens together after a fixed cost per call
-# (~15 us here, with the einsum / chunk / swiglu ops around them). So they win while the call's work
-# is small; the limits are multiply-adds per call, the crossovers measured at the test-model,
-# shipped-model and 512-hidden shapes (`python benchmarks/cpu_kernels.py --crossover`).
+# The projection kernels run a token alone as a GEMV and two tokens or more as register tiles of
+# token pairs x weight rows (fused_ops.cpp, gemm_rows; with AVX-512), where each weight chunk feeds
+# several FMAs: at 4-32 tokens they run at 50-100% of MKL's large-GEMM rate, where MKL's own skinny
+# GEMMs (plus the reference's einsum / chunk / swiglu ops around them) reach a half of it or less.
+# The limits are multiply-adds per call (tokens for linear), set where the reference's GEMMs catch
+# up, measured at the shipped-model, v3 bench (hidden 512) and LM-head shapes on 1 and 2 threads
+# (`python benchmarks/cpu_kernels.py --crossover --threads 1,2` and `--linear-crossover`).
 # Batch-invariant mode lifts them: a switch by batch size would change a row's rounding.
-_GEMV_MAX_MACS = 1 << 20  # grouped_linear and the shared expert
-# A plain linear is one MKL GEMM (~2-5 us fixed cost at these sizes, no einsum or chunking around
-# it): the GEMV only wins for a row or two (batch-1 decode: 1.2-1.8x, measured 64x400 to 256x1024).
-_LINEAR_MAX_TOKENS = 2
+# grouped_linear wins at every batch measured (to 512 tokens; 2^24 MACs is 256 tokens of the v3
+# bench model's 8 heads of 128 x 64).
+_GEMV_MAX_MACS = 1 << 24
+# The shared expert (and a dense MLP): the reference catches up at 48-64 tokens whatever the width
+# (hidden 256-512, intermediate 256-1024: 1.1-2.4x for the kernel at 8-32 tokens).
+_MLP_MAX_TOKENS = 48
+# A plain linear is one MKL GEMM (~2-5 us fixed cost, nothing around it): the kernel wins 1.0-2.5x
+# from 4 to 32 tokens (LM head 129,280 x 256 at 16 tokens: 1.4-1.6x), MKL leads by up to 1.2x at 64;
+# at 2 tokens it is even (LM heads) to 1.2x slower (the 0.2-0.8 MMAC projections, 2-4 us), at 1
+# token 1.5x faster.
+_LINEAR_MAX_TOKENS = 32
 _ROUTER_MAX_MACS = 1 << 18  # routers: an exp, log1p and sqrt per expert besides the dot
 # The reference MoE runs a GEMM pair per expert hit (a fixed cost each, in Python); the kernel has no
-# per-expert cost but slower dots: it wins up to about this much work per expert.
-_MOE_MAX_MACS_PER_EXPERT = 1 << 22
+# per-expert cost and tiled dots: it wins at every batch measured (up to 512 tokens, 1.3-3x), so the
+# limit only keeps prefills of many rows per expert on the GEMMs.
+_MOE_MAX_MACS_PER_EXPERT = 1 << 25
 
 
 def hc_pre(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, *, reference=ops.hc_pre):
@@ -175,12 +185,12 @@ def grouped_linear(x, weight, *, reference=ops.grouped_linear, max_macs=_GEMV_MA
     return torch.ops.deepinfer_cpu.grouped_linear(x, weight)
 
 
-def swiglu_mlp(x, gate_up, down, limit, *, reference=ops.swiglu_mlp, max_macs=_GEMV_MAX_MACS,
+def swiglu_mlp(x, gate_up, down, limit, *, reference=ops.swiglu_mlp, max_tokens=_MLP_MAX_TOKENS,
                max_qtokens=quant.MAX_TOKENS):
     if not (quant.is_plain_f32(gate_up) and quant.is_plain_f32(down)):
         out = quant.swiglu_mlp(x, gate_up, down, limit, max_qtokens)
         return out if out is not None else reference(x, gate_up, down, limit)
-    if (x.shape[0] * (gate_up.numel() + down.numel()) > max_macs or x.dtype != _F32 or gate_up.dtype != _F32
+    if (x.shape[0] > max_tokens or x.dtype != _F32 or gate_up.dtype != _F32
             or down.dtype != _F32 or x.dim() != 2):
         return reference(x, gate_up, down, limit)
     return torch.ops.deepinfer_cpu.swiglu_mlp(x, gate_up, down, limit)
@@ -315,7 +325,7 @@ def batch_invariant_ops() -> dict:
         # `python benchmarks/cpu_kernels.py --invariant-linear`).
         limits = {"max_macs_per_expert": math.inf, "max_qrows_per_expert": math.inf} if name == "moe_experts" else \
             {"max_macs": math.inf} if name in ("route_topk", "route_grouped_topk", "route_hash") else \
-            {"max_macs": math.inf, "max_qtokens": math.inf} if name in ("grouped_linear", "swiglu_mlp") else \
-            {"max_tokens": math.inf, "max_qtokens": math.inf} if name == "linear" else {}
+            {"max_macs": math.inf, "max_qtokens": math.inf} if name == "grouped_linear" else \
+            {"max_tokens": math.inf, "max_qtokens": math.inf} if name in ("linear", "swiglu_mlp") else {}
         out[name] = functools.partial(globals()[name], reference=reference, **limits)
     return out
