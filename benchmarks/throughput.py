@@ -135,8 +135,12 @@ def run_deepinfer(model_dir: str, prompts, new_tokens: int, cores: int = 1, repe
 
 def resident_weights(llm) -> dict | None:
     """Bytes by storage kind of the weights the model and its drafter hold once built (after any
-    widening or fusing at construction; memory-mapped tables apart); None for a parallel LLM."""
-    from deepinfer.core.memory import weights_by_kind
+    widening or fusing at construction; memory-mapped tables apart); None for a parallel LLM, or for
+    a --baseline build older than core/memory.py (before the quantized-weights issue)."""
+    try:
+        from deepinfer.core.memory import weights_by_kind
+    except ImportError:
+        return None
 
     engine = llm.engine
     if engine is None:
