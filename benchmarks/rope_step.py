@@ -10,8 +10,10 @@ This prints and stores (benchmarks/results/rope_step.json):
 2. the bits: per-step values against the table for every position up to 1M + a block, both released
    RoPEs (theta 1e4, and 160000 with YaRN), in shuffled batches of a drafting step's sizes;
 3. the time per drafting step of each (the table's two gathers against the computation) at batch
-   1 / 8 / 32 blocks of 5, beside a whole eager drafting step of the shipped tiny-dsv41 (DSparkDrafter
-   .draft_block) at the same batch, for scale.
+   1 / 8 / 32 blocks of 5, each recorded and replayed as the engine replays drafting steps, beside
+   a whole drafter block of the shipped tiny-dsv41 (DSparkDrafter.draft_block) at the same batch,
+   for scale, replayed where the step graphs replay it (the table says which ran eagerly, and why). A drafting engine step computes RoPE twice (the block, and absorbing the
+   accepted context rows).
 
     /work/quiet.sh python benchmarks/rope_step.py [--positions 1048581] [--reps 2000]
 """
@@ -30,6 +32,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from deepinfer.core.graphs import StepGraphs  # noqa: E402
 from deepinfer.models.rope import RopeConfig  # noqa: E402
 
 BLOCK = 5  # DSpark's block size at the released config
@@ -43,11 +46,16 @@ def table_bytes(max_model_len: int, rope: RopeConfig) -> int:
     return 2 * (max_model_len + BLOCK) * (rope.dim // 2) * 4  # cos + sin, float32
 
 
+def table(rope: RopeConfig, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The removed device table of positions 0 .. n - 1, built as it was (one computation over all)."""
+    freqs = torch.arange(n, dtype=torch.float32)[:, None] * rope.inv_freq()
+    return freqs.cos(), freqs.sin()
+
+
 def bits(n: int) -> dict:
     out = {}
     for name, rope in RELEASED.items():
-        freqs = torch.arange(n, dtype=torch.float32)[:, None] * rope.inv_freq()  # the table as it was built
-        cos, sin = freqs.cos(), freqs.sin()
+        cos, sin = table(rope, n)
         order = torch.randperm(n, generator=torch.Generator().manual_seed(0))
         differ = checked = 0
         for size in (BLOCK, 8 * BLOCK, 32 * BLOCK):
@@ -101,27 +109,39 @@ def main() -> None:
     print(f"2. bits of per-step cos/sin against the table, positions 0 .. {args.positions - 1}:")
     result["bits"] = bits(args.positions)
 
-    print("3. time per drafting step (us, median): table gathers vs per-step computation, and a whole "
-          "eager tiny-dsv41 drafting step")
-    cos, sin = rope.rotations(torch.arange(args.positions))
+    print("3. time per drafting step (us, median), each recorded and replayed as the engine runs drafting steps "
+          "(core/graphs.py): the table's gathers vs the per-step computation, and tiny-dsv41's whole drafter block")
+    cos, sin = table(rope, args.positions)
     d = drafter()
+    graphs = StepGraphs(d.accel, max_tokens=1 << 12)
     g = torch.Generator().manual_seed(1)
     result["time"] = []
     print(f"  {'blocks':>6} {'positions':>9} {'table us':>9} {'compute us':>10} {'delta us':>9} "
           f"{'draft step us':>13} {'delta/step':>10}")
     for blocks in (1, 8, 32):
         positions = torch.randint(0, args.positions - BLOCK, (blocks * BLOCK,), generator=g)
-        gather = median_us(lambda: (cos[positions], sin[positions]), args.reps)
-        compute = median_us(lambda: rope.rotations(positions), args.reps)
         anchors = torch.randint(3, 8000, (blocks,), generator=g)
         slots, anchor_pos = torch.arange(blocks), torch.randint(0, 4000, (blocks,), generator=g)
-        step = median_us(lambda: d.draft_block(anchors, slots, anchor_pos), max(50, args.reps // 20))
-        row = {"blocks": blocks, "positions": blocks * BLOCK, "table_gather_us": gather,
-               "per_step_compute_us": compute, "delta_us": compute - gather, "tiny_dsv41_draft_step_us": step,
-               "delta_share_of_draft_step": (compute - gather) / step}
+        steps = {"table": (lambda ins: (cos[ins[0]], sin[ins[0]]), [positions]),
+                 "compute": (lambda ins: rope.rotations(ins[0]), [positions]),
+                 "draft": (lambda ins: d.draft_block(*ins), [anchors, slots, anchor_pos])}
+        us = {}
+        for name, (fn, inputs) in steps.items():
+            key = (name, blocks)
+            run = lambda fn=fn, inputs=inputs, key=key: graphs.run(key, lambda: fn(inputs), inputs, fn)  # noqa: E731
+            us[name] = median_us(run, args.reps if name != "draft" else max(50, args.reps // 10))
+        # the rope steps always replay; the drafter block stays eager where a call reads data into Python
+        # (recorded in the JSON: at 8 blocks and more, tiny-dsv41's stage experts take the composite path)
+        draft_mode = next(b.eager or "replayed" for k, b in graphs.buckets.items() if k[:2] == ("draft", blocks))
+        assert all(b.eager is None for k, b in graphs.buckets.items() if k[0] != "draft")
+        delta = us["compute"] - us["table"]
+        row = {"blocks": blocks, "positions": blocks * BLOCK, "table_gather_us": us["table"],
+               "per_step_compute_us": us["compute"], "delta_us": delta, "tiny_dsv41_draft_step_us": us["draft"],
+               "draft_step": draft_mode, "delta_share_of_draft_step": delta / us["draft"]}
         result["time"].append(row)
-        print(f"  {blocks:>6} {blocks * BLOCK:>9} {gather:>9.2f} {compute:>10.2f} {compute - gather:>9.2f} "
-              f"{step:>13.1f} {row['delta_share_of_draft_step']:>10.2%}")
+        print(f"  {blocks:>6} {blocks * BLOCK:>9} {us['table']:>9.2f} {us['compute']:>10.2f} {delta:>9.2f} "
+              f"{us['draft']:>13.1f} {row['delta_share_of_draft_step']:>10.2%}  (draft step {draft_mode})")
+    result["graphs"] = dict(graphs.stats)
     result["load_average_after"] = os.getloadavg()
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
     with open(args.json, "w") as f:
