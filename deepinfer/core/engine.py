@@ -134,8 +134,8 @@ class LLMEngine:
                                  cfg.max_position_embeddings)
         # DSpark speculative decoding, when the checkpoint has a drafter and DEEPINFER_USE_NEXTN_DECODE > 0
         # (unset: the accelerator's `speculative_decoding` choice)
-        self.spec = (SpecDecoder.create(self.model, self.extra_weights, accel, config.max_num_seqs,
-                                        self.max_model_len) if config.speculative else None)
+        self.spec = (SpecDecoder.create(self.model, self.extra_weights, accel, config.max_num_seqs)
+                     if config.speculative else None)
         self.tokenizer = Tokenizer(tokenizer or model_dir, bos_token_id=cfg.bos_token_id) \
             if tokenizer is not None or os.path.isfile(os.path.join(model_dir, "tokenizer.json")) else None
         self.cache, plan = self._make_cache(dtype, sum(weight_kinds.values()))

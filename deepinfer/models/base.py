@@ -193,9 +193,8 @@ class CausalLM(ABC):
         """Run one step, update `cache`, return logits [len(logit_rows), V] of the given flat token
         rows; with `feature_layers`, (logits, features [len(feature_rows), len(feature_layers), D])."""
 
-    def make_drafter(self, extra: dict[str, torch.Tensor], max_seqs: int, margin: int, max_len: int):
-        """The speculative drafter the checkpoint carries (`extra`), or None. `max_len`: the engine's
-        max_model_len (no anchor lies at or past it)."""
+    def make_drafter(self, extra: dict[str, torch.Tensor], max_seqs: int, margin: int):
+        """The speculative drafter the checkpoint carries (`extra`), or None."""
         return None
 
     # Multimodal input. A text-only model keeps these defaults: a request with multimodal data is

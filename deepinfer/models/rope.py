@@ -19,12 +19,15 @@ class RopeConfig:
     dim: int  # rotated channels at the end of each head
     yarn: dict | None = None  # factor, original_max_position_embeddings, beta_fast, beta_slow
 
-    def inv_freq(self) -> "torch.Tensor":
+    def inv_freq(self, device=None) -> "torch.Tensor":
         """One angle rate per channel pair, in float32 exactly as the reference computes it.
         YaRN blends interpolated and extrapolated rates with a linear ramp; V4 does not
-        rescale cos/sin (attention factor 1). Computed once per config (every step reads it):
-        the returned tensor is shared, read-only."""
-        return _inv_freq(*self._key())
+        rescale cos/sin (attention factor 1). Computed once per config and kept once per device
+        (every step reads it; a captured step must not copy it there): the returned tensor is
+        shared, read-only."""
+        import torch
+
+        return _inv_freq(*self._key()) if device is None else _inv_freq_on(self._key(), torch.device(device))
 
     def cos_sin(self, positions: "np.ndarray") -> tuple["torch.Tensor", "torch.Tensor"]:
         """(cos, sin) [len(positions), dim // 2] float32 of integer positions, gathered from a
@@ -36,21 +39,17 @@ class RopeConfig:
         need = int(positions.max()) + 1 if len(positions) else 0
         table = self.table(need)
         if table is None:  # a long context: compute, rather than hold a table of every position
-            freqs = torch.from_numpy(positions)[:, None].float() * _inv_freq(*self._key())
-            return freqs.cos(), freqs.sin()
+            return self.rotations(torch.from_numpy(positions))
         return torch.from_numpy(table[0][positions]), torch.from_numpy(table[1][positions])
 
-    def device_table(self, size: int, device) -> "tuple[torch.Tensor, torch.Tensor]":
-        """(cos, sin) [size, dim // 2] of positions 0 .. size - 1 on `device`, the values `cos_sin`
-        gives: for a step that looks its rows up by position tensors on the device (a recorded step
-        reads no positions into Python)."""
-        import torch
-
-        table = self.table(size)
-        if table is None:
-            freqs = torch.arange(size, dtype=torch.float32)[:, None] * _inv_freq(*self._key())
-            return freqs.cos().to(device), freqs.sin().to(device)
-        return tuple(torch.from_numpy(t[:size]).to(device) for t in table)
+    def rotations(self, positions: "torch.Tensor") -> "tuple[torch.Tensor, torch.Tensor]":
+        """(cos, sin) [len(positions), dim // 2] float32 of an integer position tensor, computed where
+        it lives: the one formula behind `cos_sin` and its tables (the same values). A step that
+        holds its positions as device tensors (DSpark's drafting and verify steps, recorded and
+        replayed: core/graphs.py) calls this: a few elementwise ops of fixed shape, no host read,
+        and no table of every position up to max_model_len in device memory."""
+        freqs = positions[:, None].float() * self.inv_freq(positions.device)
+        return freqs.cos(), freqs.sin()
 
     def table(self, need: int) -> "tuple[np.ndarray, np.ndarray] | None":
         """The (cos, sin) tables [>= need, dim // 2] behind `cos_sin` (shared, read-only), or None
@@ -63,8 +62,8 @@ class RopeConfig:
         table = _COS_SIN_TABLES.get(key)
         if table is None or table[0].shape[0] < need:
             size = max(4096, 1 << max(need - 1, 1).bit_length())
-            freqs = torch.arange(size, dtype=torch.float32)[:, None] * _inv_freq(*key)
-            table = _COS_SIN_TABLES[key] = (freqs.cos().numpy(), freqs.sin().numpy())
+            cos, sin = self.rotations(torch.arange(size))
+            table = _COS_SIN_TABLES[key] = (cos.numpy(), sin.numpy())
         return table
 
     def _key(self) -> tuple:
@@ -73,6 +72,12 @@ class RopeConfig:
 
 _COS_SIN_TABLES: dict[tuple, tuple] = {}  # RopeConfig key -> (cos, sin) numpy tables
 _COS_SIN_TABLE_MAX = 1 << 16  # positions: 16 MB per table at V4's 64 rotated channels
+
+
+@functools.lru_cache(maxsize=64)
+def _inv_freq_on(key: tuple, device: "torch.device") -> "torch.Tensor":
+    rates = _inv_freq(*key)
+    return rates if device == rates.device else rates.to(device)
 
 
 @functools.lru_cache(maxsize=64)

@@ -120,8 +120,7 @@ def test_dspark_step(config):
     from deepinfer.models.deepseek_v41.dspark import DSparkDrafter
 
     m, g = model(config), load(f"blocks_{config}")
-    drafter = DSparkDrafter.create(m, m.extra, max_seqs=2, margin=0,
-                                  max_len=m.config.max_position_embeddings)
+    drafter = DSparkDrafter.create(m, m.extra, max_seqs=2, margin=0)
     step = g.meta["dspark_step"]
     n, anchor = step["start_pos"], step["anchor"]
     s = "dspark_step."

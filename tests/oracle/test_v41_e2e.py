@@ -149,8 +149,7 @@ def test_dspark_drafts(config):
     g = load(f"e2e_{config}")
     m = model(config)
     tol = e2e_tolerance(config)
-    drafter = DSparkDrafter.create(m, m.extra, max_seqs=2, margin=0,
-                                  max_len=m.config.max_position_embeddings)
+    drafter = DSparkDrafter.create(m, m.extra, max_seqs=2, margin=0)
     targets = drafter.dcfg.target_layer_ids
     compared = 0
     for j in PROMPTS:

@@ -10,6 +10,7 @@ import torch
 from deepinfer.backends import AcceleratorUnavailable, get_accelerator
 from deepinfer.models.base import ConfigError
 from deepinfer.models.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config
+from deepinfer.models.rope import RopeConfig
 
 LEGACY = dict(model_type="deepseek_v4", vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
               head_dim=32, qk_rope_head_dim=8, q_lora_rank=32, o_groups=2, o_lora_rank=16, n_routed_experts=8,
@@ -63,23 +64,39 @@ def test_rope_cos_sin_come_from_a_table_with_the_computed_values(monkeypatch):
     assert torch.equal(rope.cos_sin(far)[0], freqs.cos())
 
 
-def test_rope_device_table_rows_equal_cos_sin(monkeypatch):
-    """The device table a captured step looks cos/sin up in by position tensors (V4.1's drafter) holds
-    the values cos_sin gives for every position, below and past the host table's cap."""
+# DeepSeek-V4.1-Flash's released RoPE: 64 rotated channels, theta 1e4 (window layers, DSpark) and
+# 160000 with YaRN 16 / 65536 / 32 / 1 (compressed layers), 1M positions
+RELEASED_ROPES = (RopeConfig(10000.0, 64), RopeConfig(160000.0, 64, {"factor": 16, "original_max_position_embeddings":
+                                                                      65536, "beta_fast": 32, "beta_slow": 1}))
+
+
+@pytest.mark.parametrize("rope", RELEASED_ROPES + (RopeConfig(10000.0, 8),), ids=["main", "yarn", "dim8"])
+def test_rope_rotations_of_position_tensors_equal_the_tables(rope, monkeypatch):
+    """A step that holds its positions as tensors (V4.1's captured drafting / verify steps) computes
+    cos/sin from them, a few at a time in any order: the bits are those of the host table `cos_sin`
+    gathers from and of one computation over every position (the device table this replaced), up to
+    V4.1's 1M context."""
     import numpy as np
 
     from deepinfer.models import rope as config_module
 
-    rope = DeepseekV4Config.from_dict(LEGACY).rope_main
     monkeypatch.setattr(config_module, "_COS_SIN_TABLES", {})
-    for cap in (1 << 16, 5000):
-        monkeypatch.setattr(config_module, "_COS_SIN_TABLE_MAX", cap)
-        cos, sin = rope.device_table(6000, "cpu")
-        assert cos.shape == sin.shape == (6000, rope.dim // 2)
-        positions = np.array([0, 1, 4095, 4096, 5999, 17])
-        expected = rope.cos_sin(positions)
-        index = torch.from_numpy(positions)
-        assert torch.equal(cos[index], expected[0]) and torch.equal(sin[index], expected[1])
+    n = (1 << 20) + 5  # max_model_len 1M + a DSpark block
+    everything = torch.arange(0, n, 7)  # every 7th position: one computation over all of them at once
+    freqs = everything[:, None].float() * rope.inv_freq()
+    all_cos, all_sin = freqs.cos(), freqs.sin()
+    order = torch.randperm(len(everything), generator=torch.Generator().manual_seed(0))
+    for size in (1, 5, 160):  # batch 1, a block of 5, 32 blocks
+        rows = order[:20000].split(size)
+        for index in rows:
+            cos, sin = rope.rotations(everything[index])
+            assert cos.dtype == sin.dtype == torch.float32 and cos.shape == (len(index), rope.dim // 2)
+            assert torch.equal(cos, all_cos[index]) and torch.equal(sin, all_sin[index])
+    positions = np.array([0, 1, 4095, 4096, 65535, 17, 9000])  # within the host table
+    cos, sin = rope.rotations(torch.from_numpy(positions))
+    expected = rope.cos_sin(positions)
+    assert torch.equal(cos, expected[0]) and torch.equal(sin, expected[1])
+    assert rope.inv_freq("cpu") is rope.inv_freq()  # the rates stay where they are: no copy per step
 
 
 @pytest.mark.parametrize("change, message", [

@@ -113,3 +113,32 @@ def test_bf16_compute_on_cpu_runs_and_rounds_gemm_inputs():
     assert len(out["bfloat16"]) == 6
     # the tiny shipped model is confident enough that the first tokens survive bf16 GEMM inputs
     assert out["bfloat16"][:2] == out["float32"][:2]
+
+
+def _tensor_bytes(value, seen: set) -> int:
+    if isinstance(value, torch.Tensor):
+        key = (value.untyped_storage().data_ptr(), value.untyped_storage().nbytes())
+        if key in seen:
+            return 0
+        seen.add(key)
+        return key[1]
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+    return sum(_tensor_bytes(v, seen) for v in items)
+
+
+def test_the_drafter_holds_nothing_that_grows_with_max_model_len(monkeypatch):
+    """DSpark's device memory outside the memory plan (stage weights, context rings) is the same at any
+    max_model_len: its RoPE is computed per step from positions, not looked up in a table of every
+    position (which at DeepSeek-V4.1-Flash's 1M context would be 256 MiB nobody planned for)."""
+    import os
+
+    from deepinfer.llm import DEFAULT_MODEL_DIR
+
+    monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "3")
+    held = []
+    for max_model_len in (256, 4096):  # tiny-dsv41's max_position_embeddings: 4096
+        llm = LLM(model=os.path.join(os.path.dirname(DEFAULT_MODEL_DIR), "tiny-dsv41"), max_model_len=max_model_len,
+                  **SMALL)
+        drafter = llm.engine.spec.drafter
+        held.append(_tensor_bytes([v for k, v in vars(drafter).items() if k != "model"], set()))
+    assert held[0] == held[1] > 0

@@ -50,8 +50,8 @@ class SpecDecoder:
         self.stats = {"steps": 0, "verified": 0, "accepted": 0}
 
     @classmethod
-    def create(cls, model, extra: dict[str, torch.Tensor], accel: Accelerator, max_seqs: int,
-               max_len: int) -> "SpecDecoder | None":
+    def create(cls, model, extra: dict[str, torch.Tensor], accel: Accelerator,
+               max_seqs: int) -> "SpecDecoder | None":
         """None when drafting is off (DEEPINFER_USE_NEXTN_DECODE=0, or unset on a backend whose
         `speculative_decoding` is False) or the checkpoint has no drafter: then nothing here runs and
         the cache keeps no rollback margin."""
@@ -59,7 +59,7 @@ class SpecDecoder:
         if not max_draft:
             return None
         margin = envs.max_backtracking_tokens()
-        drafter = model.make_drafter(extra, max_seqs, margin, max_len)
+        drafter = model.make_drafter(extra, max_seqs, margin)
         if drafter is None:
             return None
         return cls(model, drafter, accel, min(max_draft, drafter.dcfg.block_size), margin)

@@ -135,12 +135,11 @@ class DSparkDrafter:
         # per stage: [slot rings | block scratch] of context KV; the block's own KV goes to the scratch
         rows = max_seqs * self.ring + max_seqs * dcfg.block_size
         self.kv = [torch.zeros(rows, cfg.head_dim, device=accel.device) for _ in range(dcfg.num_stages)]
-        self._inv_freq = cfg.rope_main.inv_freq()
+        cfg.rope_main.inv_freq(self.kv[0].device)  # RoPE rates on the device once, not per step
 
     # ------------------------------------------------------------ shared pieces
     def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions[:, None].float() * self._inv_freq.to(positions.device)
-        return freqs.cos(), freqs.sin()
+        return self.cfg.rope_main.rotations(positions)
 
     def context(self, features: torch.Tensor) -> torch.Tensor:
         """features [T, L, D] -> context [T, D] (main_proj + main_norm)."""

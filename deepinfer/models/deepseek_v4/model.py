@@ -80,7 +80,7 @@ class DeepseekV4Model(CausalLM):
         """This model's view of `cache` (built once per cache)."""
         return self._views.get(cache)
 
-    def make_drafter(self, extra: dict[str, torch.Tensor], max_seqs: int, margin: int, max_len: int):
+    def make_drafter(self, extra: dict[str, torch.Tensor], max_seqs: int, margin: int):
         from deepinfer.models.deepseek_v4.dspark import DSparkConfig, DSparkDrafter
 
         dcfg = DSparkConfig.from_model(self.config, extra)

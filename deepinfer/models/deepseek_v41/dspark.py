@@ -83,8 +83,7 @@ class DSparkDrafter:
     heads (`logits`, `markov`, `confidence_logit`)."""
 
     @classmethod
-    def create(cls, model, extra: dict[str, torch.Tensor], max_seqs: int, margin: int,
-               max_len: int) -> "DSparkDrafter | None":
+    def create(cls, model, extra: dict[str, torch.Tensor], max_seqs: int, margin: int) -> "DSparkDrafter | None":
         cfg = model.config
         stages = mtp_stages(extra)
         if not cfg.num_nextn_predict_layers or not stages:
@@ -97,10 +96,9 @@ class DSparkDrafter:
         dcfg = DSparkConfig(int(d["dspark_block_size"]), int(d.get("dspark_noise_token_id", 0)),
                             tuple(int(i) for i in d["dspark_target_layer_ids"]), int(d.get("dspark_markov_rank", 256)),
                             cfg.num_nextn_predict_layers, n_experts, top_k)
-        return cls(model, dcfg, stage_weights(extra, cfg, dcfg), max_seqs, margin, max_len)
+        return cls(model, dcfg, stage_weights(extra, cfg, dcfg), max_seqs, margin)
 
-    def __init__(self, model, dcfg: DSparkConfig, weights: dict[str, torch.Tensor], max_seqs: int, margin: int,
-                 max_len: int):
+    def __init__(self, model, dcfg: DSparkConfig, weights: dict[str, torch.Tensor], max_seqs: int, margin: int):
         from deepinfer.backends.base import WeightRole
 
         self.model, self.cfg, self.dcfg, self.accel = model, model.config, dcfg, model.accel
@@ -112,9 +110,9 @@ class DSparkDrafter:
         self.max_seqs = max_seqs
         rows = max_seqs * self.ring + max_seqs * dcfg.block_size  # [slot rings | the block's scratch]
         self.kv = [torch.zeros(rows, self.cfg.head_dim, device=self.accel.device) for _ in range(dcfg.num_stages)]
-        # RoPE of every position a block can reach (anchors lie before max_len), looked up on the device
-        # by position tensors: drafting and verify steps read no positions into Python (core/graphs.py)
-        self.cos_sin = self.cfg.rope_main.device_table(max_len + dcfg.block_size, self.accel.device)
+        # RoPE computed on the device from position tensors (drafting and verify steps read no positions
+        # into Python: core/graphs.py); its rates go to the device now, not inside a captured step
+        self.cfg.rope_main.inv_freq(self.kv[0].device)
         # each stage's routed experts: the backbone's call (one fixed-shape op, recorded like any other)
         self.experts = [model._local_experts(self.w[f"mtp.{k}.ffn.experts.gate_up"],
                                              self.w[f"mtp.{k}.ffn.experts.down"]) for k in range(dcfg.num_stages)]
@@ -127,8 +125,7 @@ class DSparkDrafter:
         return m.norm(projected, self.w["mtp.0.main_norm.weight"])
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.cos_sin
-        return cos[positions], sin[positions]
+        return self.cfg.rope_main.rotations(positions)
 
     def stage_kv(self, k: int, x: torch.Tensor, cos_sin) -> torch.Tensor:
         """Stage k's window KV of rows x [T, D]: FP8-QDQ'd after RoPE."""

@@ -158,10 +158,10 @@ class DeepseekV41Model(CausalLM):
             return StepMeta.ahead(inp, self.view(cache), self.config, steps, split)
         return StepMeta(inp, self.view(cache), self.config, split=split)
 
-    def make_drafter(self, extra: dict[str, torch.Tensor], max_seqs: int, margin: int, max_len: int):
+    def make_drafter(self, extra: dict[str, torch.Tensor], max_seqs: int, margin: int):
         from deepinfer.models.deepseek_v41.dspark import DSparkDrafter
 
-        return DSparkDrafter.create(self, extra, max_seqs, margin, max_len)
+        return DSparkDrafter.create(self, extra, max_seqs, margin)
 
     # ------------------------------------------------------------ image input (multimodal.py, vision.py)
     @property
