@@ -103,22 +103,27 @@ _F32 = torch.float32
 # up, measured at the shipped-model, v3 bench (hidden 512) and LM-head shapes on 1 and 2 threads
 # (`python benchmarks/cpu_kernels.py --crossover --threads 1,2` and `--linear-crossover`).
 # Batch-invariant mode lifts them: a switch by batch size would change a row's rounding.
+# The tiles are compiled where the compiler targets AVX-512 (-march=native on a CPU that has it:
+# torch reports the same capability); elsewhere each token is a GEMV of its own, and the limits are
+# those measured before the tiles (the second value of each pair).
+_TILES = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 # grouped_linear wins at every batch measured (to 512 tokens; 2^24 MACs is 256 tokens of the v3
 # bench model's 8 heads of 128 x 64).
-_GEMV_MAX_MACS = 1 << 24
+_GEMV_MAX_MACS = 1 << 24 if _TILES else 1 << 20
 # The shared expert (and a dense MLP): the reference catches up at 48-64 tokens whatever the width
-# (hidden 256-512, intermediate 256-1024: 1.1-2.4x for the kernel at 8-32 tokens).
-_MLP_MAX_TOKENS = 48
+# (hidden 256-512, intermediate 256-1024: 1.1-2.4x for the kernel at 8-32 tokens). Untiled: 2^20
+# multiply-adds per call, whatever the tokens.
+_MLP_MAX_TOKENS, _MLP_MAX_MACS = (48, math.inf) if _TILES else (math.inf, 1 << 20)
 # A plain linear is one MKL GEMM (~2-5 us fixed cost, nothing around it): the kernel wins 1.0-2.5x
 # from 4 to 32 tokens (LM head 129,280 x 256 at 16 tokens: 1.4-1.6x), MKL leads by up to 1.2x at 64;
 # at 2 tokens it is even (LM heads) to 1.2x slower (the 0.2-0.8 MMAC projections, 2-4 us), at 1
 # token 1.5x faster.
-_LINEAR_MAX_TOKENS = 32
+_LINEAR_MAX_TOKENS = 32 if _TILES else 2
 _ROUTER_MAX_MACS = 1 << 18  # routers: an exp, log1p and sqrt per expert besides the dot
 # The reference MoE runs a GEMM pair per expert hit (a fixed cost each, in Python); the kernel has no
 # per-expert cost and tiled dots: it wins at every batch measured (up to 512 tokens, 1.3-3x), so the
 # limit only keeps prefills of many rows per expert on the GEMMs.
-_MOE_MAX_MACS_PER_EXPERT = 1 << 25
+_MOE_MAX_MACS_PER_EXPERT = 1 << 25 if _TILES else 1 << 22
 
 
 def hc_pre(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, *, reference=ops.hc_pre):
@@ -186,11 +191,12 @@ def grouped_linear(x, weight, *, reference=ops.grouped_linear, max_macs=_GEMV_MA
 
 
 def swiglu_mlp(x, gate_up, down, limit, *, reference=ops.swiglu_mlp, max_tokens=_MLP_MAX_TOKENS,
-               max_qtokens=quant.MAX_TOKENS):
+               max_macs=_MLP_MAX_MACS, max_qtokens=quant.MAX_TOKENS):
     if not (quant.is_plain_f32(gate_up) and quant.is_plain_f32(down)):
         out = quant.swiglu_mlp(x, gate_up, down, limit, max_qtokens)
         return out if out is not None else reference(x, gate_up, down, limit)
-    if (x.shape[0] > max_tokens or x.dtype != _F32 or gate_up.dtype != _F32
+    if (x.shape[0] > max_tokens or x.shape[0] * (gate_up.numel() + down.numel()) > max_macs
+            or x.dtype != _F32 or gate_up.dtype != _F32
             or down.dtype != _F32 or x.dim() != 2):
         return reference(x, gate_up, down, limit)
     return torch.ops.deepinfer_cpu.swiglu_mlp(x, gate_up, down, limit)
@@ -326,6 +332,7 @@ def batch_invariant_ops() -> dict:
         limits = {"max_macs_per_expert": math.inf, "max_qrows_per_expert": math.inf} if name == "moe_experts" else \
             {"max_macs": math.inf} if name in ("route_topk", "route_grouped_topk", "route_hash") else \
             {"max_macs": math.inf, "max_qtokens": math.inf} if name == "grouped_linear" else \
-            {"max_tokens": math.inf, "max_qtokens": math.inf} if name in ("linear", "swiglu_mlp") else {}
+            {"max_tokens": math.inf, "max_macs": math.inf, "max_qtokens": math.inf} if name == "swiglu_mlp" else \
+            {"max_tokens": math.inf, "max_qtokens": math.inf} if name == "linear" else {}
         out[name] = functools.partial(globals()[name], reference=reference, **limits)
     return out
