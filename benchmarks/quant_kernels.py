@@ -4,6 +4,7 @@ crossover. Prints tables and writes benchmarks/results/quant_kernels.json.
     python benchmarks/quant_kernels.py                # decode at batch 1: tiny FP8/FP4 test configs
     python benchmarks/quant_kernels.py --crossover    # where widening + MKL beats the GEMV kernels
     python benchmarks/quant_kernels.py --fp8-qdq      # V4.1's FP8 activation quantization: kernel vs torch ops
+    python benchmarks/quant_kernels.py --experts-crossover   # V4.1's routed experts: where the kernel widens
 
 Decode: each tiny test config (tests/tiny_models.py) stored as V4-Flash stores it (FP4 experts,
 FP8 dense projections, bf16 router / embedding / head: tests/quant_checks.py) against the same
@@ -67,6 +68,48 @@ def crossover(repeats: int) -> dict:
             chunks = time_call(lambda: chunked(x, w), repeats)
             rows[label].append({"tokens": t, "gemv_s": gemv, "widen_gemm_s": wide, "chunked_widen_gemm_s": chunks})
             print(f"{label:<34} {t:>4} {gemv * 1e3:>9.2f} {wide * 1e3:>14.2f} {chunks * 1e3:>15.2f}")
+    return rows
+
+
+def experts_crossover(repeats: int) -> list[dict]:
+    """DeepSeek-V4.1's routed experts (moe_experts_bf16, FP4 stacks, FP8 inputs per 32) by rows per
+    expert: the kernel with every expert on the GEMV tiles, the kernel with every expert on widened
+    tiles + MKL, and the base class's composite (a loop over the experts in Python; its GEMMs the
+    quantized linear's, GEMV up to 16 rows): where the kernel's own switch (MOE_GEMM_FROM_ROWS)
+    belongs. Shapes: tiny-dsv41's experts (8 of 256 x 256) and four experts at V4.1-Flash's shape
+    (hidden 5120, intermediate 2304)."""
+    import math
+
+    from deepinfer.backends.base import Accelerator
+    from deepinfer.backends.cpu import CpuKernelAccelerator, kernels
+    from deepinfer.backends.quant import quantize_fp4
+    from deepinfer.core.spec.planner import time_call
+
+    kernels.load()
+    acc = CpuKernelAccelerator()
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    print(f"{'experts':<28} {'rows/expert':>11} {'GEMV tiles ms':>14} {'widened+MKL ms':>15} {'composite ms':>13}")
+    for label, e, d, inter, per_expert in (("tiny-dsv41 8 x 256x256", 8, 256, 256, (4, 8, 16, 32, 64, 128)),
+                                           ("V4.1-Flash 4 x 5120x2304", 4, 5120, 2304, (4, 16, 32, 64))):
+        gu = quantize_fp4(torch.randn(e, 2 * inter, d, generator=gen) * 0.02)
+        dn = quantize_fp4(torch.randn(e, d, inter, generator=gen) * 0.02)
+        for n in per_expert:
+            t = n * e // 2  # top-2, every expert the same load
+            x = torch.randn(t, d, generator=gen)
+            ids = torch.arange(2 * t).view(t, 2) % e
+            w = torch.rand(t, 2, generator=gen)
+
+            def kernel(gemm_from):
+                return lambda: kernels.moe_experts_bf16(x, w, ids, gu, dn, 10.0, 32, reference=None,
+                                                        gemm_from_rows=gemm_from)
+            reps = repeats if d < 1024 or n <= 16 else 2
+            gemv = time_call(kernel(math.inf), reps)
+            wide = time_call(kernel(0), reps)
+            composite = time_call(lambda: Accelerator.moe_experts_bf16(acc, x, w, ids, gu, dn, 10.0, 32), reps)
+            rows.append({"experts": label, "rows_per_expert": n, "tokens": t, "gemv_tiles_s": gemv,
+                         "widened_gemm_s": wide, "composite_s": composite})
+            print(f"{label:<28} {n:>11} {gemv * 1e3:>14.2f} {wide * 1e3:>15.2f} {composite * 1e3:>13.2f}")
     return rows
 
 
@@ -188,6 +231,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--crossover", action="store_true")
     parser.add_argument("--fp8-qdq", action="store_true", help="time the FP8 activation quantization only")
+    parser.add_argument("--experts-crossover", action="store_true",
+                        help="V4.1's routed experts: GEMV tiles vs widened + MKL vs the composite, by rows per expert")
     parser.add_argument("--steps", type=int, default=192)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default=str(HERE / "results" / "quant_kernels.json"))
@@ -198,6 +243,9 @@ def main() -> None:
     if args.fp8_qdq:
         data["fp8_qdq"] = {"rows": fp8_qdq_timing(args.repeats), "threads": torch.get_num_threads(),
                            "load_average": os.getloadavg()}
+    elif args.experts_crossover:
+        data["experts_crossover"] = {"rows": experts_crossover(args.repeats), "threads": torch.get_num_threads(),
+                                     "load_average": os.getloadavg()}
     elif args.crossover:
         data["crossover"] = {"rows": crossover(args.repeats), "threads": torch.get_num_threads(),
                              "load_average": os.getloadavg()}

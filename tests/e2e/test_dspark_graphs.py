@@ -43,11 +43,13 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def _generate(llm) -> list[list[int]]:
     """Greedy requests of different lengths finishing at different steps, then a batch with seeded
     sampled requests among greedy ones (their drafter draws with the cpu sampler, which reads tensor
-    data into Python: those drafting steps stay eager, their verify steps are replayed)."""
+    data into Python: those drafting steps stay eager, their verify steps are replayed). Eight
+    sequences: a drafting block then puts 8 x 5 tokens x top-2 = 80 rows on tiny-dsv41's 4 stage
+    experts, past what the experts kernel took in one call before it took every size."""
     g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(3, 8000, (n,), generator=g).tolist() for n in (5, 40, 17, 90, 33, 8)]
-    greedy = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (40, 24, 36, 30, 40, 28)]
-    mixed = greedy[:4] + [SamplingParams(temperature=0.8, max_tokens=24, seq_seed=s, ignore_eos=True) for s in (1, 2)]
+    prompts = [torch.randint(3, 8000, (n,), generator=g).tolist() for n in (5, 40, 17, 90, 33, 8, 21, 12)]
+    greedy = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (40, 24, 36, 30, 40, 28, 34, 38)]
+    mixed = greedy[:6] + [SamplingParams(temperature=0.8, max_tokens=24, seq_seed=s, ignore_eos=True) for s in (1, 2)]
     return [o.outputs[0].token_ids for params in (greedy, mixed)
             for o in llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)]
 

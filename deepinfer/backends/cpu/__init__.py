@@ -130,11 +130,12 @@ class _Kernels:
     """What the kernel classes share: the fused sequences, and the experts kernel with the base
     class's composite as its fallback."""
 
-    _expert_rows_limit = kernels.quant.MAX_TOKENS  # rows per expert (kernels.moe_experts_bf16)
+    _expert_gemm_from_rows = kernels.quant.MOE_GEMM_FROM_ROWS  # rows per expert (kernels.moe_experts_bf16)
 
     def moe_experts_bf16(self, x, weights, ids, gate_up, down, limit, act_block=0):
         return kernels.moe_experts_bf16(x, weights, ids, gate_up, down, limit, act_block,
-                                        reference=super().moe_experts_bf16, max_rows_per_expert=self._expert_rows_limit)
+                                        reference=super().moe_experts_bf16,
+                                        gemm_from_rows=self._expert_gemm_from_rows)
 
     def kernel(self, name: str):
         return kernels.FUSED.get(name)
@@ -155,7 +156,7 @@ class CpuInvariantKernelAccelerator(_Kernels, CpuInvariantAccelerator):
     """The kernels at every batch size (each computes a row in a fixed order), invariant.py's ops for
     inputs they do not take."""
 
-    _expert_rows_limit = math.inf
+    _expert_gemm_from_rows = math.inf
 
 
 for _name, _op in kernels.batch_invariant_ops().items():

@@ -241,17 +241,16 @@ def moe_experts(x, weights, ids, gate_up, down, limit, *, reference=ops.moe_expe
 
 
 def moe_experts_bf16(x, weights, ids, gate_up, down, limit, act_block=0, *, reference,
-                     max_rows_per_expert=quant.MAX_TOKENS):
+                     gemm_from_rows=quant.MOE_GEMM_FROM_ROWS):
     """Accelerator.moe_experts_bf16 in one call of the experts kernel (quant_ops.cpp), on float32, bf16
-    and quantized stacks. `reference` is the base class's composite (bound to the accelerator). Past
-    `max_rows_per_expert` rows per expert on average (prefill) the composite runs instead, its GEMMs
-    on the tiled GEMM path: the limit is the quantized linear's crossover, not measured for the experts
-    themselves. Batch-invariant mode lifts it (a switch by batch size would change a row's rounding)."""
-    if ids.numel() <= max_rows_per_expert * gate_up.shape[0]:
-        out = quant.moe_experts(x, weights, ids, gate_up, down, limit, True, act_block)
-        if out is not None:
-            return out
-    return reference(x, weights, ids, gate_up, down, limit, act_block)
+    and quantized stacks, at every size: one fixed-shape call, so a step that holds it is recorded
+    and replayed whatever its rows (DSpark's drafting blocks at batch 8 put 20 rows on each of a
+    stage's 4 experts). An expert with more than `gemm_from_rows` rows (prefill) has its GEMMs on
+    widened tiles + MKL inside the call; batch-invariant mode passes inf (a switch by batch size would
+    change a row's rounding). `reference` is the base class's composite (bound to the accelerator),
+    for inputs the kernel does not take."""
+    out = quant.moe_experts(x, weights, ids, gate_up, down, limit, True, act_block, gemm_from_rows)
+    return out if out is not None else reference(x, weights, ids, gate_up, down, limit, act_block)
 
 
 def fp8_qdq(x, block, *, reference=ops.fp8_qdq):

@@ -36,8 +36,11 @@ MAX_TOKENS = 16
 _WIDEN_TILE_BYTES = 512 << 10
 # Rows per routed expert past which its GEMMs go widened + MKL (moe_experts' gemm_from_rows). FP4
 # experts 8 x [512, 256] / [256, 256], top-2, 2 threads: about even at 16 rows per expert (T = 64:
-# 1.30 vs 1.39 ms), 2.2x at 128 and 2.8x at 512 (6.64 vs 3.05 ms, 30.98 vs 10.89 ms). 32 keeps decode
-# batches (a few rows per expert) on the GEMV tiles even when routing is uneven.
+# 1.30 vs 1.39 ms), 2.2x at 128 and 2.8x at 512 (6.64 vs 3.05 ms, 30.98 vs 10.89 ms). With V4.1's
+# rounding points (`python benchmarks/quant_kernels.py --experts-crossover`): even at 4-8 rows, 1.16x
+# at 16, 1.48x at 32 (tiny-dsv41's experts); at V4.1-Flash's shape 1.08x at 16, 1.14x at 32. 32 keeps
+# decode batches (a few rows per expert) on the GEMV tiles, whose bits do not depend on the batch,
+# even when routing is uneven.
 MOE_GEMM_FROM_ROWS = 32
 
 
@@ -111,7 +114,7 @@ def moe_experts(x, weights, ids, gate_up: Weight, down: Weight, limit: float, bf
                 act_block: int = 0, gemm_from_rows: float = math.inf) -> torch.Tensor | None:
     """moe_experts, or with `bf16_acts` moe_experts_bf16 (act_block as there), in one C++ call. An expert
     with more than `gemm_from_rows` rows (prefill) goes through its widened tiles and MKL's GEMM instead
-    of the GEMV tiles (not with bf16_acts): ~3x faster there, its rows rounded differently."""
+    of the GEMV tiles: ~3x faster there, its rows rounded differently."""
     gu, dn = weight_args(gate_up), weight_args(down)
     if gu is None or dn is None or x.dtype != _F32 or x.shape[0] == 0 or gate_up.dim() != 3:
         return None

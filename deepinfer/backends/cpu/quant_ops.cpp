@@ -690,9 +690,9 @@ void widened_gemm(int64_t fmt, const Matrix& w, const at::Tensor& x, at::Tensor&
 // intermediate before its rounding, the slots' outputs summed unweighted). Shapes are all the call
 // fixes: no host reads, so a recorded step replays it as one call. An expert with more than
 // `gemm_from_rows` rows (>= 0; prefill) multiplies them by its matrices widened tile by tile and MKL's
-// GEMM (widened_gemm), as qlinear_widened: bound by arithmetic there, where the GEMV tiles are not.
-// That changes those rows' rounding with the batch, so batch-invariant mode passes -1 (never);
-// bf16_acts keeps the GEMV tiles too.
+// GEMM (widened_gemm), as qlinear_widened: bound by arithmetic there, where the GEMV tiles are not
+// (bf16_acts' rounding points stay where they are). That changes those rows' rounding with the
+// batch, so batch-invariant mode passes -1 (never).
 at::Tensor qmoe_experts(const at::Tensor& x_in, const at::Tensor& weights_in, const at::Tensor& ids_in,
                         const at::Tensor& gu_data, const c10::optional<at::Tensor>& gu_scale, at::IntArrayRef gu_spec,
                         const at::Tensor& dn_data, const c10::optional<at::Tensor>& dn_scale, at::IntArrayRef dn_spec,
@@ -738,24 +738,21 @@ at::Tensor qmoe_experts(const at::Tensor& x_in, const at::Tensor& weights_in, co
       gu_rows.resize(n * 2 * I);
       hidden.resize(n * I);
       const Matrix gm = gu.at(e), dm = dn.at(e);
-      if (!bf16_acts && gemm_from_rows >= 0 && n > gemm_from_rows) {
+      // an expert's GEMM: its rows through the GEMV tiles, or gathered for its matrix widened tile by
+      // tile and MKL's GEMM (many rows), the results scattered back
+      const bool gemm = gemm_from_rows >= 0 && n > gemm_from_rows;
+      auto project = [&](const Weight& w, const Matrix& m, auto in_of, auto out_of, int64_t N, int64_t K) {
+        if (!gemm) return gemm_rows_any(w.fmt, in_of, out_of, n, m, 0, N);
         c10::InferenceMode inference;  // thread-local: the worker threads' at:: ops need it too
         const at::TensorOptions f32 = x.options();
-        at::Tensor xg = at::empty({n, D}, f32), g = at::empty({n, 2 * I}, f32), h = at::empty({n, I}, f32),
-                   y = at::empty({n, D}, f32);
-        for (int64_t j = 0; j < n; ++j)
-          std::memcpy(xg.data_ptr<float>() + j * D, X + (rows[j] / k) * D, D * sizeof(float));
-        at::Tensor gbuf = at::empty({tile_rows(2 * I, D, tile_bytes), D}, f32);
-        widened_gemm(gu.fmt, gm, xg, g, gbuf, 0, (2 * I + gbuf.size(0) - 1) / gbuf.size(0));
-        swiglu_hidden(g.data_ptr<float>(), h.data_ptr<float>(), n, I, lim);
-        at::Tensor dbuf = at::empty({tile_rows(D, I, tile_bytes), I}, f32);
-        widened_gemm(dn.fmt, dm, h, y, dbuf, 0, (D + dbuf.size(0) - 1) / dbuf.size(0));
-        for (int64_t j = 0; j < n; ++j)
-          std::memcpy(ER + rows[j] * D, y.data_ptr<float>() + j * D, D * sizeof(float));
-        continue;
-      }
-      gemm_rows_any(gu.fmt, [&](int64_t j) { return X + (rows[j] / k) * D; },
-                    [&](int64_t j) { return gu_rows.data() + j * 2 * I; }, n, gm, 0, 2 * I);
+        at::Tensor in = at::empty({n, K}, f32), res = at::empty({n, N}, f32);
+        at::Tensor buf = at::empty({tile_rows(N, K, tile_bytes), K}, f32);
+        for (int64_t j = 0; j < n; ++j) std::memcpy(in.data_ptr<float>() + j * K, in_of(j), K * sizeof(float));
+        widened_gemm(w.fmt, m, in, res, buf, 0, (N + buf.size(0) - 1) / buf.size(0));
+        for (int64_t j = 0; j < n; ++j) std::memcpy(out_of(j), res.data_ptr<float>() + j * N, N * sizeof(float));
+      };
+      project(gu, gm, [&](int64_t j) { return X + (rows[j] / k) * D; },
+              [&](int64_t j) { return gu_rows.data() + j * 2 * I; }, 2 * I, D);
       if (bf16_acts) round_bf16_rows(gu_rows.data(), n * 2 * I);
       swiglu_hidden(gu_rows.data(), hidden.data(), n, I, lim);
       if (bf16_acts) {
@@ -766,8 +763,8 @@ at::Tensor qmoe_experts(const at::Tensor& x_in, const at::Tensor& weights_in, co
           act_round(hj, I, act_block);
         }
       }
-      gemm_rows_any(dn.fmt, [&](int64_t j) { return hidden.data() + j * I; },
-                    [&](int64_t j) { return ER + rows[j] * D; }, n, dm, 0, D);
+      project(dn, dm, [&](int64_t j) { return hidden.data() + j * I; }, [&](int64_t j) { return ER + rows[j] * D; },
+              D, I);
       if (bf16_acts)
         for (int64_t j = 0; j < n; ++j) round_bf16_rows(ER + rows[j] * D, D);
     }
