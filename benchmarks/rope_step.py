@@ -23,9 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 import torch
 
@@ -69,14 +67,12 @@ def bits(n: int) -> dict:
 
 
 def median_us(fn, reps: int) -> float:
-    for _ in range(20):
+    """The median of `reps` calls in microseconds, after 20 warm-up calls (the planner's time_call)."""
+    from deepinfer.core.spec.planner import time_call
+
+    for _ in range(19):
         fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e6
+    return time_call(fn, reps) * 1e6
 
 
 def drafter():
