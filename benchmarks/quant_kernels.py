@@ -72,12 +72,13 @@ def crossover(repeats: int) -> dict:
 
 
 def experts_crossover(repeats: int) -> list[dict]:
-    """DeepSeek-V4.1's routed experts (moe_experts_bf16, FP4 stacks, FP8 inputs per 32) by rows per
-    expert: the kernel with every expert on the GEMV tiles, the kernel with every expert on widened
-    tiles + MKL, and the base class's composite (a loop over the experts in Python; its GEMMs the
-    quantized linear's, GEMV up to 16 rows): where the kernel's own switch (MOE_GEMM_FROM_ROWS)
-    belongs. Shapes: tiny-dsv41's experts (8 of 256 x 256) and four experts at V4.1-Flash's shape
-    (hidden 5120, intermediate 2304)."""
+    """Routed experts on FP4 stacks by rows per expert, where the kernel's own switch
+    (MOE_GEMM_FROM_ROWS) belongs: the kernel with every expert on the GEMV tiles against the kernel
+    with every expert on widened tiles + MKL, for DeepSeek-V4's moe_experts (the shipped model's
+    experts, 8 of 256 x 256) and DeepSeek-V4.1's moe_experts_bf16 (FP8 inputs per 32; tiny-dsv41's
+    experts and four at V4.1-Flash's shape, hidden 5120, intermediate 2304), the latter also against
+    the base class's composite (a loop over the experts in Python; its GEMMs the quantized linear's,
+    GEMV up to 16 rows)."""
     import math
 
     from deepinfer.backends.base import Accelerator
@@ -90,8 +91,10 @@ def experts_crossover(repeats: int) -> list[dict]:
     gen = torch.Generator().manual_seed(0)
     rows = []
     print(f"{'experts':<28} {'rows/expert':>11} {'GEMV tiles ms':>14} {'widened+MKL ms':>15} {'composite ms':>13}")
-    for label, e, d, inter, per_expert in (("tiny-dsv41 8 x 256x256", 8, 256, 256, (4, 8, 16, 32, 64, 128)),
+    for label, e, d, inter, per_expert in (("V4 moe_experts 8 x 256x256", 8, 256, 256, (4, 8, 16, 32, 64, 128)),
+                                           ("tiny-dsv41 8 x 256x256", 8, 256, 256, (4, 8, 16, 32, 64, 128)),
                                            ("V4.1-Flash 4 x 5120x2304", 4, 5120, 2304, (4, 16, 32, 64))):
+        v4 = label.startswith("V4 ")
         gu = quantize_fp4(torch.randn(e, 2 * inter, d, generator=gen) * 0.02)
         dn = quantize_fp4(torch.randn(e, d, inter, generator=gen) * 0.02)
         for n in per_expert:
@@ -101,15 +104,20 @@ def experts_crossover(repeats: int) -> list[dict]:
             w = torch.rand(t, 2, generator=gen)
 
             def kernel(gemm_from):
+                if v4:
+                    return lambda: kernels.moe_experts(x, w, ids, gu, dn, 10.0, reference=None,
+                                                       max_qrows_per_expert=gemm_from)
                 return lambda: kernels.moe_experts_bf16(x, w, ids, gu, dn, 10.0, 32, reference=None,
                                                         gemm_from_rows=gemm_from)
             reps = repeats if d < 1024 or n <= 16 else 2
             gemv = time_call(kernel(math.inf), reps)
             wide = time_call(kernel(0), reps)
-            composite = time_call(lambda: Accelerator.moe_experts_bf16(acc, x, w, ids, gu, dn, 10.0, 32), reps)
+            composite = None if v4 else \
+                time_call(lambda: Accelerator.moe_experts_bf16(acc, x, w, ids, gu, dn, 10.0, 32), reps)
             rows.append({"experts": label, "rows_per_expert": n, "tokens": t, "gemv_tiles_s": gemv,
                          "widened_gemm_s": wide, "composite_s": composite})
-            print(f"{label:<28} {n:>11} {gemv * 1e3:>14.2f} {wide * 1e3:>15.2f} {composite * 1e3:>13.2f}")
+            shown = "-" if composite is None else f"{composite * 1e3:.2f}"
+            print(f"{label:<28} {n:>11} {gemv * 1e3:>14.2f} {wide * 1e3:>15.2f} {shown:>13}")
     return rows
 
 

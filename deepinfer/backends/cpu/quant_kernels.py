@@ -34,13 +34,12 @@ MAX_TOKENS = 16
 # run on the loaded machine); against the 8 MB chunks widened into memory before, 1.1-1.9x at 16-32
 # rows and about even at 64 (benchmarks/quant_kernels.py --crossover, quiet).
 _WIDEN_TILE_BYTES = 512 << 10
-# Rows per routed expert past which its GEMMs go widened + MKL (moe_experts' gemm_from_rows). FP4
-# experts 8 x [512, 256] / [256, 256], top-2, 2 threads: about even at 16 rows per expert (T = 64:
-# 1.30 vs 1.39 ms), 2.2x at 128 and 2.8x at 512 (6.64 vs 3.05 ms, 30.98 vs 10.89 ms). With V4.1's
-# rounding points (`python benchmarks/quant_kernels.py --experts-crossover`): even at 4-8 rows, 1.16x
-# at 16, 1.48x at 32 (tiny-dsv41's experts); at V4.1-Flash's shape 1.08x at 16, 1.14x at 32. 32 keeps
-# decode batches (a few rows per expert) on the GEMV tiles, whose bits do not depend on the batch,
-# even when routing is uneven.
+# Rows per routed expert past which its GEMMs go widened + MKL (moe_experts' gemm_from_rows).
+# `python benchmarks/quant_kernels.py --experts-crossover`, FP4 experts 8 x 256 x 256, top-2, 2
+# threads, GEMV tiles vs widened: even at 16 rows per expert (1.21 vs 1.24 ms), 1.4x at 32, 2x at 128;
+# with V4.1's rounding points the same (1.11 vs 1.05, 2.05 vs 1.39 ms); at V4.1-Flash's shape about
+# even from 16 to 32 rows, run to run. 32 keeps decode batches (a few rows per expert) on the GEMV
+# tiles, whose bits do not depend on the batch, even when routing is uneven.
 MOE_GEMM_FROM_ROWS = 32
 
 
