@@ -366,12 +366,17 @@ def test_argmax_kernel_is_torch_argmax_with_ties_nan_and_inf(seed):
     assert torch.equal(make_accel.sample(x, t, z, torch.ones(3), z, z), x.argmax(-1))  # greedy rows take it
 
 
+# DeepSeek-V4.1's ops with a cpu kernel -> which of their arguments are per token
+_V41_KERNELS = {"hc_mixes": (0,), "hc_collapse": (0, 1), "sparse_attention_bf16": (0, 2)}
+
+
 @pytest.mark.parametrize("t", (1, 5, 33))
-@pytest.mark.parametrize("op", ("hc_mixes", "hc_collapse"))
-def test_v41_mhc_kernels_match_the_reference(op, t):
-    """DeepSeek-V4.1's lagged mHC split on the kernels (hc_pre's mixes without its collapse, and the
-    collapse alone) within op_checks.V41_OPS' tolerances, and a token alone gives the bits it has in
-    the batch (the batch-invariant mode takes these kernels at every size)."""
+@pytest.mark.parametrize("op", _V41_KERNELS)
+def test_v41_kernels_match_the_reference(op, t):
+    """DeepSeek-V4.1's lagged mHC split (hc_pre's mixes without its collapse, and the collapse alone)
+    and its blocked bf16-probability attention on the kernels, within op_checks.V41_OPS' tolerances,
+    and a token alone gives the bits it has in the batch (the batch-invariant mode takes these
+    kernels at every size)."""
     from op_checks import check_v41_op, v41_op_inputs
 
     acc = CpuKernelAccelerator()
@@ -380,7 +385,7 @@ def test_v41_mhc_kernels_match_the_reference(op, t):
     whole = getattr(acc, op)(*args)
     whole = whole if isinstance(whole, tuple) else (whole,)
     for i in range(t):
-        alone = getattr(acc, op)(*((a[i:i + 1] if j < (1 if op == "hc_mixes" else 2) else a) for j, a in enumerate(args)))
+        alone = getattr(acc, op)(*(a[i:i + 1] if j in _V41_KERNELS[op] else a for j, a in enumerate(args)))
         for w, a in zip(whole, alone if isinstance(alone, tuple) else (alone,)):
             assert torch.equal(w[i:i + 1], a), (op, i)
 

@@ -721,6 +721,74 @@ at::Tensor sparse_attention(const at::Tensor& q_in, const at::Tensor& kv, const 
   return out;
 }
 
+// DeepSeek-V4.1's sparse attention (backends/base.py sparse_attention_bf16): per token and head, an
+// online softmax over the index list in blocks of kBlock positions (the running max from -1e30, -1
+// entries contributing nothing), each block's probabilities rounded to bfloat16 before P.V while
+// the denominator sums them unrounded, then the sink joins the denominator at the final max. The
+// reference's block structure is kept so the rounding points are its own; the dots and sums run in
+// this file's fixed orders (within op_checks.V41_OPS' tolerance of the reference).
+at::Tensor sparse_attention_bf16(const at::Tensor& q_in, const at::Tensor& kv, const at::Tensor& indices_in,
+                                 const at::Tensor& sinks_in, double scale) {
+  check_float(q_in, "q");
+  check_float(kv, "kv");
+  TORCH_CHECK(kv.dim() == 2 && kv.stride(1) == 1, "kv must be [rows, Dh] with contiguous rows");
+  TORCH_CHECK(indices_in.scalar_type() == at::kLong, "indices must be int64");
+  const at::Tensor q = q_in.contiguous(), indices = indices_in.contiguous(), sinks = sinks_in.contiguous().to(at::kFloat);
+  const int64_t T = q.size(0), H = q.size(1), Dh = q.size(2), K = indices.size(1), rows = kv.size(0),
+                kv_stride = kv.stride(0);
+  TORCH_CHECK(kv.size(1) == Dh && indices.size(0) == T, "shape mismatch between q, kv and indices");
+  constexpr int64_t kBlock = 64;  // reference.py SPARSE_BLOCK
+  at::Tensor out = at::empty({T, H, Dh}, q.options());
+  const float *Q = q.data_ptr<float>(), *KV = kv.data_ptr<float>(), *SK = sinks.data_ptr<float>();
+  const int64_t* I = indices.data_ptr<int64_t>();
+  float* O = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  const int64_t grain = std::max<int64_t>(1, kMinChunkMacs / std::max<int64_t>(1, 2 * K * Dh));
+  at::parallel_for(0, T * H, grain, [&](int64_t begin, int64_t end) {
+    Scratch<const float*, 512> keys_buf(K);
+    Scratch<float, 1024> acc_buf(2 * Dh);
+    const float** keys = keys_buf.data();
+    float *acc = acc_buf.data(), *part = acc + Dh;
+    float logits[kBlock], probs[kBlock];
+    int64_t keys_of = -1;  // the token whose keys are in `keys` (nullptr: a -1 entry)
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t t = item / H, h = item % H;
+      if (t != keys_of) {
+        for (int64_t k = 0; k < K; ++k) {
+          const int64_t r = I[t * K + k];
+          TORCH_CHECK(r < rows, "attention index ", r, " out of range for ", rows, " rows");
+          keys[k] = r < 0 ? nullptr : KV + r * kv_stride;
+        }
+        keys_of = t;
+      }
+      const float* qh = Q + (t * H + h) * Dh;
+      float run_max = -1e30f, denom = 0.0f;
+      std::fill(acc, acc + Dh, 0.0f);
+      for (int64_t b0 = 0; b0 < K; b0 += kBlock) {
+        const int64_t nb = std::min(kBlock, K - b0);
+        const float** bk = keys + b0;
+        float block_max = -std::numeric_limits<float>::infinity();
+        for (int64_t k = 0; k < nb; ++k) {
+          logits[k] = bk[k] ? dot(qh, bk[k], Dh) * sc : -std::numeric_limits<float>::infinity();
+          block_max = max_of(block_max, logits[k]);
+        }
+        const float new_max = max_of(run_max, block_max), rescale = fast_exp(run_max - new_max);
+        for (int64_t k = 0; k < nb; ++k) probs[k] = fast_exp(logits[k] - new_max);
+        denom = denom * rescale + sum_of(probs, nb);
+        std::fill(part, part + Dh, 0.0f);
+        for (int64_t k = 0; k < nb; ++k)
+          if (bk[k]) axpy(round_bf16(probs[k]), bk[k], part, Dh);
+        for (int64_t d = 0; d < Dh; ++d) acc[d] = acc[d] * rescale + part[d];
+        run_max = new_max;
+      }
+      denom += fast_exp(SK[h] - run_max);
+      float* o = O + (t * H + h) * Dh;
+      for (int64_t d = 0; d < Dh; ++d) o[d] = acc[d] / denom;
+    }
+  });
+  return out;
+}
+
 // Lightning Indexer: score(t, m) = sum_h w[t, h] * relu(q[t, h] . keys[cand[t, m]]) * scale; the k best
 // candidates per token, best first, ties to the earlier candidate (the reference's stable sort), -1 past
 // the valid ones.
@@ -1223,6 +1291,7 @@ TORCH_LIBRARY(deepinfer_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor? weight, float eps) -> Tensor");
   m.def("rope(Tensor x, Tensor cos, Tensor sin, bool inverse) -> Tensor");
   m.def("sparse_attention(Tensor q, Tensor kv, Tensor indices, Tensor sinks, float scale) -> Tensor");
+  m.def("sparse_attention_bf16(Tensor q, Tensor kv, Tensor indices, Tensor sinks, float scale) -> Tensor");
   m.def("grouped_linear(Tensor x, Tensor weight) -> Tensor");
   m.def("route_topk(Tensor x, Tensor gate, Tensor bias, int top_k, float scaling) -> (Tensor, Tensor)");
   m.def("route_hash(Tensor x, Tensor gate, Tensor ids, float scaling) -> Tensor");
@@ -1251,6 +1320,7 @@ TORCH_LIBRARY_IMPL(deepinfer_cpu, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("rope", &rope);
   m.impl("sparse_attention", &sparse_attention);
+  m.impl("sparse_attention_bf16", &sparse_attention_bf16);
   m.impl("indexer_topk", &indexer_topk);
   m.impl("moe_experts", &moe_experts);
   m.impl("grouped_linear", &grouped_linear);

@@ -24,6 +24,8 @@ at::Tensor rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& weight
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool inverse);
 at::Tensor sparse_attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& indices,
                             const at::Tensor& sinks, double scale);
+at::Tensor sparse_attention_bf16(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& indices,
+                                 const at::Tensor& sinks, double scale);
 at::Tensor indexer_topk(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& keys,
                         const at::Tensor& candidates, int64_t topk, double scale);
 at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& weight);

@@ -43,6 +43,17 @@ inline float fast_exp(float x) {
   return x != x ? x : out;
 }
 
+// float32 -> the nearest bfloat16 (ties to even), kept in float32: c10::BFloat16's rounding (NaN kept).
+inline float round_bf16(float x) {
+  uint32_t b;
+  std::memcpy(&b, &x, 4);
+  if ((b & 0x7FFFFFFFu) > 0x7F800000u) return x;
+  b = (b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u;
+  float out;
+  std::memcpy(&out, &b, 4);
+  return out;
+}
+
 // std::min / std::max by value: the std ones return a reference, which keeps GCC from vectorising
 // the loops they sit in. Same results, NaN included (a NaN first argument is returned).
 inline float min_of(float a, float b) { return b < a ? b : a; }

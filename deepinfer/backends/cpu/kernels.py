@@ -170,6 +170,12 @@ def sparse_attention(q, kv, indices, sinks, scale, *, reference=ops.sparse_atten
     return torch.ops.deepinfer_cpu.sparse_attention(q, kv, indices, sinks, scale)
 
 
+def sparse_attention_bf16(q, kv, indices, sinks, scale, *, reference=ops.sparse_attention_bf16):
+    if kv.dtype != _F32 or q.dtype != _F32 or kv.dim() != 2 or kv.stride(-1) != 1 or q.dim() != 3:
+        return reference(q, kv, indices, sinks, scale)
+    return torch.ops.deepinfer_cpu.sparse_attention_bf16(q, kv, indices, sinks, scale)
+
+
 def indexer_topk(q, weights, keys, candidates, topk, scale, *, reference=ops.indexer_topk):
     if keys.dtype != _F32 or q.dtype != _F32 or weights.dtype != _F32 or keys.stride(-1) != 1:
         return reference(q, weights, keys, candidates, topk, scale)
@@ -321,7 +327,8 @@ FUSED = {"compress_entries": compress_entries, "hc_pre_norm": hc_pre_norm, "hc_p
          "rms_norm_rope": rms_norm_rope}
 
 
-OPS = ("hc_pre", "hc_mixes", "hc_collapse", "hc_post", "hc_head", "rms_norm", "rope", "sparse_attention", "indexer_topk", "moe_experts",
+OPS = ("hc_pre", "hc_mixes", "hc_collapse", "hc_post", "hc_head", "rms_norm", "rope", "sparse_attention",
+       "sparse_attention_bf16", "indexer_topk", "moe_experts",
        "grouped_linear", "route_topk", "route_grouped_topk", "route_hash", "swiglu_mlp", "linear", "argmax", "sample",
        "copy_rows", "fp8_qdq")
 

@@ -529,17 +529,7 @@ void swiglu_hidden(const float* gu, float* hidden, int64_t T, int64_t I, float l
 }
 
 // ---------------------------------------------------------------- DeepSeek-V4.1's activation rounding
-// float32 -> the nearest bfloat16 (ties to even), kept in float32: c10::BFloat16's rounding (NaN kept).
-inline float round_bf16(float x) {
-  uint32_t b;
-  std::memcpy(&b, &x, 4);
-  if ((b & 0x7FFFFFFFu) > 0x7F800000u) return x;
-  b = (b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u;
-  float out;
-  std::memcpy(&out, &b, 4);
-  return out;
-}
-
+// (round_bf16: kernel_util.h)
 inline void round_bf16_rows(float* v, int64_t n) {
   for (int64_t i = 0; i < n; ++i) v[i] = round_bf16(v[i]);
 }
