@@ -168,8 +168,8 @@ class StepMeta:
         inp, cache, config = self.inp, self.cache, self.config
         if self.decode:
             batch = len(self.starts)
-            seq = np.tile(np.arange(batch), steps)
-            self.positions = self.starts[seq] + np.repeat(np.arange(steps), batch)
+            seq = np.broadcast_to(np.arange(batch), (steps, batch)).ravel()
+            self.positions = (self.starts + np.arange(steps)[:, None]).ravel()
             # per token: its step's first position of the sequence, the flat index of the sequence's
             # first token in its step, its slot, the end of its sequence's tokens in its step
             self.tok = (self.positions, seq, self.slots[seq], self.positions + 1)
@@ -179,16 +179,20 @@ class StepMeta:
             seq, within = _arange_within(lens)
             self.positions = self.starts[seq] + within
             self.tok = (self.starts[seq], first[seq], self.slots[seq], (self.starts + lens)[seq])
+        self.seq = seq  # per token: its sequence
         self.rope = {"main": config.rope_main.cos_sin(self.positions),
                      "compress": config.rope_compress.cos_sin(self.positions)}
         window = config.sliding_window
-        key_pos = self.positions[:, None] + np.arange(-(window - 1), 1)
-        if inp.window_floor is not None:  # keys never computed after a prefix-cache hit read as absent
-            floor = inp.window_floor.numpy()[seq]
-            floor = np.where(self.positions >= floor, floor, 0)
-            key_pos = np.where(key_pos >= floor[:, None], key_pos, -1)
-        start, first_tok, slot, _ = (t[:, None] for t in self.tok)
-        self.window_rows = self.rows(key_pos, start, first_tok, slot, cache.ring)
+        if self.decode:
+            self.window_rows = self._decode_window_rows(window, cache.ring)
+        else:
+            key_pos = self.positions[:, None] + np.arange(-(window - 1), 1)
+            if inp.window_floor is not None:  # keys never computed after a prefix-cache hit read as absent
+                floor = inp.window_floor.numpy()[seq]
+                floor = np.where(self.positions >= floor, floor, 0)
+                key_pos = np.where(key_pos >= floor[:, None], key_pos, -1)
+            start, first_tok, slot, _ = (t[:, None] for t in self.tok)
+            self.window_rows = self.rows(key_pos, start, first_tok, slot, cache.ring)
         self.window_commit = self._commit(cache.ring)
         # Read the block table now: with overlapped scheduling the CPU may hand a freed slot or
         # page to another request while this step is still queued on the device.
@@ -224,6 +228,26 @@ class StepMeta:
         rows = np.where(pos >= start, scratch, ringed)
         return np.where(pos >= 0, rows, -1)
 
+    def _decode_window_rows(self, window: int, ring: int) -> np.ndarray:
+        """`rows` of the window keys of a decode step's tokens (positions p-window+1 .. p of each),
+        with fewer passes over the [tokens, window] array: every key but the token's own is in the
+        ring, at (p mod ring + offset) mod ring, looked up in a [ring, window] table; the token's own
+        is in the scratch. Negative positions (a sequence's first tokens) give -1."""
+        offsets = np.arange(-(window - 1), 1)
+        positions, seq, slot, _ = self.tok
+        wrapped = (np.arange(ring)[:, None] + offsets) % ring
+        rows = np.take(wrapped, positions % ring, axis=0)
+        rows += (slot * ring)[:, None]
+        rows[:, -1] = self.cache.ring_slots * ring + seq
+        if len(positions) and positions.min() < window - 1:
+            rows[positions[:, None] + offsets < 0] = -1
+        return rows
+
+    def _window_tokens(self, win, rate, span, start, first, slot, ring) -> np.ndarray:
+        """Rows of the `span` tokens compressed into entries `win` (of sequences at start/first/slot)."""
+        tok_pos = (win[:, None] + 1) * rate - span + np.arange(span)
+        return self.rows(tok_pos, start[:, None], first[:, None], slot[:, None], ring)
+
     def _commit(self, ring: int) -> tuple[np.ndarray, np.ndarray]:
         """(scratch rows, ring rows) of the tokens a ring of `ring` rows keeps after the step."""
         start, first, slot, end = self.tok
@@ -256,23 +280,33 @@ class StepMeta:
             w_start, w_first, w_slot, finished = self.starts[win_seq], seq_first[win_seq], self.slots[win_seq], None
         # CSA entries mix the previous window (first half) with their own (second half)
         span = 2 * rate if layer.kind == CSA else rate
-        tok_pos = (win[:, None] + 1) * rate - span + np.arange(span)
-        tok_rows = self.rows(tok_pos, w_start[:, None], w_first[:, None], w_slot[:, None], ring)
-        out_rows = cache.entry_rows(layer, w_slot, win)
-        if finished is not None:  # an unfinished window: no tokens, its entry to the trash page
-            tok_rows = np.where(finished[:, None], tok_rows, -1)
-            out_rows = np.where(finished, out_rows, cache.trash_row(layer))
+        if finished is None:
+            tok_rows = self._window_tokens(win, rate, span, w_start, w_first, w_slot, ring)
+            out_rows = cache.entry_rows(layer, w_slot, win)
+        else:  # an unfinished window: no tokens, its entry to the trash page (rows of finished ones only)
+            done = np.flatnonzero(finished)
+            tok_rows = np.full((len(win), span), -1, dtype=np.int64)
+            tok_rows[done] = self._window_tokens(win[done], rate, span, w_start[done], w_first[done], w_slot[done],
+                                                 ring)
+            out_rows = np.full(len(win), cache.trash_row(layer), dtype=np.int64)
+            out_rows[done] = cache.entry_rows(layer, w_slot[done], win[done])
         entry_cos_sin = self.config.rope_compress.cos_sin(win * rate)
         # entries visible to token at p: w < (p + 1) // rate
         visible = (self.positions + 1) // rate
         most = cache.block_table.shape[1] * layer.kv_pool.page_rows  # entries a block-table row maps
         width = min(size_bucket(int(visible.max()), _MIN_ENTRIES), most) if len(visible) else 0
         entries = np.arange(width)[None, :]
-        cand = cache.entry_rows(layer, slot[:, None], entries)
-        cand = np.where(entries < visible[:, None], cand, -1)
+        # a sequence's entry rows, then each token's (its sequence's, up to what it sees): the rows
+        # are looked up once per sequence, not once per token
+        seen = entries < visible[:, None]
+        per_seq = cache.entry_rows(layer, self.slots[:, None], entries)
+        cand = np.where(seen, per_seq[self.seq], -1)
         info = dict(tok_rows=tok_rows, out_rows=out_rows, cos_sin=entry_cos_sin, candidates=cand,
                     commit=self._commit(ring))
         if layer.kind != CSA:  # every visible entry is attended: the whole index list is known now
-            base = cache.entry_base()
-            info["attention_rows"] = np.concatenate([self.window_rows, np.where(cand >= 0, cand + base, -1)], axis=1)
+            rows = np.empty((len(cand), self.window_rows.shape[1] + width), dtype=np.int64)
+            rows[:, :self.window_rows.shape[1]] = self.window_rows
+            np.copyto(rows[:, self.window_rows.shape[1]:], -1)
+            np.copyto(rows[:, self.window_rows.shape[1]:], (per_seq + cache.entry_base())[self.seq], where=seen)
+            info["attention_rows"] = rows
         return info
