@@ -192,3 +192,19 @@ def _replayed_equals_eager(path, monkeypatch, invariant: bool) -> None:
     assert none is None
     assert replayed == eager
     assert graphs.stats["replayed"] > 50 and graphs.stats["eager"] == 0, graphs.stats
+
+
+def test_calls_after_the_first_replay_all_their_steps_at_once(tiny_model_dir, monkeypatch):
+    """Once a batch's multi-step bucket is compiled (recorded in the first call), each later call finds
+    it and replays its k steps in one call of the tape, not k lookups of single steps."""
+    path, _ = tiny_model_dir
+    multi = _llm(path, monkeypatch, 8)
+    graphs = multi.engine.graphs
+    if graphs is None:
+        pytest.skip("steps are not captured on this build (no C++ replay)")
+    single, run = [], graphs.run
+    monkeypatch.setattr(graphs, "run", lambda key, *a, **kw: single.append(key[0]) or run(key, *a, **kw))
+    calls = _count_calls(multi)
+    multi.generate(prompt_token_ids=_prompts([20, 30], seed=6), use_tqdm=False,
+                   sampling_params=SamplingParams(temperature=0.0, max_tokens=41, ignore_eos=True))
+    assert len(calls) >= 4 and sum(single) == calls[0], (calls, single)  # multi-step keys: the first call's steps
