@@ -108,6 +108,15 @@ class CacheView:
 _MIN_ENTRIES = 64  # candidate entries per token at least (fewer buckets for short sequences)
 
 
+@functools.lru_cache(maxsize=16)
+def _wrapped_window(ring: int, window: int) -> np.ndarray:
+    """[ring, window]: row q holds (q + offset) mod ring for the offsets -(window-1) .. 0 (ring rows
+    of the window keys of a token at a position p with p mod ring = q)."""
+    table = (np.arange(ring)[:, None] + np.arange(-(window - 1), 1)) % ring
+    table.flags.writeable = False
+    return table
+
+
 def _arange_within(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """For groups of sizes `counts`: (group index of each element, index within its group)."""
     group = np.repeat(np.arange(len(counts)), counts)
@@ -153,14 +162,16 @@ class StepMeta:
         if steps is not None and not self.decode:
             raise ValueError("several steps are planned at once only for decode steps")
         self._plan(steps or 1)
+        move = functools.partial(to_device, device=cache.device)
         if steps is not None:  # [steps, ...]: step s is row s of every tensor
             batch = len(lens)
-            self._map(lambda a: a.reshape(steps, batch, *a.shape[1:]))
-            self.ids = np.zeros((steps, batch), dtype=np.int64)
-            self.ids[0] = inp.ids.numpy()
+            ids = np.zeros((steps, batch), dtype=np.int64)
+            ids[0] = inp.ids.numpy()
+            self.ids = move(ids)
+            self._map(lambda a: move(a.reshape(steps, batch, *a.shape[1:])))
         else:
-            self.ids = inp.ids
-        self._to_device(cache.device)
+            self.ids = move(inp.ids)
+            self._map(move)
 
     def _plan(self, steps: int) -> None:
         """Every index array of the step (or of `steps` decode steps, token (s, b) = sequence b at
@@ -208,12 +219,6 @@ class StepMeta:
             for k, v in info.items():
                 info[k] = tuple(map(f, v)) if isinstance(v, tuple) else f(v)
 
-    def _to_device(self, device: torch.device) -> None:
-        move = functools.partial(to_device, device=device)
-
-        self.ids = move(self.ids)
-        self._map(move)
-
     def all_tokens(self, own_rows: torch.Tensor) -> torch.Tensor:
         """Rows of every token of the step, from the rows of the tokens this process owns."""
         return own_rows if self.split is None else self.split.gather(own_rows)
@@ -233,14 +238,12 @@ class StepMeta:
         with fewer passes over the [tokens, window] array: every key but the token's own is in the
         ring, at (p mod ring + offset) mod ring, looked up in a [ring, window] table; the token's own
         is in the scratch. Negative positions (a sequence's first tokens) give -1."""
-        offsets = np.arange(-(window - 1), 1)
         positions, seq, slot, _ = self.tok
-        wrapped = (np.arange(ring)[:, None] + offsets) % ring
-        rows = np.take(wrapped, positions % ring, axis=0)
+        rows = np.take(_wrapped_window(ring, window), positions % ring, axis=0)
         rows += (slot * ring)[:, None]
         rows[:, -1] = self.cache.ring_slots * ring + seq
         if len(positions) and positions.min() < window - 1:
-            rows[positions[:, None] + offsets < 0] = -1
+            rows[positions[:, None] + np.arange(-(window - 1), 1) < 0] = -1
         return rows
 
     def _window_tokens(self, win, rate, span, start, first, slot, ring) -> np.ndarray:
@@ -252,9 +255,10 @@ class StepMeta:
         """(scratch rows, ring rows) of the tokens a ring of `ring` rows keeps after the step."""
         start, first, slot, end = self.tok
         pos = self.positions
-        if not self.decode:  # a decode step keeps its one token per sequence
-            tokens = np.flatnonzero(pos >= end - ring)
-            pos, start, first, slot = pos[tokens], start[tokens], first[tokens], slot[tokens]
+        if self.decode:  # a decode step keeps its one token per sequence, at its first scratch row
+            return self.cache.ring_slots * ring + first, slot * ring + pos % ring
+        tokens = np.flatnonzero(pos >= end - ring)
+        pos, start, first, slot = pos[tokens], start[tokens], first[tokens], slot[tokens]
         return self.cache.ring_slots * ring + first + (pos - start), slot * ring + pos % ring
 
     def compressed(self, layer: LayerState) -> dict:
@@ -264,9 +268,11 @@ class StepMeta:
     def _compressed(self, layer: LayerState) -> dict:
         rate, ring, cache, inp = layer.rate, layer.comp_ring_size, self.cache, self.inp
         start, first, slot, end = self.tok
+        # entries visible to token at p: w < (p + 1) // rate (end = p + 1 for the last token of a sequence)
+        visible = (self.positions + 1) // rate if not self.decode else end // rate
         if self.decode:  # one window per token: the one it finishes, if any
-            finished = (self.positions + 1) % rate == 0
-            win = np.where(finished, (self.positions + 1) // rate - 1, 0)
+            finished = visible * rate == end
+            win = np.where(finished, visible - 1, 0)
             w_start, w_first, w_slot = start, first, slot
         else:
             # windows w whose last token arrives in this step: starts//rate <= w < ends//rate,
@@ -291,8 +297,6 @@ class StepMeta:
             out_rows = np.full(len(win), cache.trash_row(layer), dtype=np.int64)
             out_rows[done] = cache.entry_rows(layer, w_slot[done], win[done])
         entry_cos_sin = self.config.rope_compress.cos_sin(win * rate)
-        # entries visible to token at p: w < (p + 1) // rate
-        visible = (self.positions + 1) // rate
         most = cache.block_table.shape[1] * layer.kv_pool.page_rows  # entries a block-table row maps
         width = min(size_bucket(int(visible.max()), _MIN_ENTRIES), most) if len(visible) else 0
         entries = np.arange(width)[None, :]
