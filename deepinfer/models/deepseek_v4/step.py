@@ -195,7 +195,7 @@ class StepMeta:
                      "compress": config.rope_compress.cos_sin(self.positions)}
         window = config.sliding_window
         if self.decode:
-            self.window_rows = self._decode_window_rows(window, cache.ring)
+            self.window_rows = self._decode_rows(self.positions, seq, self.tok[2], window, cache.ring)
         else:
             key_pos = self.positions[:, None] + np.arange(-(window - 1), 1)
             if inp.window_floor is not None:  # keys never computed after a prefix-cache hit read as absent
@@ -233,23 +233,18 @@ class StepMeta:
         rows = np.where(pos >= start, scratch, ringed)
         return np.where(pos >= 0, rows, -1)
 
-    def _decode_window_rows(self, window: int, ring: int) -> np.ndarray:
-        """`rows` of the window keys of a decode step's tokens (positions p-window+1 .. p of each),
-        with fewer passes over the [tokens, window] array: every key but the token's own is in the
-        ring, at (p mod ring + offset) mod ring, looked up in a [ring, window] table; the token's own
-        is in the scratch. Negative positions (a sequence's first tokens) give -1."""
-        positions, seq, slot, _ = self.tok
+    def _decode_rows(self, positions: np.ndarray, seq: np.ndarray, slot: np.ndarray, window: int,
+                     ring: int) -> np.ndarray:
+        """`rows` of positions p-window+1 .. p for decode-step tokens at positions p (of sequences
+        `seq`, in `slot`), with fewer passes over the [tokens, window] array: every position but the
+        token's own is in the ring, at (p mod ring + offset) mod ring, looked up in a [ring, window]
+        table; the token's own is in the scratch. Negative positions (a sequence's first tokens) give -1."""
         rows = np.take(_wrapped_window(ring, window), positions % ring, axis=0)
         rows += (slot * ring)[:, None]
         rows[:, -1] = self.cache.ring_slots * ring + seq
         if len(positions) and positions.min() < window - 1:
             rows[positions[:, None] + np.arange(-(window - 1), 1) < 0] = -1
         return rows
-
-    def _window_tokens(self, win, rate, span, start, first, slot, ring) -> np.ndarray:
-        """Rows of the `span` tokens compressed into entries `win` (of sequences at start/first/slot)."""
-        tok_pos = (win[:, None] + 1) * rate - span + np.arange(span)
-        return self.rows(tok_pos, start[:, None], first[:, None], slot[:, None], ring)
 
     def _commit(self, ring: int) -> tuple[np.ndarray, np.ndarray]:
         """(scratch rows, ring rows) of the tokens a ring of `ring` rows keeps after the step."""
@@ -268,12 +263,11 @@ class StepMeta:
     def _compressed(self, layer: LayerState) -> dict:
         rate, ring, cache, inp = layer.rate, layer.comp_ring_size, self.cache, self.inp
         start, first, slot, end = self.tok
-        # entries visible to token at p: w < (p + 1) // rate (end = p + 1 for the last token of a sequence)
-        visible = (self.positions + 1) // rate if not self.decode else end // rate
+        # entries visible to token at p: w < (p + 1) // rate (a decode token's end is its p + 1)
+        visible = (end if self.decode else self.positions + 1) // rate
         if self.decode:  # one window per token: the one it finishes, if any
             finished = visible * rate == end
             win = np.where(finished, visible - 1, 0)
-            w_start, w_first, w_slot = start, first, slot
         else:
             # windows w whose last token arrives in this step: starts//rate <= w < ends//rate,
             # except the restored ones of a prefix-cache hit (shared pages: read-only)
@@ -287,15 +281,16 @@ class StepMeta:
         # CSA entries mix the previous window (first half) with their own (second half)
         span = 2 * rate if layer.kind == CSA else rate
         if finished is None:
-            tok_rows = self._window_tokens(win, rate, span, w_start, w_first, w_slot, ring)
+            tok_pos = (win[:, None] + 1) * rate - span + np.arange(span)
+            tok_rows = self.rows(tok_pos, w_start[:, None], w_first[:, None], w_slot[:, None], ring)
             out_rows = cache.entry_rows(layer, w_slot, win)
         else:  # an unfinished window: no tokens, its entry to the trash page (rows of finished ones only)
             done = np.flatnonzero(finished)
             tok_rows = np.full((len(win), span), -1, dtype=np.int64)
-            tok_rows[done] = self._window_tokens(win[done], rate, span, w_start[done], w_first[done], w_slot[done],
-                                                 ring)
+            # the finishing token is the window's last: the span's positions end at its own
+            tok_rows[done] = self._decode_rows(self.positions[done], first[done], slot[done], span, ring)
             out_rows = np.full(len(win), cache.trash_row(layer), dtype=np.int64)
-            out_rows[done] = cache.entry_rows(layer, w_slot[done], win[done])
+            out_rows[done] = cache.entry_rows(layer, slot[done], win[done])
         entry_cos_sin = self.config.rope_compress.cos_sin(win * rate)
         most = cache.block_table.shape[1] * layer.kv_pool.page_rows  # entries a block-table row maps
         width = min(size_bucket(int(visible.max()), _MIN_ENTRIES), most) if len(visible) else 0
@@ -308,9 +303,9 @@ class StepMeta:
         info = dict(tok_rows=tok_rows, out_rows=out_rows, cos_sin=entry_cos_sin, candidates=cand,
                     commit=self._commit(ring))
         if layer.kind != CSA:  # every visible entry is attended: the whole index list is known now
-            rows = np.empty((len(cand), self.window_rows.shape[1] + width), dtype=np.int64)
-            rows[:, :self.window_rows.shape[1]] = self.window_rows
-            np.copyto(rows[:, self.window_rows.shape[1]:], -1)
-            np.copyto(rows[:, self.window_rows.shape[1]:], (per_seq + cache.entry_base())[self.seq], where=seen)
+            rows = np.full((len(cand), self.window_rows.shape[1] + width), -1, dtype=np.int64)
+            window, entries_part = rows[:, :self.window_rows.shape[1]], rows[:, self.window_rows.shape[1]:]
+            window[...] = self.window_rows
+            np.copyto(entries_part, (per_seq + cache.entry_base())[self.seq], where=seen)
             info["attention_rows"] = rows
         return info
