@@ -366,6 +366,30 @@ def test_argmax_kernel_is_torch_argmax_with_ties_nan_and_inf(seed):
     assert torch.equal(make_accel.sample(x, t, z, torch.ones(3), z, z), x.argmax(-1))  # greedy rows take it
 
 
+@pytest.mark.parametrize("T", (1, 2, 5, 16, 33))
+def test_greedy_head_kernel_is_the_argmax_of_the_linear_kernel(T):
+    """linear_argmax (the replay's fusion of an LM head and its greedy pick) gives the tokens of
+    argmax(linear(x, w)), bit for bit: head sizes across its 2048-row blocks and the argmax's lanes,
+    odd widths, exact ties within and across blocks (the first wins), NaN and -inf rows."""
+    g = _gen(T)
+    for vocab, width in ((129280, 64), (4097, 33), (2048, 16), (17, 8), (1, 5)):
+        x = torch.randn(T, width, generator=g)
+        w = torch.randn(vocab, width, generator=g)
+        if vocab > 2048:
+            w[vocab - 1] = w[5] = w[2049] = 50 * x[0]  # equal rows: token 0's maximum three times
+        want = ref.argmax(torch.ops.deepinfer_cpu.linear(x, w))
+        got = torch.ops.deepinfer_cpu.linear_argmax(x, w)
+        assert torch.equal(got, want), (vocab, width, got, want)
+        if vocab > 2048:
+            assert got[0] == 5
+    x = torch.randn(3, 16, generator=g)
+    x[1] = float("nan")
+    w = torch.randn(5000, 16, generator=g)
+    w[:, 0] = float("-inf")
+    x[2, 0] = 0.0  # -inf * 0 = NaN in every logit of row 2; row 0: -inf * x0 everywhere
+    assert torch.equal(torch.ops.deepinfer_cpu.linear_argmax(x, w), ref.argmax(torch.ops.deepinfer_cpu.linear(x, w)))
+
+
 def test_copy_rows_kernel_matches_the_reference_for_any_dtype():
     g = _gen(0)
     for dtype in (torch.float32, torch.bfloat16, torch.int64):

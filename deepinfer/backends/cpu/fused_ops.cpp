@@ -822,6 +822,12 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w_in) {
   return out;
 }
 
+// out[t * ld_out + r] = dot(x[t], w[r]) for t < T, r < rows: a block of linear's output with the
+// same dots as linear (gemm_rows), for a consumer that reads the block while it is in cache.
+void linear_block(const float* X, int64_t T, int64_t K, const float* W, int64_t rows, float* out, int64_t ld_out) {
+  gemm_rows([&](int64_t t) { return X + t * K; }, [&](int64_t t) { return out + t * ld_out; }, T, W, K, K, rows);
+}
+
 // route_topk: the top_k experts by score + bias (best first), weighted by their scores normalised.
 std::tuple<at::Tensor, at::Tensor> route_topk(const at::Tensor& x_in, const at::Tensor& gate_in,
                                               const at::Tensor& bias_in, int64_t top_k, double scaling) {

@@ -24,6 +24,7 @@ at::Tensor indexer_topk(const at::Tensor& q, const at::Tensor& weights, const at
                         const at::Tensor& candidates, int64_t topk, double scale);
 at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& weight);
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight);
+void linear_block(const float* x, int64_t T, int64_t K, const float* w, int64_t rows, float* out, int64_t ld_out);
 std::tuple<at::Tensor, at::Tensor> route_topk(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& bias,
                                               int64_t top_k, double scaling);
 at::Tensor route_hash(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& ids, double scaling);

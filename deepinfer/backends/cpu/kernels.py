@@ -9,7 +9,8 @@ the reference, whose GEMMs win there). The fused sequences hc_pre_norm, hc_post_
 rms_norm_rope chain those kernels in one call; `quant_ops.cpp` holds the weight ops on narrow weights
 (quant_kernels.py), the experts kernel with DeepSeek-V4.1's rounding points (moe_experts_bf16) and
 its FP8 activation quantization (fp8_qdq); `sampling_ops.cpp` and `pool_ops.cpp`, in the same
-library, are greedy sampling's argmax and the row copies that commit a step's staged rows. It is
+library, are greedy sampling's argmax (and the LM head fused with it, which the step replay
+substitutes for that pair of calls) and the row copies that commit a step's staged rows. It is
 built with torch's C++ extension loader on the machine that runs it (so `-march=native` is safe)
 into ~/.cache/deepinfer/cpu_kernels/<hash>, once per source/torch/compiler version; later
 processes only load the library.

@@ -2,6 +2,8 @@
 called, with its tensors named as slots and constants) becomes a `Tape` of replay.cpp, which calls
 the same operators with the same arguments from C++, no Python between them. Built with torch's
 C++ extension loader on first use (as kernels.py builds the fused kernels), as a Python module.
+One rewrite happens on the way (fuse_greedy_head): a step that ends in the greedy pick of its LM
+head's logits calls linear_argmax instead of linear + argmax_rows, same tokens, no logits in memory.
 
 Threads per instruction: the engine runs small models on one intra-op thread (a tiny op loses more
 to waking a second thread than it gains), but some calls of such a step are large, e.g. the LM
@@ -30,7 +32,7 @@ import warnings
 
 import torch
 
-from deepinfer.backends.base import Const, Slot
+from deepinfer.backends.base import Const, Instruction, Slot
 from deepinfer.backends.cpu import kernels
 
 _HERE = os.path.dirname(__file__)
@@ -129,13 +131,14 @@ def compile_recording(recording, thread_options: list[int] = ()) -> TapeStep | N
         return None
     from_slot = [torch.empty(0) for _ in range(recording.num_slots)]  # stand-ins, matched by identity
     constants = recording.constants
+    instructions = fuse_greedy_head(recording.instructions, {o.index for o in recording.outputs})
     last_read: dict[int, int] = {}
-    for k, ins in enumerate(recording.instructions):
+    for k, ins in enumerate(instructions):
         for s in _slots_in((ins.args, ins.kwargs)):
             last_read[s] = k
     keep = {o.index for o in recording.outputs}
-    frees: list[list[int]] = [[] for _ in recording.instructions]
-    for k, ins in enumerate(recording.instructions):
+    frees: list[list[int]] = [[] for _ in instructions]
+    for k, ins in enumerate(instructions):
         for s in ins.outs:  # returned, never read: released at once
             if s >= 0 and s not in last_read and s not in keep:
                 frees[k].append(s)
@@ -155,12 +158,37 @@ def compile_recording(recording, thread_options: list[int] = ()) -> TapeStep | N
             return type(a)(value(v) for v in a)
         return a
 
-    for k, ins in enumerate(recording.instructions):
+    for k, ins in enumerate(instructions):
         used = sorted(set(_slots_in((ins.args, ins.kwargs))))
         schema = ins.op._schema
         tape.add(schema.name, schema.overload_name, value(ins.args), {n: value(v) for n, v in ins.kwargs.items()},
                  [from_slot[s] for s in used], used, ins.outs, frees[k])
     return TapeStep(tape, list(thread_options))
+
+
+def fuse_greedy_head(instructions: list[Instruction], outputs: set[int]) -> list[Instruction]:
+    """The instructions with each greedy pick of a linear kernel's result, argmax_rows(linear(x, w)),
+    as one linear_argmax(x, w) call where the linear was (sampling_ops.cpp: the logits stay in cache,
+    the tokens are the pair's bit for bit). Only where nothing else reads the logits and they are not
+    a result of the step: a multi-step greedy decode, whose step ends in the LM head's argmax."""
+    if not kernels.load():  # the reference ops ran: no linear kernel was recorded
+        return list(instructions)
+    linear, argmax = torch.ops.deepinfer_cpu.linear.default, torch.ops.deepinfer_cpu.argmax_rows.default
+    readers: dict[int, list[int]] = {}
+    for k, ins in enumerate(instructions):
+        for s in set(_slots_in((ins.args, ins.kwargs))):
+            readers.setdefault(s, []).append(k)
+    out = list(instructions)
+    for k, ins in enumerate(instructions):
+        if ins.op is not linear or ins.outs[0] in outputs:
+            continue
+        reads = readers.get(ins.outs[0], [])
+        if len(reads) == 1 and instructions[reads[0]].op is argmax and not instructions[reads[0]].kwargs \
+                and instructions[reads[0]].args == (Slot(ins.outs[0]),):
+            out[k] = Instruction(torch.ops.deepinfer_cpu.linear_argmax.default, ins.args, ins.kwargs,
+                                 instructions[reads[0]].outs)
+            out[reads[0]] = None
+    return [ins for ins in out if ins is not None]
 
 
 def _slots_in(value):
