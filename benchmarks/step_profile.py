@@ -66,7 +66,8 @@ def timed_ops(accel, lm_head: torch.Tensor) -> tuple[collections.Counter, collec
         return timed
 
     for name in OPS:
-        setattr(accel, name, timer(getattr(accel, name), name))
+        if hasattr(accel, name):  # an older build (--baseline) may lack an op
+            setattr(accel, name, timer(getattr(accel, name), name))
     kernel = accel.kernel  # a model's fused sequences (e.g. hc_pre_norm), timed under their own names
 
     def timed_kernel(name):
