@@ -128,8 +128,14 @@ def profile(model: str, batch: int, prompt_len: int, steps: int) -> dict:
 
     def decode_steps(n: int, multi_step: int) -> dict:
         engine.multi_step, done = multi_step, 0
-        engine.step()  # a first call of this kind (multi-step: its threads chosen), not timed
         graphs = getattr(engine, "graphs", None)
+        # calls of this kind, not timed, until one records nothing (a bucket is recorded on its first
+        # two steps, and its first replay chooses its threads)
+        for _ in range(4):
+            recorded = graphs.stats["recorded"] if graphs is not None else 0
+            engine.step()
+            if graphs is None or graphs.stats["recorded"] == recorded:
+                break
         recorded = graphs.stats["recorded"] if graphs is not None else 0
         native[0], start = 0.0, time.perf_counter()
         while done < n:

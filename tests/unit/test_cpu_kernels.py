@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from deepinfer.backends import reference as ref
-from deepinfer.backends.cpu import CpuAccelerator, kernels, make
+from deepinfer.backends.cpu import CpuAccelerator, CpuKernelAccelerator, kernels, make
 from deepinfer.models.deepseek_v4 import fused as composites
 from test_batch_invariance import _differences
 
@@ -364,6 +364,25 @@ def test_argmax_kernel_is_torch_argmax_with_ties_nan_and_inf(seed):
     x = torch.randn(3, 1000, generator=g)
     t, z = torch.zeros(3), torch.zeros(3, dtype=torch.int64)
     assert torch.equal(make_accel.sample(x, t, z, torch.ones(3), z, z), x.argmax(-1))  # greedy rows take it
+
+
+@pytest.mark.parametrize("t", (1, 5, 33))
+@pytest.mark.parametrize("op", ("hc_mixes", "hc_collapse"))
+def test_v41_mhc_kernels_match_the_reference(op, t):
+    """DeepSeek-V4.1's lagged mHC split on the kernels (hc_pre's mixes without its collapse, and the
+    collapse alone) within op_checks.V41_OPS' tolerances, and a token alone gives the bits it has in
+    the batch (the batch-invariant mode takes these kernels at every size)."""
+    from op_checks import check_v41_op, v41_op_inputs
+
+    acc = CpuKernelAccelerator()
+    check_v41_op(acc, op, t)
+    args = v41_op_inputs(op, t)
+    whole = getattr(acc, op)(*args)
+    whole = whole if isinstance(whole, tuple) else (whole,)
+    for i in range(t):
+        alone = getattr(acc, op)(*((a[i:i + 1] if j < (1 if op == "hc_mixes" else 2) else a) for j, a in enumerate(args)))
+        for w, a in zip(whole, alone if isinstance(alone, tuple) else (alone,)):
+            assert torch.equal(w[i:i + 1], a), (op, i)
 
 
 @pytest.mark.parametrize("T", (1, 2, 5, 16, 33))

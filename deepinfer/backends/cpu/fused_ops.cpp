@@ -324,6 +324,12 @@ inline void axpy(float p, const float* __restrict row, float* __restrict out, in
   for (int64_t d = 0; d < D; ++d) out[d] += p * row[d];
 }
 
+// out = sum_i w[i] * x[i * D .. (i + 1) * D), the streams of one token weighted (the mHC collapse)
+inline void collapse_streams(const float* x, const float* w, int64_t n, int64_t D, float* out) {
+  std::fill(out, out + D, 0.0f);
+  for (int64_t i = 0; i < n; ++i) axpy(w[i], x + i * D, out, D);
+}
+
 // Pointers to the rows of a [rows, D] pool named by idx[0..n) (-1 = absent, skipped); returns how
 // many were present. Checks the range.
 int64_t present_rows(const int64_t* idx, int64_t n, const float* pool, int64_t rows, int64_t stride, const char* what,
@@ -388,9 +394,13 @@ void sinkhorn(float* c, float* sums, int64_t n, int64_t iters, float eps) {
   }
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> hc_pre(const at::Tensor& streams_in, const at::Tensor& fn_in,
-                                                       const at::Tensor& base_in, const at::Tensor& scale_in,
-                                                       double norm_eps, double hc_eps, int64_t sinkhorn_iters) {
+// The mixes of every token (pre, post and the Sinkhorn-normalised comb) and, for hc_pre, the streams
+// collapsed by pre: `collapse` false leaves pre as the first result (DeepSeek-V4.1's hc_mixes, whose
+// collapse comes a sub-layer later), true gives the collapsed [T, D] there.
+static std::tuple<at::Tensor, at::Tensor, at::Tensor> hc_mix_tokens(const at::Tensor& streams_in, const at::Tensor& fn_in,
+                                                              const at::Tensor& base_in, const at::Tensor& scale_in,
+                                                              double norm_eps, double hc_eps, int64_t sinkhorn_iters,
+                                                              bool collapse) {
   check_float(streams_in, "streams");
   check_float(fn_in, "fn");
   TORCH_CHECK(streams_in.dim() == 3, "streams must be [T, n, D]");
@@ -401,11 +411,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hc_pre(const at::Tensor& streams_
   constexpr int64_t kMaxStreams = 64;
   TORCH_CHECK(n <= kMaxStreams, "hc_mult > ", kMaxStreams, " is not supported");
   auto opts = streams.options();
-  at::Tensor collapsed = at::empty({T, D}, opts), post = at::empty({T, n}, opts), comb = at::empty({T, n, n}, opts);
+  at::Tensor first = collapse ? at::empty({T, D}, opts) : at::empty({T, n}, opts);
+  at::Tensor post = at::empty({T, n}, opts), comb = at::empty({T, n, n}, opts);
   const float *S = streams.data_ptr<float>(), *F = fn.data_ptr<float>(), *B = base.data_ptr<float>();
   const float s0 = scale.data_ptr<float>()[0], s1 = scale.data_ptr<float>()[1], s2 = scale.data_ptr<float>()[2];
   const float neps = static_cast<float>(norm_eps), heps = static_cast<float>(hc_eps);
-  float *C = collapsed.data_ptr<float>(), *P = post.data_ptr<float>(), *M = comb.data_ptr<float>();
+  float *C = first.data_ptr<float>(), *P = post.data_ptr<float>(), *M = comb.data_ptr<float>();
   // Tokens go in blocks of kBlock: the per-token parts (mixes, gates, softmax) run token by token,
   // the Sinkhorn iterations (n*n divisions per half-step) run vectorised across the block, where a
   // token's lane does the same operations whatever the other lanes hold.
@@ -454,14 +465,45 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hc_pre(const at::Tensor& streams_
       for (int64_t b = 0; b < bt; ++b) {
         const int64_t t = t0 + b;
         for (int64_t e = 0; e < nn; ++e) M[t * nn + e] = cb[e * lanes + b];
-        const float* x = S + t * nd;
-        float* out = C + t * D;
-        std::fill(out, out + D, 0.0f);
-        for (int64_t i = 0; i < n; ++i) axpy(pre[b * n + i], x + i * D, out, D);
+        if (!collapse) {
+          std::copy(pre + b * n, pre + (b + 1) * n, C + t * n);
+          continue;
+        }
+        collapse_streams(S + t * nd, pre + b * n, n, D, C + t * D);
       }
     }
   });
-  return {collapsed, post, comb};
+  return {first, post, comb};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> hc_pre(const at::Tensor& streams, const at::Tensor& fn,
+                                                       const at::Tensor& base, const at::Tensor& scale,
+                                                       double norm_eps, double hc_eps, int64_t sinkhorn_iters) {
+  return hc_mix_tokens(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, true);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> hc_mixes(const at::Tensor& streams, const at::Tensor& fn,
+                                                         const at::Tensor& base, const at::Tensor& scale,
+                                                         double norm_eps, double hc_eps, int64_t sinkhorn_iters) {
+  return hc_mix_tokens(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, false);
+}
+
+// hc_collapse: out[t] = sum_i weights[t, i] * streams[t, i], streams [T, n, D], weights [T, n]
+at::Tensor hc_collapse(const at::Tensor& streams_in, const at::Tensor& weights_in) {
+  check_float(streams_in, "streams");
+  check_float(weights_in, "weights");
+  TORCH_CHECK(streams_in.dim() == 3 && weights_in.dim() == 2 && weights_in.size(0) == streams_in.size(0) &&
+                  weights_in.size(1) == streams_in.size(1),
+              "streams must be [T, n, D], weights [T, n]");
+  const at::Tensor streams = streams_in.contiguous(), weights = weights_in.contiguous();
+  const int64_t T = streams.size(0), n = streams.size(1), D = streams.size(2);
+  at::Tensor out = at::empty({T, D}, streams.options());
+  const float *S = streams.data_ptr<float>(), *W = weights.data_ptr<float>();
+  float* O = out.data_ptr<float>();
+  at::parallel_for(0, T, std::max<int64_t>(1, kMinChunkMacs / std::max<int64_t>(1, n * D)), [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) collapse_streams(S + t * n * D, W + t * n, n, D, O + t * D);
+  });
+  return out;
 }
 
 // The final collapse before the LM head: pre = sigmoid(mix * scale + base) + hc_eps with
@@ -1174,6 +1216,9 @@ using namespace deepinfer_cpu;
 TORCH_LIBRARY(deepinfer_cpu, m) {
   m.def("hc_pre(Tensor streams, Tensor fn, Tensor base, Tensor scale, float norm_eps, float hc_eps, "
         "int sinkhorn_iters) -> (Tensor, Tensor, Tensor)");
+  m.def("hc_mixes(Tensor streams, Tensor fn, Tensor base, Tensor scale, float norm_eps, float hc_eps, "
+        "int sinkhorn_iters) -> (Tensor, Tensor, Tensor)");
+  m.def("hc_collapse(Tensor streams, Tensor weights) -> Tensor");
   m.def("hc_post(Tensor block_out, Tensor streams, Tensor post, Tensor comb) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor? weight, float eps) -> Tensor");
   m.def("rope(Tensor x, Tensor cos, Tensor sin, bool inverse) -> Tensor");
@@ -1200,6 +1245,8 @@ TORCH_LIBRARY(deepinfer_cpu, m) {
 
 TORCH_LIBRARY_IMPL(deepinfer_cpu, CPU, m) {
   m.impl("hc_pre", &hc_pre);
+  m.impl("hc_mixes", &hc_mixes);
+  m.impl("hc_collapse", &hc_collapse);
   m.impl("hc_post", &hc_post);
   m.impl("rms_norm", &rms_norm);
   m.impl("rope", &rope);

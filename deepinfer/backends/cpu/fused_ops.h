@@ -12,6 +12,10 @@ namespace deepinfer_cpu {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> hc_pre(const at::Tensor& streams, const at::Tensor& fn,
                                                        const at::Tensor& base, const at::Tensor& scale,
                                                        double norm_eps, double hc_eps, int64_t sinkhorn_iters);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> hc_mixes(const at::Tensor& streams, const at::Tensor& fn,
+                                                         const at::Tensor& base, const at::Tensor& scale,
+                                                         double norm_eps, double hc_eps, int64_t sinkhorn_iters);
+at::Tensor hc_collapse(const at::Tensor& streams, const at::Tensor& weights);
 at::Tensor hc_head(const at::Tensor& streams, const at::Tensor& fn, const at::Tensor& base, const at::Tensor& scale,
                    double norm_eps, double hc_eps);
 at::Tensor hc_post(const at::Tensor& block_out, const at::Tensor& streams, const at::Tensor& post,

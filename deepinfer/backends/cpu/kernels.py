@@ -2,7 +2,7 @@
 
 The reference ops (backends/reference.py) are plain torch: dozens of small ops per call, which is what a
 decode step of a small model spends its time on (the mHC mix alone is ~80 ops, 8 calls a step).
-`fused_ops.cpp` does fifteen of them in one pass each: hc_pre, hc_post, hc_head, rms_norm,
+`fused_ops.cpp` does seventeen of them in one pass each: hc_pre, hc_mixes, hc_collapse, hc_post, hc_head, rms_norm,
 rope, compress_entries, sparse_attention and indexer_topk always; linear, moe_experts, swiglu_mlp
 (the shared expert), grouped_linear and the three routers for decode-sized batches (larger ones go to
 the reference, whose GEMMs win there). The fused sequences hc_pre_norm, hc_post_pre_norm and
@@ -131,6 +131,19 @@ def hc_pre(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, *, refere
     if streams.dtype != _F32 or fn.dtype != _F32:
         return reference(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters)
     return torch.ops.deepinfer_cpu.hc_pre(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters)
+
+
+def hc_mixes(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, *, reference=ops.hc_mixes):
+    """DeepSeek-V4.1's mixes (its collapse comes a sub-layer later): hc_pre's kernel without the collapse."""
+    if streams.dtype != _F32 or fn.dtype != _F32 or streams.dim() != 3:
+        return reference(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters)
+    return torch.ops.deepinfer_cpu.hc_mixes(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters)
+
+
+def hc_collapse(streams, weights, *, reference=ops.hc_collapse):
+    if streams.dtype != _F32 or weights.dtype != _F32 or streams.dim() != 3 or weights.dim() != 2:
+        return reference(streams, weights)
+    return torch.ops.deepinfer_cpu.hc_collapse(streams, weights)
 
 
 def hc_post(block_out, streams, post, comb, *, reference=ops.hc_post):
@@ -308,7 +321,7 @@ FUSED = {"compress_entries": compress_entries, "hc_pre_norm": hc_pre_norm, "hc_p
          "rms_norm_rope": rms_norm_rope}
 
 
-OPS = ("hc_pre", "hc_post", "hc_head", "rms_norm", "rope", "sparse_attention", "indexer_topk", "moe_experts",
+OPS = ("hc_pre", "hc_mixes", "hc_collapse", "hc_post", "hc_head", "rms_norm", "rope", "sparse_attention", "indexer_topk", "moe_experts",
        "grouped_linear", "route_topk", "route_grouped_topk", "route_hash", "swiglu_mlp", "linear", "argmax", "sample",
        "copy_rows", "fp8_qdq")
 
