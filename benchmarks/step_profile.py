@@ -12,9 +12,10 @@ other ops is timed once, as the outermost call. Prints tables and writes JSON.
 
     python benchmarks/step_profile.py [--model DIR | --tiny-config mixed_hc4_yarn [--vocab deepseek]] [--batch 32]
     python benchmarks/step_profile.py --baseline 42e561a   # + the same profile of that build, same run
+    python benchmarks/step_profile.py --baseline 42e561a,main   # + both builds, alternating with this one
     python benchmarks/step_profile.py --tiny-config v3/bench --batch 1   # issue 20's DeepSeek-V3 model
 
---baseline REF profiles deepinfer as built at a git ref as well (benchmarks/baseline.py), e.g. the
+--baseline REF[,REF...] profiles deepinfer as built at git refs as well (benchmarks/baseline.py), e.g. the
 build before step graphs, whose fast path was a hand-written C++ copy of the V4 step (the "step
 program"): its C++ calls are timed the same way.
 
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import json
 import os
 import statistics
@@ -64,7 +66,8 @@ def timed_ops(accel, lm_head: torch.Tensor) -> tuple[collections.Counter, collec
         return timed
 
     for name in OPS:
-        setattr(accel, name, timer(getattr(accel, name), name))
+        if hasattr(accel, name):  # an older build (--baseline) may lack an op
+            setattr(accel, name, timer(getattr(accel, name), name))
     kernel = accel.kernel  # a model's fused sequences (e.g. hc_pre_norm), timed under their own names
 
     def timed_kernel(name):
@@ -188,8 +191,8 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--json", default=None)
-    parser.add_argument("--baseline", default=None, metavar="REF",
-                        help="also profile deepinfer as built at this git ref (e.g. 42e561a), same run")
+    parser.add_argument("--baseline", default=None, metavar="REF[,REF...]",
+                        help="also profile deepinfer as built at these git refs (e.g. 42e561a,main), same run")
     parser.add_argument("--repeats", type=int, default=1,
                         help="profiles per build, the builds alternating; each figure is the median")
     args = parser.parse_args()
@@ -199,8 +202,9 @@ def main() -> None:
     if args.baseline:
         from baseline import call, describe
 
-        runs[f"deepinfer @ {describe(args.baseline)}"] = lambda: call(args.baseline, "step_profile", "profile", model,
-                                                                      args.batch, args.prompt_len, args.steps)
+        for ref in args.baseline.split(","):
+            runs[f"deepinfer @ {describe(ref)}"] = functools.partial(call, ref, "step_profile", "profile", model,
+                                                                     args.batch, args.prompt_len, args.steps)
     repeats = {name: [] for name in runs}
     for _ in range(args.repeats):  # the builds alternate: load from other work hits both alike
         for name, run in runs.items():

@@ -115,12 +115,13 @@ class StateCache:
         self.trash_page = num_pages  # written by padding, never read (see the module doc)
         self.block_table[self.trash_slot] = self.trash_page
         self.slot_pages: dict[int, list[int]] = {}
-        self.prefix = PrefixCache(page_tokens) if spec.paged else None
+        self.paged = spec.paged  # read for every sequence of every step (pages_for): once here
+        self.prefix = PrefixCache(page_tokens) if self.paged else None
 
     # ------------------------------------------------------------ accounting
     def pages_for(self, num_tokens: int) -> int:
         """Pages a sequence of `num_tokens` positions holds (0 for a model without paged state)."""
-        return _cdiv(num_tokens, self.page_tokens) if self.spec.paged else 0
+        return -(-num_tokens // self.page_tokens) if self.paged else 0
 
     def bytes_per_page(self) -> int:
         return self.spec.bytes_per_page(self.page_tokens, self.element_size)

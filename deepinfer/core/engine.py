@@ -389,15 +389,38 @@ class LLMEngine:
         with self._timed("postprocess"):
             for req, start, new_tokens in zip(reqs, starts, tokens.t().tolist()):
                 req.num_computed = start + steps
-                for j, token in enumerate(new_tokens):
-                    req.output_token_ids.append(token)
-                    self._check_stop(req, token)
-                    if req.is_finished:  # positions fed with tokens it keeps: start .. start + j
-                        req.num_computed = start + j + 1
-                        self._retire(req)
-                        finished.append(req)
-                        break
+                if req.detok is None and not req.params.stop_strings:  # stops decided by token ids alone
+                    j = self._first_stop(req, new_tokens)
+                    req.output_token_ids.extend(new_tokens if j is None else new_tokens[:j + 1])
+                    if j is not None:
+                        self._check_stop(req, new_tokens[j])  # the same reason a token-by-token check gives
+                else:
+                    for j, token in enumerate(new_tokens):
+                        req.output_token_ids.append(token)
+                        self._check_stop(req, token)
+                        if req.is_finished:
+                            break
+                if req.is_finished:  # positions fed with tokens it keeps: start .. start + j
+                    req.num_computed = start + j + 1
+                    self._retire(req)
+                    finished.append(req)
         return finished
+
+    def _first_stop(self, req: Request, new_tokens: list[int]) -> int | None:
+        """Index of the first of `new_tokens` (to follow req's outputs, none pending) at which
+        _check_stop would finish a request that has no stop strings and no detokenizer: a stop token,
+        or max_tokens / max_model_len reached; None if none does."""
+        params = req.params
+        stops = set(params.stop_token_ids or ())
+        if not params.ignore_eos:
+            stops.update(self.model_config.eos_token_ids)
+        # after j + 1 more tokens: len(outputs) + j + 1 >= max_tokens, or prompt + that >= max_model_len
+        produced = len(req.output_token_ids)
+        last = min(params.max_tokens - produced, self.max_model_len - req.num_prompt_tokens - produced) - 1
+        for j, token in enumerate(new_tokens):
+            if token in stops or j >= last:
+                return j
+        return None
 
     def _decode_steps(self, ids: list[int], slots: list[int], starts: list[int], steps: int) -> torch.Tensor:
         """`steps` greedy decode steps of a batch: sequence b feeds ids[b] at position starts[b],

@@ -302,6 +302,16 @@ def signature(tensors: list[torch.Tensor]) -> tuple:
     return key
 
 
+def _first_step_signature(per_step: list[torch.Tensor], shared: list[torch.Tensor]) -> tuple:
+    """signature([t[0] for t in per_step] + shared) without making the row views (each a distinct
+    tensor: only `shared` can repeat one)."""
+    key = tuple((t.shape[1:], t.dtype) for t in per_step) + tuple((t.shape, t.dtype) for t in shared)
+    ids = [id(t) for t in shared]
+    if len(set(ids)) < len(ids):
+        key += (tuple(range(len(per_step))) + tuple(len(per_step) + ids.index(i) for i in ids),)
+    return key
+
+
 # ---------------------------------------------------------------- buckets
 def size_bucket(n: int, minimum: int = 0, linear_from: int = 64) -> int:
     """A size that varies from step to step (a model's longest context, its candidate entries)
@@ -400,8 +410,7 @@ class StepGraphs:
         `feedback` takes output o of the step before (from the second step on). A compiled bucket
         whose replay runs several steps per call (the cpu tape) takes them all in one call.
         -> step_fn's outputs, each stacked over the steps."""
-        first = [t[0] for t in per_step] + list(shared)
-        bucket = self.buckets.get(key + signature(first))
+        bucket = self.buckets.get(key + _first_step_signature(per_step, shared))
         many = getattr(bucket.step, "run_steps", None) if bucket is not None and bucket.step is not None else None
         if many is not None:
             try:

@@ -34,13 +34,14 @@ class RopeConfig:
         table of every position so far (grown by doubling): a step looks its rows up instead of
         running a multiply, a cos and a sin over them (~15 us of a decode step's planning). The
         values are those of `positions * inv_freq` computed in float32, as before."""
+        import numpy
         import torch
 
         need = int(positions.max()) + 1 if len(positions) else 0
         table = self.table(need)
         if table is None:  # a long context: compute, rather than hold a table of every position
             return self.rotations(torch.from_numpy(positions))
-        return torch.from_numpy(table[0][positions]), torch.from_numpy(table[1][positions])
+        return tuple(torch.from_numpy(numpy.take(t, positions, axis=0)) for t in table)  # take: ~2x [] here
 
     def rotations(self, positions: "torch.Tensor") -> "tuple[torch.Tensor, torch.Tensor]":
         """(cos, sin) [len(positions), dim // 2] float32 of an integer position tensor, computed where

@@ -3,6 +3,10 @@ must give exactly what one step per call gives, stop where that stops, and free 
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+
 import pytest
 import torch
 
@@ -65,6 +69,46 @@ def test_multi_step_equals_one_step_per_call(tiny_model_dir, monkeypatch):
     assert engine.cache.num_free_pages == engine.cache.num_pages and engine.cache.num_free_slots == engine.cache.max_seqs
     for prompt, (tokens, *_) in zip(prompts[:2], got[:2]):
         assert tokens == hf_greedy(hf, prompt, len(tokens))
+
+
+def test_without_a_tokenizer_stops_by_token_id_fall_where_one_step_per_call_puts_them(tiny_model_dir, monkeypatch,
+                                                                                        tmp_path):
+    """Without a tokenizer (no text to build, no stop strings) a call's stops are found from the token
+    ids alone: stop ids, EOS and max_tokens must end each request at the same token as one step per call."""
+    path, _ = tiny_model_dir
+    prompts = _prompts([3, 50, 130, 77, 20, 9], seed=7)
+
+    def bare(eos: int | None) -> str:  # the checkpoint without its tokenizer files (and with another EOS)
+        out = tmp_path / f"eos{eos}"
+        out.mkdir()
+        for name in os.listdir(path):
+            if name.endswith(".safetensors") or name in ("config.json", "generation_config.json"):
+                shutil.copy(os.path.join(path, name), out / name)
+        if eos is not None:
+            for name in ("config.json", "generation_config.json"):
+                if (out / name).exists():
+                    config = json.loads((out / name).read_text())
+                    (out / name).write_text(json.dumps(config | {"eos_token_id": eos}))
+        return str(out)
+
+    free = _outputs(_llm(bare(None), monkeypatch, 1), prompts,
+                    SamplingParams(temperature=0.0, max_tokens=45, ignore_eos=True))
+    eos = free[4][0][10]  # a token the fifth request produces: with EOS honoured it stops there (or before)
+    model = bare(eos)
+    params = [SamplingParams(temperature=0.0, max_tokens=45, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True),  # a call of 8, then one of 1
+              SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[free[2][0][12]], ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=33, stop_token_ids=[free[3][0][5]], ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=False),
+              SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)]
+    one = _llm(model, monkeypatch, 1)
+    assert one.engine.tokenizer is None
+    ref = _outputs(one, prompts, params)
+    multi = _llm(model, monkeypatch, 8)
+    calls = _count_calls(multi)
+    assert _outputs(multi, prompts, params) == ref and calls
+    assert [len(r[0]) for r in ref[:2]] == [45, 9] and ref[2][1] == ref[3][1] == ref[4][1] == "stop"
+    assert ref[4][0][-1] == eos and len(ref[4][0]) <= 11
 
 
 def test_state_after_a_stop_inside_a_call_serves_the_prefix_cache(tiny_model_dir, monkeypatch):
@@ -192,3 +236,19 @@ def _replayed_equals_eager(path, monkeypatch, invariant: bool) -> None:
     assert none is None
     assert replayed == eager
     assert graphs.stats["replayed"] > 50 and graphs.stats["eager"] == 0, graphs.stats
+
+
+def test_calls_after_the_first_replay_all_their_steps_at_once(tiny_model_dir, monkeypatch):
+    """Once a batch's multi-step bucket is compiled (recorded in the first call), each later call finds
+    it and replays its k steps in one call of the tape, not k lookups of single steps."""
+    path, _ = tiny_model_dir
+    multi = _llm(path, monkeypatch, 8)
+    graphs = multi.engine.graphs
+    if graphs is None:
+        pytest.skip("steps are not captured on this build (no C++ replay)")
+    single, run = [], graphs.run
+    monkeypatch.setattr(graphs, "run", lambda key, *a, **kw: single.append(key[0]) or run(key, *a, **kw))
+    calls = _count_calls(multi)
+    multi.generate(prompt_token_ids=_prompts([20, 30], seed=6), use_tqdm=False,
+                   sampling_params=SamplingParams(temperature=0.0, max_tokens=41, ignore_eos=True))
+    assert len(calls) >= 4 and sum(single) == calls[0], (calls, single)  # multi-step keys: the first call's steps

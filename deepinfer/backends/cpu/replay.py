@@ -98,7 +98,8 @@ class TapeStep:
             first = 1
             if steps == 1:
                 return [o[None] for o in previous]
-        out = self.tape.run_steps([t[first:] for t in per_step], list(shared), steps - first, pairs, previous)
+        rest = [t[first:] for t in per_step] if first else per_step
+        out = self.tape.run_steps(rest, list(shared), steps - first, pairs, previous)
         return out if not first else [torch.cat([p[None], o]) for p, o in zip(previous, out)]
 
     def _choose(self, times: list[float]) -> int:

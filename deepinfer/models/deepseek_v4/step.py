@@ -108,6 +108,15 @@ class CacheView:
 _MIN_ENTRIES = 64  # candidate entries per token at least (fewer buckets for short sequences)
 
 
+@functools.lru_cache(maxsize=16)
+def _wrapped_window(ring: int, window: int) -> np.ndarray:
+    """[ring, window]: row q holds (q + offset) mod ring for the offsets -(window-1) .. 0 (ring rows
+    of the window keys of a token at a position p with p mod ring = q)."""
+    table = (np.arange(ring)[:, None] + np.arange(-(window - 1), 1)) % ring
+    table.flags.writeable = False
+    return table
+
+
 def _arange_within(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """For groups of sizes `counts`: (group index of each element, index within its group)."""
     group = np.repeat(np.arange(len(counts)), counts)
@@ -153,14 +162,16 @@ class StepMeta:
         if steps is not None and not self.decode:
             raise ValueError("several steps are planned at once only for decode steps")
         self._plan(steps or 1)
+        move = functools.partial(to_device, device=cache.device)
         if steps is not None:  # [steps, ...]: step s is row s of every tensor
             batch = len(lens)
-            self._map(lambda a: a.reshape(steps, batch, *a.shape[1:]))
-            self.ids = np.zeros((steps, batch), dtype=np.int64)
-            self.ids[0] = inp.ids.numpy()
+            ids = np.zeros((steps, batch), dtype=np.int64)
+            ids[0] = inp.ids.numpy()
+            self.ids = move(ids)
+            self._map(lambda a: move(a.reshape(steps, batch, *a.shape[1:])))
         else:
-            self.ids = inp.ids
-        self._to_device(cache.device)
+            self.ids = move(inp.ids)
+            self._map(move)
 
     def _plan(self, steps: int) -> None:
         """Every index array of the step (or of `steps` decode steps, token (s, b) = sequence b at
@@ -168,8 +179,8 @@ class StepMeta:
         inp, cache, config = self.inp, self.cache, self.config
         if self.decode:
             batch = len(self.starts)
-            seq = np.tile(np.arange(batch), steps)
-            self.positions = self.starts[seq] + np.repeat(np.arange(steps), batch)
+            seq = np.broadcast_to(np.arange(batch), (steps, batch)).ravel()
+            self.positions = (self.starts + np.arange(steps)[:, None]).ravel()
             # per token: its step's first position of the sequence, the flat index of the sequence's
             # first token in its step, its slot, the end of its sequence's tokens in its step
             self.tok = (self.positions, seq, self.slots[seq], self.positions + 1)
@@ -179,16 +190,20 @@ class StepMeta:
             seq, within = _arange_within(lens)
             self.positions = self.starts[seq] + within
             self.tok = (self.starts[seq], first[seq], self.slots[seq], (self.starts + lens)[seq])
+        self.seq = seq  # per token: its sequence
         self.rope = {"main": config.rope_main.cos_sin(self.positions),
                      "compress": config.rope_compress.cos_sin(self.positions)}
         window = config.sliding_window
-        key_pos = self.positions[:, None] + np.arange(-(window - 1), 1)
-        if inp.window_floor is not None:  # keys never computed after a prefix-cache hit read as absent
-            floor = inp.window_floor.numpy()[seq]
-            floor = np.where(self.positions >= floor, floor, 0)
-            key_pos = np.where(key_pos >= floor[:, None], key_pos, -1)
-        start, first_tok, slot, _ = (t[:, None] for t in self.tok)
-        self.window_rows = self.rows(key_pos, start, first_tok, slot, cache.ring)
+        if self.decode:
+            self.window_rows = self._decode_rows(self.positions, seq, self.tok[2], window, cache.ring)
+        else:
+            key_pos = self.positions[:, None] + np.arange(-(window - 1), 1)
+            if inp.window_floor is not None:  # keys never computed after a prefix-cache hit read as absent
+                floor = inp.window_floor.numpy()[seq]
+                floor = np.where(self.positions >= floor, floor, 0)
+                key_pos = np.where(key_pos >= floor[:, None], key_pos, -1)
+            start, first_tok, slot, _ = (t[:, None] for t in self.tok)
+            self.window_rows = self.rows(key_pos, start, first_tok, slot, cache.ring)
         self.window_commit = self._commit(cache.ring)
         # Read the block table now: with overlapped scheduling the CPU may hand a freed slot or
         # page to another request while this step is still queued on the device.
@@ -204,12 +219,6 @@ class StepMeta:
             for k, v in info.items():
                 info[k] = tuple(map(f, v)) if isinstance(v, tuple) else f(v)
 
-    def _to_device(self, device: torch.device) -> None:
-        move = functools.partial(to_device, device=device)
-
-        self.ids = move(self.ids)
-        self._map(move)
-
     def all_tokens(self, own_rows: torch.Tensor) -> torch.Tensor:
         """Rows of every token of the step, from the rows of the tokens this process owns."""
         return own_rows if self.split is None else self.split.gather(own_rows)
@@ -224,13 +233,27 @@ class StepMeta:
         rows = np.where(pos >= start, scratch, ringed)
         return np.where(pos >= 0, rows, -1)
 
+    def _decode_rows(self, positions: np.ndarray, seq: np.ndarray, slot: np.ndarray, window: int,
+                     ring: int) -> np.ndarray:
+        """`rows` of positions p-window+1 .. p for decode-step tokens at positions p (of sequences
+        `seq`, in `slot`), with fewer passes over the [tokens, window] array: every position but the
+        token's own is in the ring, at (p mod ring + offset) mod ring, looked up in a [ring, window]
+        table; the token's own is in the scratch. Negative positions (a sequence's first tokens) give -1."""
+        rows = np.take(_wrapped_window(ring, window), positions % ring, axis=0)
+        rows += (slot * ring)[:, None]
+        rows[:, -1] = self.cache.ring_slots * ring + seq
+        if len(positions) and positions.min() < window - 1:
+            rows[positions[:, None] + np.arange(-(window - 1), 1) < 0] = -1
+        return rows
+
     def _commit(self, ring: int) -> tuple[np.ndarray, np.ndarray]:
         """(scratch rows, ring rows) of the tokens a ring of `ring` rows keeps after the step."""
         start, first, slot, end = self.tok
         pos = self.positions
-        if not self.decode:  # a decode step keeps its one token per sequence
-            tokens = np.flatnonzero(pos >= end - ring)
-            pos, start, first, slot = pos[tokens], start[tokens], first[tokens], slot[tokens]
+        if self.decode:  # a decode step keeps its one token per sequence, at its first scratch row
+            return self.cache.ring_slots * ring + first, slot * ring + pos % ring
+        tokens = np.flatnonzero(pos >= end - ring)
+        pos, start, first, slot = pos[tokens], start[tokens], first[tokens], slot[tokens]
         return self.cache.ring_slots * ring + first + (pos - start), slot * ring + pos % ring
 
     def compressed(self, layer: LayerState) -> dict:
@@ -240,10 +263,11 @@ class StepMeta:
     def _compressed(self, layer: LayerState) -> dict:
         rate, ring, cache, inp = layer.rate, layer.comp_ring_size, self.cache, self.inp
         start, first, slot, end = self.tok
+        # entries visible to token at p: w < (p + 1) // rate (a decode token's end is its p + 1)
+        visible = (end if self.decode else self.positions + 1) // rate
         if self.decode:  # one window per token: the one it finishes, if any
-            finished = (self.positions + 1) % rate == 0
-            win = np.where(finished, (self.positions + 1) // rate - 1, 0)
-            w_start, w_first, w_slot = start, first, slot
+            finished = visible * rate == end
+            win = np.where(finished, visible - 1, 0)
         else:
             # windows w whose last token arrives in this step: starts//rate <= w < ends//rate,
             # except the restored ones of a prefix-cache hit (shared pages: read-only)
@@ -256,23 +280,32 @@ class StepMeta:
             w_start, w_first, w_slot, finished = self.starts[win_seq], seq_first[win_seq], self.slots[win_seq], None
         # CSA entries mix the previous window (first half) with their own (second half)
         span = 2 * rate if layer.kind == CSA else rate
-        tok_pos = (win[:, None] + 1) * rate - span + np.arange(span)
-        tok_rows = self.rows(tok_pos, w_start[:, None], w_first[:, None], w_slot[:, None], ring)
-        out_rows = cache.entry_rows(layer, w_slot, win)
-        if finished is not None:  # an unfinished window: no tokens, its entry to the trash page
-            tok_rows = np.where(finished[:, None], tok_rows, -1)
-            out_rows = np.where(finished, out_rows, cache.trash_row(layer))
+        if finished is None:
+            tok_pos = (win[:, None] + 1) * rate - span + np.arange(span)
+            tok_rows = self.rows(tok_pos, w_start[:, None], w_first[:, None], w_slot[:, None], ring)
+            out_rows = cache.entry_rows(layer, w_slot, win)
+        else:  # an unfinished window: no tokens, its entry to the trash page (rows of finished ones only)
+            done = np.flatnonzero(finished)
+            tok_rows = np.full((len(win), span), -1, dtype=np.int64)
+            # the finishing token is the window's last: the span's positions end at its own
+            tok_rows[done] = self._decode_rows(self.positions[done], first[done], slot[done], span, ring)
+            out_rows = np.full(len(win), cache.trash_row(layer), dtype=np.int64)
+            out_rows[done] = cache.entry_rows(layer, slot[done], win[done])
         entry_cos_sin = self.config.rope_compress.cos_sin(win * rate)
-        # entries visible to token at p: w < (p + 1) // rate
-        visible = (self.positions + 1) // rate
         most = cache.block_table.shape[1] * layer.kv_pool.page_rows  # entries a block-table row maps
         width = min(size_bucket(int(visible.max()), _MIN_ENTRIES), most) if len(visible) else 0
         entries = np.arange(width)[None, :]
-        cand = cache.entry_rows(layer, slot[:, None], entries)
-        cand = np.where(entries < visible[:, None], cand, -1)
+        # a sequence's entry rows, then each token's (its sequence's, up to what it sees): the rows
+        # are looked up once per sequence, not once per token
+        seen = entries < visible[:, None]
+        per_seq = cache.entry_rows(layer, self.slots[:, None], entries)
+        cand = np.where(seen, per_seq[self.seq], -1)
         info = dict(tok_rows=tok_rows, out_rows=out_rows, cos_sin=entry_cos_sin, candidates=cand,
                     commit=self._commit(ring))
         if layer.kind != CSA:  # every visible entry is attended: the whole index list is known now
-            base = cache.entry_base()
-            info["attention_rows"] = np.concatenate([self.window_rows, np.where(cand >= 0, cand + base, -1)], axis=1)
+            rows = np.full((len(cand), self.window_rows.shape[1] + width), -1, dtype=np.int64)
+            window, entries_part = rows[:, :self.window_rows.shape[1]], rows[:, self.window_rows.shape[1]:]
+            window[...] = self.window_rows
+            np.copyto(entries_part, (per_seq + cache.entry_base())[self.seq], where=seen)
+            info["attention_rows"] = rows
         return info
