@@ -414,6 +414,25 @@ def test_greedy_head_kernel_is_the_argmax_of_the_linear_kernel(T):
     assert torch.equal(torch.ops.deepinfer_cpu.linear_argmax(x, w), ref.argmax(torch.ops.deepinfer_cpu.linear(x, w)))
 
 
+def test_bf16_round_is_torchs_conversion_pair_bit_for_bit():
+    """bf16_round (the replay's fusion of x.to(bfloat16).to(float32)) gives the pair's bits: ties to
+    even, subnormals, the largest finite values rounding to inf, signed zeros, inf, a NaN anywhere in
+    the tensor (the pair picks the NaN), and inputs it does not take itself (float64, non-contiguous)."""
+    g = _gen(0)
+    x = torch.randn(4097, generator=g) * torch.exp2(torch.randint(-140, 128, (4097,), generator=g).float())
+    bits = x.view(torch.int32)
+    bits[:8] = torch.tensor([0x3F808000, 0x3F818000, 0x7F7FFFFF, 0x00000001, -0x80000000, 0x7F800000,
+                             0x00FFFFFF, 0x3F80FFFF], dtype=torch.int32)  # ties, max finite, subnormal, -0, inf
+    pair = lambda t: t.to(torch.bfloat16).to(torch.float32)  # noqa: E731
+    for t in (x, x.view(17, 241)[:, :13], x.double(), torch.zeros(0), x[:1].reshape(())):
+        got = torch.ops.deepinfer_cpu.bf16_round(t)
+        assert got.dtype == torch.float32 and got.shape == t.shape
+        assert torch.equal(got.view(torch.int32), pair(t).view(torch.int32))
+    y = x.clone()
+    y[1000] = float("nan")
+    assert torch.equal(torch.ops.deepinfer_cpu.bf16_round(y).view(torch.int32), pair(y).view(torch.int32))
+
+
 def test_copy_rows_kernel_matches_the_reference_for_any_dtype():
     g = _gen(0)
     for dtype in (torch.float32, torch.bfloat16, torch.int64):

@@ -582,6 +582,24 @@ inline void act_round(float* v, int64_t n, int64_t act_block) {
   }
 }
 
+// x.to(bfloat16).to(float32) in one pass with torch's rounding (nearest, ties to even), for the step
+// replay's fusion of that pair of calls (replay.py, fuse_calls: DeepSeek-V4.1 rounds its activations
+// to bf16 ~300 times a decode step). What the pass does not take, the pair itself computes: inputs
+// other than contiguous float32, and any tensor holding a NaN (torch's conversion picks the NaN).
+at::Tensor bf16_round(const at::Tensor& x) {
+  if (x.scalar_type() != at::kFloat || !x.device().is_cpu() || !x.is_contiguous())
+    return x.to(at::kBFloat16).to(at::kFloat);
+  at::Tensor out = at::empty_like(x);
+  const float* X = x.data_ptr<float>();
+  float* O = out.data_ptr<float>();
+  bool nan = false;
+  for (int64_t i = 0, n = x.numel(); i < n; ++i) {
+    nan |= X[i] != X[i];
+    O[i] = round_bf16(X[i]);
+  }
+  return nan ? x.to(at::kBFloat16).to(at::kFloat) : out;
+}
+
 // x [..., K] float32 -> fp8_qdq per `block` of the last dim (backends/base.py); round_bf16 False
 // skips the bf16 rounding of the input (quant.act_quant's pow2 form: the same quantizer on any float32).
 at::Tensor fp8_qdq(const at::Tensor& x_in, int64_t block, bool round_bf16_first) {
@@ -890,6 +908,7 @@ TORCH_LIBRARY_FRAGMENT(deepinfer_cpu, m) {
         "Tensor? dn_scale, int[] dn_spec, float limit, bool bf16_acts=False, int act_block=0, "
         "int gemm_from_rows=-1, int tile_bytes=524288) -> Tensor");
   m.def("fp8_qdq(Tensor x, int block, bool round_bf16=True) -> Tensor");
+  m.def("bf16_round(Tensor x) -> Tensor");
   m.def("qroute_topk(Tensor x, Tensor data, Tensor? scale, int[] spec, Tensor bias, int top_k, float scaling) "
         "-> (Tensor, Tensor)");
   m.def("qroute_hash(Tensor x, Tensor data, Tensor? scale, int[] spec, Tensor ids, float scaling) -> Tensor");
@@ -903,6 +922,7 @@ TORCH_LIBRARY_IMPL(deepinfer_cpu, CPU, m) {
   m.impl("qswiglu_mlp", &qswiglu_mlp);
   m.impl("qmoe_experts", &qmoe_experts);
   m.impl("fp8_qdq", &fp8_qdq);
+  m.impl("bf16_round", &bf16_round);
   m.impl("qroute_topk", &qroute_topk);
   m.impl("qroute_hash", &qroute_hash);
   m.impl("widen_rows", &widen_rows);

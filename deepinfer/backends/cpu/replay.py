@@ -2,8 +2,9 @@
 called, with its tensors named as slots and constants) becomes a `Tape` of replay.cpp, which calls
 the same operators with the same arguments from C++, no Python between them. Built with torch's
 C++ extension loader on first use (as kernels.py builds the fused kernels), as a Python module.
-One rewrite happens on the way (fuse_greedy_head): a step that ends in the greedy pick of its LM
-head's logits calls linear_argmax instead of linear + argmax_rows, same tokens, no logits in memory.
+One rewrite happens on the way (fuse_calls): pairs of calls whose intermediate nothing else reads
+become one call with the same result, e.g. a step that ends in the greedy pick of its LM head's
+logits calls linear_argmax instead of linear + argmax_rows (no logits in memory).
 
 Threads per instruction: the engine runs small models on one intra-op thread (a tiny op loses more
 to waking a second thread than it gains), but some calls of such a step are large, e.g. the LM
@@ -131,7 +132,7 @@ def compile_recording(recording, thread_options: list[int] = ()) -> TapeStep | N
         return None
     from_slot = [torch.empty(0) for _ in range(recording.num_slots)]  # stand-ins, matched by identity
     constants = recording.constants
-    instructions = fuse_greedy_head(recording.instructions, {o.index for o in recording.outputs})
+    instructions = fuse_calls(recording.instructions, {o.index for o in recording.outputs})
     last_read: dict[int, int] = {}
     for k, ins in enumerate(instructions):
         for s in _slots_in((ins.args, ins.kwargs)):
@@ -166,28 +167,43 @@ def compile_recording(recording, thread_options: list[int] = ()) -> TapeStep | N
     return TapeStep(tape, list(thread_options))
 
 
-def fuse_greedy_head(instructions: list[Instruction], outputs: set[int]) -> list[Instruction]:
-    """The instructions with each greedy pick of a linear kernel's result, argmax_rows(linear(x, w)),
-    as one linear_argmax(x, w) call where the linear was (sampling_ops.cpp: the logits stay in cache,
-    the tokens are the pair's bit for bit). Only where nothing else reads the logits and they are not
-    a result of the step: a multi-step greedy decode, whose step ends in the LM head's argmax."""
-    if not kernels.load():  # the reference ops ran: no linear kernel was recorded
+def fuse_calls(instructions: list[Instruction], outputs: set[int]) -> list[Instruction]:
+    """The instructions with two pairs of calls replaced by one call each, where nothing else reads
+    the pair's intermediate and it is not a result of the step (same results, bit for bit):
+    - argmax_rows(linear(x, w)) -> linear_argmax(x, w): the greedy pick of an LM head, as a multi-step
+      greedy decode step ends (sampling_ops.cpp: the logits stay in cache);
+    - x.to(bfloat16).to(float32) -> bf16_round(x): DeepSeek-V4.1's activation rounding (quant_ops.cpp:
+      one pass, no bf16 intermediate).
+    The fused call takes the first call's place."""
+    if not kernels.load():  # the reference ops ran: no kernel was recorded, and none can be called
         return list(instructions)
-    linear, argmax = torch.ops.deepinfer_cpu.linear.default, torch.ops.deepinfer_cpu.argmax_rows.default
+    cpu, to = torch.ops.deepinfer_cpu, torch.ops.aten.to.dtype
+
+    def fusion(first: Instruction, second: Instruction) -> Instruction | None:
+        if first.op is cpu.linear.default and second.op is cpu.argmax_rows.default and not second.kwargs:
+            return Instruction(cpu.linear_argmax.default, first.args, first.kwargs, second.outs)
+        if first.op is to and second.op is to and not first.kwargs and not second.kwargs \
+                and first.args[1:] == (torch.bfloat16,) and second.args[1:] == (torch.float32,):
+            return Instruction(cpu.bf16_round.default, first.args[:1], {}, second.outs)
+        return None
+
     readers: dict[int, list[int]] = {}
     for k, ins in enumerate(instructions):
         for s in set(_slots_in((ins.args, ins.kwargs))):
             readers.setdefault(s, []).append(k)
-    out = list(instructions)
+    out: list[Instruction | None] = list(instructions)
     for k, ins in enumerate(instructions):
-        if ins.op is not linear or ins.outs[0] in outputs:
+        if out[k] is None or len(ins.outs) != 1 or ins.outs[0] < 0 or ins.outs[0] in outputs:
             continue
         reads = readers.get(ins.outs[0], [])
-        if len(reads) == 1 and instructions[reads[0]].op is argmax and not instructions[reads[0]].kwargs \
-                and instructions[reads[0]].args == (Slot(ins.outs[0]),):
-            out[k] = Instruction(torch.ops.deepinfer_cpu.linear_argmax.default, ins.args, ins.kwargs,
-                                 instructions[reads[0]].outs)
-            out[reads[0]] = None
+        if len(reads) != 1 or out[reads[0]] is None:
+            continue
+        second = instructions[reads[0]]
+        if second.args[:1] != (Slot(ins.outs[0]),) or Slot(ins.outs[0]) in list(_slots_in((second.args[1:], second.kwargs))):
+            continue
+        fused = fusion(ins, second)
+        if fused is not None:
+            out[k], out[reads[0]] = fused, None
     return [ins for ins in out if ins is not None]
 
 

@@ -11,7 +11,7 @@
 // with linear's own dots (fused_ops.cpp, linear_block) into a buffer that stays in cache, and finds
 // the block's maxima there; the [tokens, vocab] logits are never written to memory and read back
 // (16 x 129,280 floats: 8 MB each way). The cpu step replay substitutes it for that pair of calls
-// (replay.py, fuse_greedy_head); the tokens are the pair's, bit for bit.
+// (replay.py, fuse_calls); the tokens are the pair's, bit for bit.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
