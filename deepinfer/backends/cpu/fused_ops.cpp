@@ -648,21 +648,41 @@ at::Tensor rope(const at::Tensor& x_in, const at::Tensor& cos_in, const at::Tens
 
 // ---------------------------------------------------------------- attention and indexer
 // q [T, H, Dh], kv [rows, Dh] (a pool), indices [T, K] rows of kv (-1 = absent), sinks [H].
-at::Tensor sparse_attention(const at::Tensor& q_in, const at::Tensor& kv, const at::Tensor& indices_in,
-                            const at::Tensor& sinks_in, double scale) {
+// The checks and views both attention kernels share: q [T, H, Dh], kv [rows, Dh] (a pool with
+// contiguous rows), indices [T, K] (int64), sinks [H]; the output [T, H, Dh] allocated.
+struct AttentionCall {
+  at::Tensor q, indices, sinks, out;
+  int64_t T, H, Dh, K, rows, kv_stride;
+  const float *Q, *KV, *SK;
+  const int64_t* I;
+  float* O;
+  float sc;
+};
+
+AttentionCall attention_call(const at::Tensor& q_in, const at::Tensor& kv, const at::Tensor& indices_in,
+                             const at::Tensor& sinks_in, double scale) {
   check_float(q_in, "q");
   check_float(kv, "kv");
   TORCH_CHECK(kv.dim() == 2 && kv.stride(1) == 1, "kv must be [rows, Dh] with contiguous rows");
   TORCH_CHECK(indices_in.scalar_type() == at::kLong, "indices must be int64");
-  const at::Tensor q = q_in.contiguous(), indices = indices_in.contiguous(), sinks = sinks_in.contiguous().to(at::kFloat);
-  const int64_t T = q.size(0), H = q.size(1), Dh = q.size(2), K = indices.size(1), rows = kv.size(0),
-                kv_stride = kv.stride(0);
-  TORCH_CHECK(kv.size(1) == Dh && indices.size(0) == T, "shape mismatch between q, kv and indices");
-  at::Tensor out = at::empty({T, H, Dh}, q.options());
-  const float *Q = q.data_ptr<float>(), *KV = kv.data_ptr<float>(), *SK = sinks.data_ptr<float>();
-  const int64_t* I = indices.data_ptr<int64_t>();
-  float* O = out.data_ptr<float>();
-  const float sc = static_cast<float>(scale);
+  AttentionCall c;
+  c.q = q_in.contiguous(), c.indices = indices_in.contiguous(), c.sinks = sinks_in.contiguous().to(at::kFloat);
+  c.T = c.q.size(0), c.H = c.q.size(1), c.Dh = c.q.size(2), c.K = c.indices.size(1), c.rows = kv.size(0);
+  c.kv_stride = kv.stride(0);
+  TORCH_CHECK(kv.size(1) == c.Dh && c.indices.size(0) == c.T, "shape mismatch between q, kv and indices");
+  c.out = at::empty({c.T, c.H, c.Dh}, c.q.options());
+  c.Q = c.q.data_ptr<float>(), c.KV = kv.data_ptr<float>(), c.SK = c.sinks.data_ptr<float>();
+  c.I = c.indices.data_ptr<int64_t>(), c.O = c.out.data_ptr<float>(), c.sc = static_cast<float>(scale);
+  return c;
+}
+
+at::Tensor sparse_attention(const at::Tensor& q_in, const at::Tensor& kv, const at::Tensor& indices_in,
+                            const at::Tensor& sinks_in, double scale) {
+  const AttentionCall call = attention_call(q_in, kv, indices_in, sinks_in, scale);
+  const int64_t T = call.T, H = call.H, Dh = call.Dh, K = call.K, rows = call.rows, kv_stride = call.kv_stride;
+  const float *Q = call.Q, *KV = call.KV, *SK = call.SK, sc = call.sc;
+  const int64_t* I = call.I;
+  float* O = call.O;
   // Keys are shared by the heads (MQA): no transposed copy of them, the logits come from dot_rows
   // over blocks of 8 key rows per head, and the output accumulates kHeads heads x kChunk dims in
   // registers while walking the keys once (each element summed over the keys in order).
@@ -718,7 +738,7 @@ at::Tensor sparse_attention(const at::Tensor& q_in, const at::Tensor& kv, const 
       }
     }
   });
-  return out;
+  return call.out;
 }
 
 // DeepSeek-V4.1's sparse attention (backends/base.py sparse_attention_bf16): per token and head, an
@@ -729,20 +749,12 @@ at::Tensor sparse_attention(const at::Tensor& q_in, const at::Tensor& kv, const 
 // this file's fixed orders (within op_checks.V41_OPS' tolerance of the reference).
 at::Tensor sparse_attention_bf16(const at::Tensor& q_in, const at::Tensor& kv, const at::Tensor& indices_in,
                                  const at::Tensor& sinks_in, double scale) {
-  check_float(q_in, "q");
-  check_float(kv, "kv");
-  TORCH_CHECK(kv.dim() == 2 && kv.stride(1) == 1, "kv must be [rows, Dh] with contiguous rows");
-  TORCH_CHECK(indices_in.scalar_type() == at::kLong, "indices must be int64");
-  const at::Tensor q = q_in.contiguous(), indices = indices_in.contiguous(), sinks = sinks_in.contiguous().to(at::kFloat);
-  const int64_t T = q.size(0), H = q.size(1), Dh = q.size(2), K = indices.size(1), rows = kv.size(0),
-                kv_stride = kv.stride(0);
-  TORCH_CHECK(kv.size(1) == Dh && indices.size(0) == T, "shape mismatch between q, kv and indices");
   constexpr int64_t kBlock = 64;  // reference.py SPARSE_BLOCK
-  at::Tensor out = at::empty({T, H, Dh}, q.options());
-  const float *Q = q.data_ptr<float>(), *KV = kv.data_ptr<float>(), *SK = sinks.data_ptr<float>();
-  const int64_t* I = indices.data_ptr<int64_t>();
-  float* O = out.data_ptr<float>();
-  const float sc = static_cast<float>(scale);
+  const AttentionCall call = attention_call(q_in, kv, indices_in, sinks_in, scale);
+  const int64_t T = call.T, H = call.H, Dh = call.Dh, K = call.K, rows = call.rows, kv_stride = call.kv_stride;
+  const float *Q = call.Q, *KV = call.KV, *SK = call.SK, sc = call.sc;
+  const int64_t* I = call.I;
+  float* O = call.O;
   const int64_t grain = std::max<int64_t>(1, kMinChunkMacs / std::max<int64_t>(1, 2 * K * Dh));
   at::parallel_for(0, T * H, grain, [&](int64_t begin, int64_t end) {
     Scratch<const float*, 512> keys_buf(K);
@@ -786,7 +798,7 @@ at::Tensor sparse_attention_bf16(const at::Tensor& q_in, const at::Tensor& kv, c
       for (int64_t d = 0; d < Dh; ++d) o[d] = acc[d] / denom;
     }
   });
-  return out;
+  return call.out;
 }
 
 // Lightning Indexer: score(t, m) = sum_h w[t, h] * relu(q[t, h] . keys[cand[t, m]]) * scale; the k best
