@@ -115,7 +115,7 @@ def test_a_changed_argument_in_a_recorded_drafting_step_is_caught(monkeypatch, m
     (the first RMSNorm's eps, made 1: from 1e-6 on V4, 1e-20 on V4.1)."""
     original = replay.compile_recording
 
-    def mutated(recording, *rest):
+    def mutated(recording, *rest, **options):
         rec = copy.copy(recording)
         rec.instructions = list(recording.instructions)
         for k, ins in enumerate(rec.instructions):
@@ -123,7 +123,7 @@ def test_a_changed_argument_in_a_recorded_drafting_step_is_caught(monkeypatch, m
             if "rms_norm" in str(ins.op) and eps:
                 args = tuple(1.0 if j == eps[0] else a for j, a in enumerate(ins.args))
                 rec.instructions[k] = Instruction(ins.op, args, ins.kwargs, ins.outs)
-                return original(rec, *rest)
+                return original(rec, *rest, **options)
         raise AssertionError("no RMSNorm with an eps in the recording")
 
     monkeypatch.setattr(replay, "compile_recording", mutated)

@@ -175,6 +175,20 @@ def test_a_greedy_step_replays_its_lm_head_and_argmax_as_one_call(monkeypatch):
     assert "deepinfer_cpu::linear" in names and "deepinfer_cpu::linear_argmax" not in names
 
 
+def test_only_the_kernel_accelerators_fuse_calls():
+    """The bf16 rounding pair becomes bf16_round on the kernel accelerators (same bits) and stays two
+    aten calls on the reference ops (DEEPINFER_CPU_KERNELS=0 keeps the C++ kernels out)."""
+    from deepinfer.backends.cpu import CpuAccelerator, CpuKernelAccelerator
+
+    x = torch.randn(3, 70)
+    recording, failure, _ = record(lambda: x.to(torch.bfloat16).float() * 2, [x])
+    assert recording is not None, failure
+    for accel, fused in ((CpuKernelAccelerator(), True), (CpuAccelerator(), False)):
+        tape = accel.compile_step(recording, None)
+        assert ("deepinfer_cpu::bf16_round" in tape.tape.op_names()) == fused
+        assert torch.equal(tape([x])[0], x.to(torch.bfloat16).float() * 2)
+
+
 @pytest.mark.parametrize("name", V41_CONFIGS)
 @pytest.mark.parametrize("invariant", [False, True], ids=["fast", "batch-invariant"])
 def test_replayed_v41_decode_steps_equal_the_eager_graph_bit_for_bit(name, invariant, monkeypatch):
@@ -236,7 +250,7 @@ def test_a_changed_argument_in_a_recording_is_caught(monkeypatch):
 
     original = replay.compile_recording
     monkeypatch.setattr(replay, "compile_recording",
-                        lambda rec, *a: _Kept(original(rec, *a), rec))  # keep each tape's recording for the mutation
+                        lambda rec, *a, **kw: _Kept(original(rec, *a, **kw), rec))  # keep each tape's recording for the mutation
     cache = new_cache(model)
     checked, _ = _run(model, cache, prompts, steps, on_replay=check)
     assert checked >= 5

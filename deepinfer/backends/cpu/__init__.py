@@ -95,11 +95,14 @@ class CpuAccelerator(Accelerator):
 
     # thread counts a replayed step's calls choose from (tune_for_model): none to choose before it
     step_threads: list[int] = []
+    # whether a replay may fuse pairs of calls into the C++ kernels' (replay.fuse_calls): not on the
+    # reference ops, which DEEPINFER_CPU_KERNELS=0 asks for
+    fuses_calls = False
 
     def compile_step(self, recording, step_fn):
         from deepinfer.backends.cpu import replay
 
-        return replay.compile_recording(recording, self.step_threads)
+        return replay.compile_recording(recording, self.step_threads, fuse=self.fuses_calls)
 
     def memory_info(self) -> tuple[int, int]:
         # MemAvailable (free + reclaimable page cache): what this process can still allocate
@@ -131,6 +134,7 @@ class _Kernels:
     class's composite as its fallback."""
 
     _expert_gemm_from_rows = kernels.quant.MOE_GEMM_FROM_ROWS  # rows per expert (kernels.moe_experts_bf16)
+    fuses_calls = True
 
     def moe_experts_bf16(self, x, weights, ids, gate_up, down, limit, act_block=0):
         return kernels.moe_experts_bf16(x, weights, ids, gate_up, down, limit, act_block,

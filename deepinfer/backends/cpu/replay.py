@@ -124,15 +124,17 @@ class TapeStep:
         return [(names[i], t) for i, t in enumerate(self.threads or []) if t]
 
 
-def compile_recording(recording, thread_options: list[int] = ()) -> TapeStep | None:
+def compile_recording(recording, thread_options: list[int] = (), fuse: bool = False) -> TapeStep | None:
     """The recording as a C++ tape, or None where the replay module cannot be built.
-    `thread_options`: the thread counts its calls choose from at the first replay ([]: none)."""
+    `thread_options`: the thread counts its calls choose from at the first replay ([]: none).
+    `fuse`: pairs of calls may become one kernel call (fuse_calls; the kernels are loaded)."""
     module = load()
     if module is None:
         return None
     from_slot = [torch.empty(0) for _ in range(recording.num_slots)]  # stand-ins, matched by identity
     constants = recording.constants
-    instructions = fuse_calls(recording.instructions, {o.index for o in recording.outputs})
+    instructions = fuse_calls(recording.instructions, {o.index for o in recording.outputs}) if fuse \
+        else list(recording.instructions)
     last_read: dict[int, int] = {}
     for k, ins in enumerate(instructions):
         for s in _slots_in((ins.args, ins.kwargs)):
@@ -175,8 +177,6 @@ def fuse_calls(instructions: list[Instruction], outputs: set[int]) -> list[Instr
     - x.to(bfloat16).to(float32) -> bf16_round(x): DeepSeek-V4.1's activation rounding (quant_ops.cpp:
       one pass, no bf16 intermediate).
     The fused call takes the first call's place."""
-    if not kernels.load():  # the reference ops ran: no kernel was recorded, and none can be called
-        return list(instructions)
     cpu, to = torch.ops.deepinfer_cpu, torch.ops.aten.to.dtype
 
     def fusion(first: Instruction, second: Instruction) -> Instruction | None:
