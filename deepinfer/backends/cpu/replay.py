@@ -199,7 +199,7 @@ def fuse_calls(instructions: list[Instruction], outputs: set[int]) -> list[Instr
         if len(reads) != 1 or out[reads[0]] is None:
             continue
         second = instructions[reads[0]]
-        if second.args[:1] != (Slot(ins.outs[0]),) or Slot(ins.outs[0]) in list(_slots_in((second.args[1:], second.kwargs))):
+        if second.args[:1] != (Slot(ins.outs[0]),) or ins.outs[0] in set(_slots_in((second.args[1:], second.kwargs))):
             continue
         fused = fusion(ins, second)
         if fused is not None:
