@@ -6,6 +6,12 @@ and the relative difference of the outputs. Prints a table.
     python benchmarks/cpu_kernels.py --crossover   # the small-batch kernels vs GEMMs over batch sizes
     python benchmarks/cpu_kernels.py --invariant-linear   # batch-invariant mode's linear: GEMV vs padded GEMM
     python benchmarks/cpu_kernels.py --linear-crossover   # the linear kernel vs MKL at real shapes, GF/s
+
+As an AVX2 CPU without AVX-512 (most laptops) runs them, on a machine with AVX-512: the kernels built for
+AVX2 (their register tiles 256 bits wide) against MKL and torch held to AVX2 as well:
+
+    ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 \
+        python benchmarks/cpu_kernels.py --linear-crossover --threads 1,2 --json benchmarks/results/cpu_linear_crossover_avx2.json
 """
 
 from __future__ import annotations
@@ -70,10 +76,19 @@ CROSSOVER_SHAPES = {"test model": (64, 8, 32, 2, 64), "shipped": (256, 8, 256, 2
                     "512 hidden, 64 experts": (512, 64, 256, 6, 512), "v3 bench": (512, 16, 256, 2, 64)}
 
 
-def crossover(reps: int, shapes: list[str] | None = None) -> None:
+def isa() -> dict:
+    """What the kernels and MKL were built / told to use: torch's capability (the kernels' -march follows
+    it, kernels._FLAGS) and the settings that turn AVX-512 off for a run that stands in for an AVX2 CPU."""
+    return {"torch_capability": kernels._CAPABILITY, "kernel_flags": kernels._FLAGS, "register_tiles": kernels._TILES,
+            **{k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")
+               if k in os.environ}}
+
+
+def crossover(reps: int, shapes: list[str] | None = None) -> list[dict]:
     """The projection kernels (GEMVs) against the reference GEMMs over batch sizes: where the
     limits in kernels.py (_GEMV_MAX_MACS, _MLP_MAX_TOKENS, _ROUTER_MAX_MACS, _MOE_MAX_MACS_PER_EXPERT) come from.
     The raw kernels are timed, whatever those limits would pick; '*' marks what kernels.py picks."""
+    rows = []
     g = torch.Generator().manual_seed(0)
     rn = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
     k_ops = torch.ops.deepinfer_cpu
@@ -94,8 +109,11 @@ def crossover(reps: int, shapes: list[str] | None = None) -> None:
                                ("grouped_linear", (xg, wg)), ("route_topk", (x, gate, bias, k, 1.5))):
                 fused, ref = _time(getattr(k_ops, name), args, reps), _time(getattr(ops, name), args, reps)
                 mark = _picks_kernel(name, args)
+                rows.append({"threads": torch.get_num_threads(), "shape": label, "tokens": t, "op": name,
+                             "kernel_us": fused, "reference_us": ref, "kernel_picked": mark})
                 cells.append(f"{fused:.1f}{'*' if mark else ''} / {ref:.1f}{'' if mark else '*'}")
             print(f"| {t} | " + " | ".join(cells) + " |")
+    return rows
 
 # (N, K) of plain float32 linears: the LM heads of DeepSeek's vocabulary at hidden 256 and of the
 # v3 bench model (8,192 x 512), and that model's projections (hidden 512, q_lora 384, kv_lora 128,
@@ -150,8 +168,8 @@ def linear_crossover(threads: list[int], json_path: str) -> None:
                              "mkl_peak_gflops": peak, "kernel_picked": picks})
     os.makedirs(os.path.dirname(json_path) or ".", exist_ok=True)
     with open(json_path, "w") as f:
-        json.dump({"load_average": load, "threads": threads, "timing": "fastest of several calls", "rows": rows}, f,
-                  indent=2)
+        json.dump({"load_average": load, "threads": threads, "timing": "fastest of several calls", **isa(),
+                   "rows": rows}, f, indent=2)
 
 
 def invariant_linear(reps: int) -> None:
@@ -190,7 +208,7 @@ def main() -> None:
                         help="--crossover: only this shape (repeatable; default: all)")
     parser.add_argument("--threads", default="1", help="intra-op threads, e.g. 1,2 (--crossover, --linear-crossover)")
     parser.add_argument("--json", default=None, help="where the table goes (default: benchmarks/results/cpu_kernels.json, "
-                        "cpu_linear_crossover.json for --linear-crossover)")
+                        "cpu_linear_crossover.json for --linear-crossover, cpu_crossover.json for --crossover)")
     args = parser.parse_args()
     if not kernels.load():
         raise SystemExit("the cpu kernels did not build (see the warning)")
@@ -198,10 +216,16 @@ def main() -> None:
     if args.linear_crossover:
         return linear_crossover(threads, args.json or "benchmarks/results/cpu_linear_crossover.json")
     if args.crossover:
+        rows, load = [], os.getloadavg()
         for n in threads:
             torch.set_num_threads(n)
             print(f"\n## {n} thread(s), load average {os.getloadavg()[0]:.2f}")
-            crossover(max(args.reps // 10, 10), args.shape)
+            rows += crossover(max(args.reps // 10, 10), args.shape)
+        path = args.json or "benchmarks/results/cpu_crossover.json"
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "w") as f:
+            json.dump({"load_average": load, "threads": threads, "timing": "mean of reps calls", **isa(), "rows": rows},
+                      f, indent=2)
         return
     torch.set_num_threads(1)
     if args.invariant_linear:

@@ -128,7 +128,7 @@ def test_gemv_linear_matches_the_reference(T, K, N):
     _close(torch.ops.deepinfer_cpu.linear(x, w), ref.linear(x, w))
     strided = torch.randn(T, 2 * K, generator=g)[:, ::2]  # copied to contiguous rows first
     _close(torch.ops.deepinfer_cpu.linear(strided, w), ref.linear(strided, w))
-    # kernels.linear takes the kernel up to _LINEAR_MAX_TOKENS rows (32 with the AVX-512 tiles), the
+    # kernels.linear takes the kernel up to _LINEAR_MAX_TOKENS rows (32 with the register tiles), the
     # reference GEMM beyond
     kernel = T <= kernels._LINEAR_MAX_TOKENS
     assert torch.equal(kernels.linear(x, w), (torch.ops.deepinfer_cpu.linear if kernel else ref.linear)(x, w))
@@ -137,7 +137,7 @@ def test_gemv_linear_matches_the_reference(T, K, N):
 @pytest.mark.parametrize("K,N", [(37, 29), (203, 53), (256, 1003), (7, 13)])
 def test_tiled_gemm_rows_give_each_token_its_single_token_bits(K, N):
     """Two tokens or more go through gemm_rows' register tiles (with AVX-512: token pairs x 6 weight
-    rows, tiles of 1-4 pairs, an odd last token paired with zeros). Every dot keeps the single-token
+    rows, tiles of 1-4 pairs, an odd last token paired with zeros; with AVX2: 1-3 tokens x 4 rows). Every dot keeps the single-token
     GEMV's summation order, so a token's row has the same bits at any T (1..40), with K not a multiple
     of 8 (the tail) and rows not a multiple of the tile, on 1 and 2 threads; and it is within REL of
     torch (float32 GEMMs in another order). The same for grouped_linear, which runs on gemm_rows."""
@@ -158,6 +158,28 @@ def test_tiled_gemm_rows_give_each_token_its_single_token_bits(K, N):
             _close(alone_g, ref.grouped_linear(xg, wg))
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not kernels._CAPABILITY.startswith("AVX512"),
+                    reason="needs an AVX-512 CPU (on an AVX2 one the rest of this file tests the AVX2 build)")
+def test_the_avx2_build_passes_the_kernel_tests():
+    """Most laptops have AVX2 + FMA and no AVX-512: torch then dispatches AVX2 and the kernels are built
+    with the AVX2 register tiles (3 tokens x 4 rows of 256-bit accumulators). Built here as such a CPU
+    gets them (ATEN_CPU_CAPABILITY=avx2), they pass this file's tests: each token's bits equal to its
+    GEMV at every batch, every kernel within its tolerance of the reference."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="avx2")  # its own build directory: the flags name the build
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", __file__,
+                           "-k", "not avx2_build"], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    check = subprocess.run([sys.executable, "-c", "from deepinfer.backends.cpu import kernels; "
+                            "print(kernels.load(), kernels._TILES, ' '.join(kernels._FLAGS))"],
+                           env=env, capture_output=True, text=True, timeout=600)
+    assert check.stdout.split()[:2] == ["True", "True"] and "-mno-avx512f" in check.stdout, check.stdout + check.stderr
 
 
 @pytest.mark.parametrize("T,D,inter", [(21, 64, 32), (1, 64, 32), (5, 48, 19)])
@@ -270,7 +292,7 @@ def test_the_backend_runs_the_kernels_unless_disabled(monkeypatch):
 
 def test_fused_kernels_are_row_invariant(monkeypatch):
     """Each kernel works token by token: a row's result is bit-identical in any batch (of these
-    9-token sizes; linear too where the AVX-512 tiles are built: it hands rows to MKL only above 32)."""
+    9-token sizes; linear too where the register tiles are built: it hands rows to MKL only above 32)."""
     monkeypatch.delenv("DEEPINFER_BATCH_INVARIANT", raising=False)
     bad = _differences(make())
     fused = set(kernels.OPS) & set(bad) - (set() if kernels._TILES else {"linear"})

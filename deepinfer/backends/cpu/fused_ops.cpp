@@ -41,7 +41,7 @@ namespace deepinfer_cpu {
 // only on its two vectors, never on the block, the tile, the batch or the thread count.
 constexpr int kLanes = 8;
 
-// acc + x * w with one rounding where the CPU fuses it (every CPU the AVX-512 tiles below run on)
+// acc + x * w with one rounding where the CPU fuses it (every CPU the register tiles below run on)
 inline float madd(float x, float w, float acc) {
 #if defined(__FMA__)
   return std::fma(x, w, acc);
@@ -141,6 +141,22 @@ inline void dot_many(const float* x, RowOf row_of, int64_t n, int64_t rows, floa
 // out[r] = dot(x, w + r * ldw, n) for r < rows (a GEMV against a row-major matrix)
 inline void gemv(const float* x, const float* w, int64_t ldw, int64_t n, int64_t rows, float* out) {
   dot_many(x, [w, ldw](int64_t r) { return w + r * ldw; }, n, rows, out);
+}
+
+// The tails (n % kLanes) of the tiles' dots, as dot_rows ends a dot: madd in k order onto the
+// tile's sum. outs[t][i] holds the body of token t0 + t's dot with row i of w.
+template <int RR, class XOf>
+inline void add_tails(XOf x_of, int64_t t0, int64_t G, float* const* outs, const float* w, int64_t ldw,
+                      int64_t body, int64_t n) {
+  for (int64_t t = 0; t < G; ++t) {
+    const float* x = x_of(t0 + t);
+    for (int i = 0; i < RR; ++i) {
+      const float* wr = w + i * ldw;
+      float s = outs[t][i];
+      for (int64_t k = body; k < n; ++k) s = madd(x[k], wr[k], s);
+      outs[t][i] = s;
+    }
+  }
 }
 
 #if defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
@@ -259,16 +275,116 @@ void gemm_rows_tiled(XOf x_of, OutOf out_of, int64_t T, const float* w, int64_t 
                          i == 0 ? prefetch : nullptr);
         p += np;
       }
-      if (body < n)
-        for (int64_t t = 0; t < G; ++t) {
-          const float* x = x_of(t0 + t);
-          for (int i = 0; i < RR; ++i) {
-            const float* wr = w + (r + i) * ldw;
-            float s = outs[t][i];
-            for (int64_t k = body; k < n; ++k) s = madd(x[k], wr[k], s);
-            outs[t][i] = s;
-          }
-        }
+      if (body < n) add_tails<RR>(x_of, t0, G, outs, w + r * ldw, ldw, body, n);
+    };
+    int64_t r = 0;
+    for (; r + kTileRows <= rows; r += kTileRows) block(std::integral_constant<int, kTileRows>{}, r);
+    for (; r < rows; ++r) block(std::integral_constant<int, 1>{}, r);
+  }
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#define DEEPINFER_DOT_TILES 2
+// Register tiles for CPUs with AVX2 and FMA but not AVX-512 (most laptops): a 256-bit register
+// holds the kLanes partial sums of one dot, so a tile is kTileTokens tokens x kTileRows weight rows
+// of accumulators; each weight chunk loaded feeds kTileTokens FMAs and each token chunk kTileRows.
+// The tokens are read in place (no packing: one token per register). Every lane does dot_rows'
+// chain of madd in k order and the reduction is sum_lanes' tree, so each dot has dot_rows' bits,
+// as with the AVX-512 tiles.
+constexpr int kTileTokens = 3, kTileRows = 4;  // 12 accumulators + 3 token chunks + a weight chunk: 16 of 16
+
+// sum_lanes of 4 dots: two hadd steps give ((l0 + l1) + (l2 + l3)) of dot i in lane i and
+// ((l4 + l5) + (l6 + l7)) in lane 4 + i; the last add joins them.
+inline __m128 sum_lanes_4(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+
+// outs[t][r] = sum_lanes of the body (chunks x kLanes) of the dot of xs[t] with row r of w, for
+// t < NT, r < RR; `prefetch` (or null): rows a later tile needs, fetched during this one.
+template <int NT, int RR>
+inline void dot_tile(const float* const* xs, const float* __restrict w, int64_t ldw, int64_t chunks,
+                     float* const* outs, const float* prefetch) {
+  __m256 acc[NT][RR];
+#pragma GCC unroll 16
+  for (int t = 0; t < NT; ++t)
+#pragma GCC unroll 16
+    for (int r = 0; r < RR; ++r) acc[t][r] = _mm256_setzero_ps();
+  const float* x[NT];
+#pragma GCC unroll 16
+  for (int t = 0; t < NT; ++t) x[t] = xs[t];
+  for (int64_t c = 0; c < chunks; ++c) {
+    __m256 xv[NT];
+#pragma GCC unroll 16
+    for (int t = 0; t < NT; ++t) xv[t] = _mm256_loadu_ps(x[t] + c * kLanes);
+    if (prefetch != nullptr && c % 2 == 0)  // a 64-byte line holds two chunks
+#pragma GCC unroll 16
+      for (int r = 0; r < RR; ++r)
+        _mm_prefetch(reinterpret_cast<const char*>(prefetch + r * ldw + c * kLanes), _MM_HINT_T0);
+#pragma GCC unroll 16
+    for (int r = 0; r < RR; ++r) {
+      const __m256 wv = _mm256_loadu_ps(w + r * ldw + c * kLanes);
+#pragma GCC unroll 16
+      for (int t = 0; t < NT; ++t) acc[t][r] = _mm256_fmadd_ps(xv[t], wv, acc[t][r]);  // x * w + acc, one rounding
+    }
+  }
+#pragma GCC unroll 16
+  for (int t = 0; t < NT; ++t)
+#pragma GCC unroll 16
+    for (int g = 0; g < RR; g += 4) {  // 4 rows at a time; a short group repeats its last row (not stored)
+      const int cnt = std::min(4, RR - g);
+      const __m128 s = sum_lanes_4(acc[t][g], acc[t][g + std::min(1, cnt - 1)], acc[t][g + std::min(2, cnt - 1)],
+                                   acc[t][g + std::min(3, cnt - 1)]);
+      if (cnt == 4) {
+        _mm_storeu_ps(outs[t] + g, s);
+      } else {
+        alignas(16) float part[4];
+        _mm_store_ps(part, s);
+        std::copy(part, part + cnt, outs[t] + g);
+      }
+    }
+}
+
+// dot_tile over `tokens` tokens (1..kTileTokens) and RR rows
+template <int RR>
+inline void dot_tile_any(int64_t tokens, const float* const* xs, const float* w, int64_t ldw, int64_t chunks,
+                         float* const* outs, const float* prefetch) {
+  static_assert(kTileTokens == 3, "one case per tile height");
+  switch (tokens) {
+    case 1: return dot_tile<1, RR>(xs, w, ldw, chunks, outs, prefetch);
+    case 2: return dot_tile<2, RR>(xs, w, ldw, chunks, outs, prefetch);
+    default: return dot_tile<3, RR>(xs, w, ldw, chunks, outs, prefetch);
+  }
+}
+
+// gemm_rows on the tiles, T >= 2 tokens: tokens in groups of up to kRowGroup; for each block of
+// kTileRows weight rows (read from memory once per group), the group's tokens in tiles of
+// <= kTileTokens (balanced: 4 tokens are 2 + 2, 5 are 3 + 2); the first tile of a block prefetches
+// the block after next. Then the tails, as dot_rows.
+template <class XOf, class OutOf>
+void gemm_rows_tiled(XOf x_of, OutOf out_of, int64_t T, const float* w, int64_t ldw, int64_t n, int64_t rows) {
+  constexpr int64_t kPrefetchBlocks = 2;
+  const int64_t chunks = n / kLanes, body = chunks * kLanes, group_max = std::min(T, kRowGroup);
+  Scratch<const float*, kRowGroup> xs_buf(group_max);
+  Scratch<float*, kRowGroup> base_buf(group_max), outs_buf(group_max);
+  const float** xs = xs_buf.data();
+  float **base = base_buf.data(), **outs = outs_buf.data();
+  for (int64_t t0 = 0; t0 < T; t0 += kRowGroup) {
+    const int64_t G = std::min(kRowGroup, T - t0), tiles = (G + kTileTokens - 1) / kTileTokens;
+    for (int64_t t = 0; t < G; ++t) {
+      xs[t] = x_of(t0 + t);
+      base[t] = out_of(t0 + t);
+    }
+    auto block = [&](auto rows_tag, int64_t r) {
+      constexpr int RR = decltype(rows_tag)::value;
+      for (int64_t t = 0; t < G; ++t) outs[t] = base[t] + r;
+      const int64_t ahead = r + kPrefetchBlocks * RR;
+      const float* prefetch = ahead + RR <= rows ? w + ahead * ldw : nullptr;
+      for (int64_t i = 0, t = 0; i < tiles; ++i) {
+        const int64_t nt = G / tiles + (i < G % tiles);
+        dot_tile_any<RR>(nt, xs + t, w + r * ldw, ldw, chunks, outs + t, i == 0 ? prefetch : nullptr);
+        t += nt;
+      }
+      if (body < n) add_tails<RR>(x_of, t0, G, outs, w + r * ldw, ldw, body, n);
     };
     int64_t r = 0;
     for (; r + kTileRows <= rows; r += kTileRows) block(std::integral_constant<int, kTileRows>{}, r);
@@ -280,7 +396,7 @@ void gemm_rows_tiled(XOf x_of, OutOf out_of, int64_t T, const float* w, int64_t 
 // out_of(t)[r] = dot(x_of(t), w + r * ldw, n) for t < T, r < rows: gemv for T inputs, weight-stationary.
 // Each block of weight rows is loaded once for all T inputs, so a matrix that does not fit in cache
 // (a 768 KB expert of the shipped model) is read from memory once per call, not once per token.
-// With AVX-512, two tokens or more go through gemm_rows_tiled; otherwise the blocks (8, then 4,
+// With AVX-512 or AVX2 + FMA, two tokens or more go through gemm_rows_tiled; otherwise the blocks (8, then 4,
 // then single rows) and every dot are gemv's. Either way a token's result does not depend on T or
 // on the other inputs.
 // A matrix up to this size stays in cache across tokens: then token by token is faster (x stays hot).

@@ -39,7 +39,11 @@ _HEADERS = [os.path.join(_HERE, name) for name in ("fused_ops.h", "kernel_util.h
 # -fopenmp: at::parallel_for splits a kernel's rows over torch's intra-op threads only in code built
 # with OpenMP (ATen's header falls back to one thread otherwise); with one thread (small models,
 # tune_for_model) nothing changes.
-_FLAGS = ["-O3", "-march=native", "-fopenmp"]
+# The kernels target the instruction set torch dispatches its own kernels to: -march=native, less
+# AVX-512 where torch runs AVX2 (a CPU without it, or ATEN_CPU_CAPABILITY=avx2 on one with it, which
+# is how the AVX2 register tiles are built and tested on an AVX-512 machine).
+_CAPABILITY = torch.backends.cpu.get_cpu_capability()
+_FLAGS = ["-O3", "-march=native", "-fopenmp"] + (["-mno-avx512f"] if _CAPABILITY == "AVX2" else [])
 _lock = threading.Lock()
 _loaded: bool | None = None  # None: not tried yet
 
@@ -97,17 +101,20 @@ def _try_load(path: str) -> bool:
 # optimisation, never a second set of semantics.
 _F32 = torch.float32
 # The projection kernels run a token alone as a GEMV and two tokens or more as register tiles of
-# token pairs x weight rows (fused_ops.cpp, gemm_rows; with AVX-512), where each weight chunk feeds
+# tokens x weight rows (fused_ops.cpp, gemm_rows; with AVX-512 or AVX2), where each weight chunk feeds
 # several FMAs: at 4-32 tokens they run at 50-100% of MKL's large-GEMM rate, where MKL's own skinny
 # GEMMs (plus the reference's einsum / chunk / swiglu ops around them) reach a half of it or less.
 # The limits are multiply-adds per call (tokens for linear), set where the reference's GEMMs catch
 # up, measured at the shipped-model, v3 bench (hidden 512) and LM-head shapes on 1 and 2 threads
 # (`python benchmarks/cpu_kernels.py --crossover --threads 1,2` and `--linear-crossover`).
 # Batch-invariant mode lifts them: a switch by batch size would change a row's rounding.
-# The tiles are compiled where the compiler targets AVX-512 (-march=native on a CPU that has it:
-# torch reports the same capability); elsewhere each token is a GEMV of its own, and the limits are
-# those measured before the tiles (the second value of each pair).
-_TILES = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+# The tiles are compiled where the compiler targets AVX-512 or AVX2 + FMA (what torch reports:
+# _FLAGS). The AVX2 tiles (3 tokens x 4 rows of 256-bit accumulators) win where the AVX-512 ones do:
+# measured on this machine with AVX-512 turned off for both sides (ATEN_CPU_CAPABILITY=avx2
+# MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2; benchmarks/results/cpu_crossover_avx2.json),
+# so the limits are the same. Elsewhere each token is a GEMV of its own, and the limits are those
+# measured before the tiles (the second value of each pair).
+_TILES = _CAPABILITY.startswith("AVX512") or _CAPABILITY == "AVX2"
 # grouped_linear wins at every batch measured (to 512 tokens; 2^24 MACs is 256 tokens of the v3
 # bench model's 8 heads of 128 x 64).
 _GEMV_MAX_MACS = 1 << 24 if _TILES else 1 << 20
