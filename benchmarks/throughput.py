@@ -36,6 +36,14 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 
+def _cpu_isa() -> dict:
+    """The instruction set torch (and with it deepinfer's cpu kernels) dispatched to, and the settings
+    that hold a run on an AVX-512 machine to AVX2 (as most laptops run)."""
+    return {"torch_capability": torch.backends.cpu.get_cpu_capability(),
+            **{k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")
+               if k in os.environ}}
+
+
 def _model_dir(args) -> str:
     """--model, else the tiny test config (with DeepSeek's real vocabulary and tokenizer when
     --vocab deepseek: the LM head and embedding of a real model, the layers of a tiny one)."""
@@ -269,7 +277,7 @@ def main() -> None:
                        repeats=args.repeats,
                        baseline=labels.get("baseline"), baselines={k: v for k, v in labels.items() if k.startswith("baseline")},
                        prompt_len=args.prompt_len,
-                       new_tokens=args.new_tokens, load_average=load, rows=rows), f, indent=2)
+                       new_tokens=args.new_tokens, load_average=load, cpu_isa=_cpu_isa(), rows=rows), f, indent=2)
 
 
 if __name__ == "__main__":
