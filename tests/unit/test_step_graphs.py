@@ -327,6 +327,53 @@ def test_a_call_keeps_more_threads_only_where_they_saved_time():
     assert step._whole_tape([0, 0], [1.0, 1.0]) == [0, 0]
 
 
+def test_threads_are_chosen_again_after_a_while(monkeypatch):
+    """A choice made while other processes loaded the cores (no call faster on two threads) does not
+    stay: after _RECHOOSE_EVERY replays, single or multi-step, the calls are timed again and the
+    tape follows the new times."""
+    monkeypatch.setattr(replay, "_RECHOOSE_EVERY", 10)
+
+    class Tape:  # two calls, timed [one thread, two threads, the replay's share]
+        def __init__(self):
+            self.times, self.set, self.runs = [[1e-3, 1e-3, 1e-3], [1e-3, 1e-3, 1e-3]], [], 0
+
+        def profile(self, inputs, options, repeats, min_seconds):
+            return [inputs[0] + 1], self.times
+
+        def set_threads(self, threads):
+            self.set.append(list(threads))
+
+        def run(self, inputs):
+            self.runs += 1
+            return [inputs[0] + 1]
+
+        def run_steps(self, per_step, shared, steps, feedback, previous):
+            self.runs += steps
+            return [per_step[0][:steps] + 1]
+
+    tape = Tape()
+    step = replay.TapeStep(tape, options=[1, 2])
+    x = torch.zeros(1)
+    step([x])
+    assert tape.set == [[0, 0]]  # loaded: nothing faster on two
+    tape.times = [[1e-3, 4e-4, 1e-3], [1e-3, 4e-4, 1e-3]]  # the load went away
+    for _ in range(10):
+        step([x])
+    assert tape.set == [[0, 0]] and tape.runs == 10
+    step([x])  # the 11th call chooses again
+    assert tape.set == [[0, 0], [2, 2]]
+    for _ in range(2):  # 16 replays of 8-step calls: the count runs out within the second
+        out = step.run_steps([torch.zeros(8, 1)], [], 8, [])
+        assert out[0].shape == (8, 1) and len(tape.set) == 2
+    tape.times = [[1e-3, 1e-3, 1e-3], [1e-3, 1e-3, 1e-3]]
+    step.run_steps([torch.zeros(8, 1)], [], 8, [])  # the next call's first step chooses
+    assert tape.set[-1] == [0, 0] and len(tape.set) == 3
+    fixed = replay.TapeStep(tape, options=[])  # DEEPINFER_CPU_THREADS set: nothing to choose from
+    for _ in range(25):
+        fixed([x])
+    assert len(tape.set) == 3
+
+
 def kernels_accel():
     from deepinfer.backends.cpu import make
 

@@ -20,8 +20,9 @@ switching counts call by call leaves the second core idle between its calls, and
 costs more than the small calls gain by staying on one (the test config V3, batch 1: 199 tok/s with
 14 calls on two threads, 264 with the whole tape; a call too small to split runs on one thread at
 any count, the kernels' grain sizes decide). Under load from other processes the timing finds no
-call faster on two and the tape stays on one. DEEPINFER_CPU_THREADS set to a count fixes every call
-at that count.
+call faster on two and the tape stays on one, until the next choice: every `_RECHOOSE_EVERY`
+replays the tape times its calls again. DEEPINFER_CPU_THREADS set to a count fixes every call at
+that count.
 """
 
 from __future__ import annotations
@@ -45,6 +46,10 @@ _MIN_SAVED = 20e-6  # ... and at least this many seconds (waking a thread, this 
 _PROFILE_REPEATS = 3
 _MIN_TRIED = 100e-6  # calls shorter than this on one thread are not tried on more
 _MIN_SHARE = 0.25  # the calls faster on more threads take this share of the step: the whole tape goes
+# Replays between two choices of threads (the first is made at the first replay). A choice made while
+# other processes loaded the cores would otherwise stay for the life of the engine; a choice costs
+# about ten replays' time, so re-choosing every 2048 replays costs < 1% (a few seconds of decoding).
+_RECHOOSE_EVERY = 2048
 
 
 def load():
@@ -77,14 +82,17 @@ class TapeStep:
     def __init__(self, tape, options: list[int]):
         self.tape, self.options = tape, options
         self.threads: list[int] | None = None  # chosen per instruction at the first call
+        self.until_choice = 0  # replays before the threads are chosen (again)
 
     def __call__(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        if self.threads is None and self.options:
+        if self.options and self.until_choice <= 0:
             outputs, seconds = self.tape.profile(inputs, self.options, _PROFILE_REPEATS, _MIN_TRIED)
             self.threads = self._whole_tape([self._choose(times[:-1]) for times in seconds],
                                             [times[-1] for times in seconds])
             self.tape.set_threads(self.threads)
+            self.until_choice = _RECHOOSE_EVERY
             return outputs
+        self.until_choice -= 1
         return self.tape.run(inputs)
 
     def run_steps(self, per_step: list[torch.Tensor], shared: list[torch.Tensor], steps: int,
@@ -94,11 +102,12 @@ class TapeStep:
         (from the second step on). -> each output stacked over the steps."""
         pairs = [v for pair in feedback for v in pair]
         previous, first = [], 0
-        if self.threads is None and self.options:  # the first replay chooses the threads (__call__)
+        if self.options and self.until_choice <= 0:  # this replay chooses the threads (__call__)
             previous = self([t[0] for t in per_step] + list(shared))
             first = 1
             if steps == 1:
                 return [o[None] for o in previous]
+        self.until_choice -= steps - first
         rest = [t[first:] for t in per_step] if first else per_step
         out = self.tape.run_steps(rest, list(shared), steps - first, pairs, previous)
         return out if not first else [torch.cat([p[None], o]) for p, o in zip(previous, out)]
