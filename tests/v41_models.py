@@ -98,3 +98,18 @@ def _block(m, g, meta, layer: int, state, recorded_picks: bool, pre_in: torch.Te
             stack.enter_context(mock.patch.object(v41_model, "topk_picks", lambda *args: fixed))
         return m.block(f"layers.{layer}.", streams, pre, lambda h: m._attention(layer, h, meta, meta.all, state),
                        lambda h: m._moe(layer, h))
+
+
+def split_decode_logprobs(config: str, accelerator: str, decode_steps: int = 2) -> torch.Tensor:
+    """|log-prob - the reference's| of golden prompt 3 fed as the goldens' split: its prefill, then
+    `decode_steps` tokens one per step, on a new model on `accelerator` (e2e_<config>: p3.split)."""
+    from model_runner import run_schedule
+
+    g = load(f"e2e_{config}")
+    ids, p0 = g["p3.ids"], g.meta["prompts"][3]["split_prefill_len"]
+    fed = ids[:p0 + decode_steps]
+    m = build(config, accelerator)
+    logits = run_schedule(m, new_cache(m), [fed], [[(0, p0)]] + [[(0, 1)]] * decode_steps)[0].cpu()
+    # log-prob of token t + 1 at position t, from the last prefill position to the last fed one
+    logprobs = torch.log_softmax(logits.double(), -1).gather(1, ids[1:p0 + decode_steps + 1, None]).squeeze(1)
+    return (logprobs[p0 - 1:] - g["p3.split.logprobs"][:decode_steps + 1]).abs()
