@@ -9,7 +9,9 @@
 # the cpu reference at DeepSeek-V4-Flash shapes, timed; the engine end to end (CLI on the shipped
 # model); throughput vs transformers on the GPU (test model and shipped model); a profile of decode
 # steps (where the time goes); the conformance suite with compiled kernels (TRITON_INTERPRET=0);
-# DSpark and prefix-cache end-to-end tests. The device machine reaches no package index: what its
+# DSpark and prefix-cache end-to-end tests; DeepSeek-V4.1 end to end (the conformance step holds its
+# golden configs to DeepSeek's reference; `v41`: the trained tiny-dsv41's greedy continuations
+# against the reference's, its drafts lossless, the engine's features on V4.1). The device machine reaches no package index: what its
 # image lacks travels as wheels in .gpu_wheels/ (git-ignored) and is installed into /tmp/pydeps first:
 # `pip download transformers==5.24.0 pytest-xdist pytest-timeout execnet --no-deps -d .gpu_wheels`
 # (transformers if the image's predates DeepseekV4ForCausalLM; xdist and timeout are in the test extra).
@@ -24,7 +26,7 @@ nvidia-smi -L
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
 'transformers', transformers.__version__, torch.cuda.get_device_name())"
 
-STEPS="${STEPS:-build_cuda kernels cli throughput profile conformance e2e}"
+STEPS="${STEPS:-build_cuda kernels cli throughput profile conformance e2e v41}"
 step() {  # step NAME SECONDS CMD...: runs CMD under a time limit into $OUT/NAME.log, prints its tail
   local name=$1 limit=$2 start rc
   shift 2
@@ -47,3 +49,6 @@ TAIL=40 step conformance 150 env TRITON_INTERPRET=0 python3 -m pytest tests/conf
 # DSpark and the prefix cache on the GPU (the e2e tests pick the nvidia backend when CUDA is usable)
 TAIL=30 step e2e 170 python3 -m pytest tests/e2e/test_dspark.py tests/e2e/test_prefix_cache.py -q -n 8 \
   -p no:cacheprovider --timeout 160 -rf
+# DeepSeek-V4.1 on the GPU (the e2e tests pick the nvidia backend when CUDA is usable)
+TAIL=30 step v41 150 python3 -m pytest tests/e2e/test_shipped_v41.py tests/e2e/test_v41_engine.py -q -n 8 \
+  -p no:cacheprovider --timeout 140 -rf
