@@ -101,13 +101,37 @@ def hf_config(text: dict, quantized: bool = True) -> dict:
 
 
 # ----------------------------------------------------------------------------- fake quantization
+_CPU = None
+
+
+def qdq8(x: torch.Tensor) -> torch.Tensor:
+    """FP8 e4m3 per 32 of the last dim (bf16 first, power-of-two scales): the cpu backend's one-pass
+    kernel where it builds, bit for bit the reference (tests/unit/test_quant_kernels.py)."""
+    global _CPU
+    if _CPU is None:
+        from deepinfer.backends import get_accelerator
+        _CPU = get_accelerator("cpu")
+    return _CPU.fp8_qdq(x.contiguous(), 32)
+
+
+class _STE(torch.autograd.Function):
+    """Straight-through: the forward sees q exactly, the gradient flows to x unchanged."""
+
+    @staticmethod
+    def forward(ctx, x, q):
+        return q.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
 def ste(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """Straight-through: the forward sees q, the gradient flows to x unchanged."""
-    return x + (q - x).detach()
+    return _STE.apply(x, q) if x.requires_grad else q
 
 
 def fq_act(x):  # FP8 e4m3 per 32 along the last dim, power-of-two scales (GEMM inputs, window KV)
-    return ste(x, ref.fp8_qdq(x.detach(), 32))
+    return ste(x, qdq8(x.detach()))
 
 
 def fq_fp4(x, block=32, e4m3=False):  # index queries / keys (E8M0, 32), compressed entries (E4M3, 16)
@@ -127,7 +151,9 @@ def fp8_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def fp8_dequant(q, s):
     n, k = q.shape
-    return q.float() * s.repeat_interleave(32, 0)[:n].repeat_interleave(32, 1)
+    rb = s.shape[0]
+    full = F.pad(q.float(), (0, 0, 0, rb * 32 - n)).view(rb, 32, k // 32, 32) * s[:, None, :, None]
+    return full.view(rb * 32, k)[:n]
 
 
 def fp4_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,6 +163,7 @@ def fp4_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def fq_weight(w: torch.Tensor, kind: str) -> torch.Tensor:
+    """kind fp8: 32x32 tiles of a matrix; fp4: per 32 of the last dim (a stack of experts at once)."""
     if kind == "fp8":
         return ste(w, fp8_dequant(*fp8_weight(w.detach())))
     if kind == "fp4":
@@ -160,6 +187,23 @@ def rope(x, cos, sin, inverse=False, heads=False):
     keep, rot = x[..., :-r], x[..., -r:]
     x0, x1 = rot[..., 0::2], rot[..., 1::2]
     return torch.cat([keep, torch.stack((x0 * cos - x1 * sin, x1 * cos + x0 * sin), -1).flatten(-2)], -1)
+
+
+def hc_split(mix, base, scale, n: int, eps: float, iters: int):
+    """reference.hc_split with the Sinkhorn iterations on comb laid out [N, N, T]: its row and column sums
+    are then sums of contiguous T-vectors, not of 4 strided floats (about 10x fewer seconds for this
+    part of a step, forward and backward); the same operations in the same order."""
+    pre_w, post_w, comb_w = mix.split([n, n, n * n], dim=-1)
+    pre_b, post_b, comb_b = base.split([n, n, n * n])
+    pre = torch.sigmoid(pre_w * scale[0] + pre_b) + eps
+    post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
+    comb = torch.softmax(comb_w.reshape(-1, n, n) * scale[2] + comb_b.view(n, n), dim=-1) + eps
+    comb = comb.permute(1, 2, 0).contiguous()  # [N (from), N (to), T]
+    comb = comb / (comb.sum(dim=0, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=0, keepdim=True) + eps)
+    return pre, post, comb.permute(2, 0, 1).contiguous()
 
 
 class TinyV41(torch.nn.Module):
@@ -209,8 +253,8 @@ class TinyV41(torch.nn.Module):
         cfg, n = self.cfg, self.cfg.hc_mult
         flat = x.flatten(-2)
         mix = F.linear(flat, self.p(p + "fn")) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + cfg.rms_norm_eps)
-        return ref.hc_split(mix.reshape(-1, mix.shape[-1]), self.p(p + "base"), self.p(p + "scale"), n, cfg.hc_eps,
-                            cfg.hc_sinkhorn_iters)
+        return hc_split(mix.reshape(-1, mix.shape[-1]), self.p(p + "base"), self.p(p + "scale"), n, cfg.hc_eps,
+                        cfg.hc_sinkhorn_iters)
 
     def block(self, p, x, pre, attention, ffn):
         """x [B, L, N, D], pre [B, L, N]: the lagged schedule (deepinfer's DeepseekV41Model.block)."""
@@ -218,11 +262,11 @@ class TinyV41(torch.nn.Module):
         a_pre, post, comb = self.hc_mixes(x, p + "hc_attn_")
         h = rms((pre.unsqueeze(-1) * x).sum(-2), self.p(p + "attn_norm.weight"))
         x = post.view(b, length, n, 1) * attention(h).unsqueeze(-2) + \
-            torch.einsum("blij,blid->bljd", comb.view(b, length, n, n), x)
+            torch.einsum("blij,blid->bljd", comb.reshape(b, length, n, n), x)
         f_pre, post, comb = self.hc_mixes(x, p + "hc_ffn_")
         h = rms((a_pre.view(b, length, n, 1) * x).sum(-2), self.p(p + "ffn_norm.weight"))
         x = post.view(b, length, n, 1) * ffn(h).unsqueeze(-2) + \
-            torch.einsum("blij,blid->bljd", comb.view(b, length, n, n), x)
+            torch.einsum("blij,blid->bljd", comb.reshape(b, length, n, n), x)
         return x, f_pre.view(b, length, n)
 
     def moe(self, p, h, top_k):
@@ -237,15 +281,15 @@ class TinyV41(torch.nn.Module):
         xq = fq_act(x) if self.quantized else x
         kind = "fp4" if self.quantized else "plain"
         out = torch.zeros_like(x)
-        gate_up, down = self.p(p + "experts.gate_up"), self.p(p + "experts.down")
+        gate_up, down = fq_weight(self.p(p + "experts.gate_up"), kind), fq_weight(self.p(p + "experts.down"), kind)
         for e in range(scores.shape[1]):
             rows, slot = torch.where(ids == e)
             if not len(rows):
                 continue
-            g, u = F.linear(xq[rows], fq_weight(gate_up[e], kind)).chunk(2, -1)
+            g, u = F.linear(xq[rows], gate_up[e]).chunk(2, -1)
             inner = F.silu(g.clamp(max=cfg.swiglu_limit)) * u.clamp(-cfg.swiglu_limit, cfg.swiglu_limit)
             inner = inner * weights[rows, slot, None]
-            out = out.index_add(0, rows, F.linear(fq_act(inner) if self.quantized else inner, fq_weight(down[e], kind)))
+            out = out.index_add(0, rows, F.linear(fq_act(inner) if self.quantized else inner, down[e]))
         s = p + "shared_experts."
         g, u = F.linear(xq, self.w(s + "w1.weight")), F.linear(xq, self.w(s + "w3.weight"))
         inner = F.silu(g.clamp(max=cfg.swiglu_limit)) * u.clamp(-cfg.swiglu_limit, cfg.swiglu_limit)
@@ -262,7 +306,7 @@ class TinyV41(torch.nn.Module):
         rows_ids = self.hasher(c.flatten(0, 1))[:, cfg.engram_layer_ids.index(i)].unflatten(0, c.shape[:2])
         table = self.p(p + "embed.weight")
         if self.quantized:  # FP8 with E8M0 per 32 of a row, as stored
-            table = ste(table, ref.fp8_qdq(table.detach(), 32))
+            table = ste(table, qdq8(table.detach()))
         rows = table[rows_ids].flatten(-2)  # [B, L, cols * ehd]
         kv = self.qlinear(rows, p + "wkv.weight")
         return engram_update(x, kv, self.p(p + "q_weight") * self.p(p + "k_weight"), cfg.rms_norm_eps)
@@ -278,33 +322,42 @@ class TinyV41(torch.nn.Module):
         kv = rms(self.qlinear(h, a + "wkv.weight"), self.p(a + "kv_norm.weight"))
         kv = rope(kv, cos, sin)
         kv = fq_act(kv)
+        # one score matrix [B, L, H, S] over every key a query may see: the window's KV, the compressed
+        # entries (rate layers) and a sink key whose value is zero. Queries carry H more dims, one-hot in
+        # their head, and the sink key there the sinks, so its logit is the head's sink (the real keys are
+        # zero there: their logits are unchanged)
         t = torch.arange(length)
         window = (t[None, :] <= t[:, None]) & (t[None, :] > t[:, None] - win)  # [L, L]
-        logits = torch.einsum("blhd,bsd->bhls", q, kv) * hd ** -0.5
-        logits = logits.masked_fill(~window, float("-inf"))
-        parts, values = [logits], [kv]
+        keys, allowed = [kv], [window.expand(b, length, length)]
         if role.rate:
             if role.owns_kv:
                 self.compress(i, h, state, tables)
-            entries, keys = state["kv"][role.kv_source]
+            entries, index_keys = state["kv"][role.kv_source]
             visible = (torch.arange(entries.shape[1])[None, :] + 1) * role.rate <= t[:, None] + 1  # [L, E]
             if role.owns_index:
-                self.index(i, h, qr, keys, visible, state)
-            picked = state["picks"][role.index_source]  # [B, L, E]
-            comp = torch.einsum("blhd,bed->bhle", q, entries) * hd ** -0.5
-            if role.owns_index:  # DSA: the indexer learns where its layer's attention goes
-                target = comp.detach().masked_fill(~visible, float("-inf")).softmax(-1).nan_to_num().sum(1)
+                self.index(i, h, qr, index_keys, visible, state)
+            keys.append(entries)
+            allowed.append(state["picks"][role.index_source])  # [B, L, E]
+        keys.append(kv.new_zeros(b, 1, hd))
+        allowed.append(torch.ones(b, length, 1, dtype=torch.bool))
+        keys = torch.cat(keys, 1)  # [B, S, D]: also the values (one KV head)
+        sinks = torch.zeros(b, keys.shape[1], heads)
+        sinks = torch.cat([sinks[:, :-1], self.p(a + "attn_sink").expand(b, 1, heads)], 1)
+        one_hot = torch.eye(heads).expand(b, length, heads, heads)
+        # q scaled by 2^-3 (exact), so the logits are (q . k) * hd^-0.5
+        q_aug = torch.cat([q * hd ** -0.5, one_hot], -1).flatten(1, 2)  # [B, L * H, D + H]
+        logits = torch.bmm(q_aug, torch.cat([keys, sinks], -1).transpose(1, 2)).view(b, length, heads, -1)
+        if role.rate and role.owns_index:  # DSA: the indexer learns where its layer's attention goes
+            with torch.no_grad():
+                comp = logits[..., length:length + entries.shape[1]].masked_fill(~visible[:, None, :], float("-inf"))
+                target = comp.softmax(-1).nan_to_num().sum(2)  # [B, L, E], summed over heads
                 target = target / target.sum(-1, keepdim=True).clamp_min(1e-20)
-                score = state["scores"][i].masked_fill(~visible, float("-inf")).log_softmax(-1).nan_to_num(neginf=0.0)
-                has = visible.any(-1)
-                kl = (target * (target.clamp_min(1e-20).log() - score)).sum(-1)
-                losses.setdefault("indexer", []).append(kl[:, has].mean())
-            parts.append(comp.masked_fill(~picked.unsqueeze(1), float("-inf")))
-            values.append(entries)
-        sink = self.p(a + "attn_sink").view(1, heads, 1, 1).expand(b, heads, length, 1)
-        probs = torch.cat(parts + [sink], -1).softmax(-1)[..., :-1]
-        out = sum(torch.einsum("bhls,bsd->blhd", pr, v) for pr, v in
-                  zip(probs.split([p.shape[-1] for p in parts], -1), values))
+            score = state["scores"][i].masked_fill(~visible, float("-inf")).log_softmax(-1).nan_to_num(neginf=0.0)
+            has = visible.any(-1)
+            kl = (target * (target.clamp_min(1e-20).log() - score)).sum(-1)
+            losses.setdefault("indexer", []).append(kl[:, has].mean())
+        probs = logits.masked_fill(~torch.cat(allowed, -1).unsqueeze(2), float("-inf")).softmax(-1)
+        out = torch.bmm(probs.flatten(1, 2), keys).view(b, length, heads, hd)
         out = rope(out, cos, sin, inverse=True, heads=True)
         groups = out.reshape(b, length, cfg.o_groups, -1)
         wo_a = self.w(a + "wo_a.weight").view(cfg.o_groups, cfg.o_lora_rank, -1)
@@ -583,7 +636,7 @@ def main():
 
     it = batches()
     total = args.steps or 10 ** 9
-    log, step, t_train, t_probe = [], 0, time.time(), None
+    log, step, t_train, t_probe, c_train = [], 0, time.time(), None, time.process_time()
     while step < total:
         if args.steps is None and step == 5:
             per_step = (time.time() - t_probe) / 3
@@ -611,10 +664,11 @@ def main():
             rec = dict(step=step, loss=round(ce.item(), 4), indexer_kl=round(idx.item(), 4),
                        dspark=round(float(draft.detach()), 4) if draft is not None else None, lr=lr,
                        grad_norm=round(gn.item(), 3),
-                       max_load_ratio=round(imbalance, 3), epoch=epoch, elapsed_s=round(time.time() - t_train, 1))
+                       max_load_ratio=round(imbalance, 3), epoch=epoch, elapsed_s=round(time.time() - t_train, 1),
+                       cpu_s=round(time.process_time() - c_train, 1))
             log.append(rec)
             print(json.dumps(rec), flush=True)
-    train_time = time.time() - t_train
+    train_time, train_cpu = time.time() - t_train, time.process_time() - c_train
 
     tot, cnt = heldout_nll(model, held_stream, args.eval_seq_len)
     loss_train = tot / cnt
@@ -629,6 +683,7 @@ def main():
     loss_d = tot_d / cnt_d
     print(f"held-out through deepinfer: loss {loss_d:.4f} ppl {math.exp(loss_d):.2f} over {cnt_d} tokens", flush=True)
     summary = dict(command="python " + " ".join(sys.argv), steps=total, train_wall_s=round(train_time, 1),
+                   train_cpu_s=round(train_cpu, 1),
                    total_wall_s=round(time.time() - t_start, 1), params=n_params, engram_classes=classes,
                    heldout_tokens_scored=cnt_d, heldout_loss_training_forward=loss_train,
                    heldout_loss_deepinfer=loss_d, heldout_ppl_deepinfer=math.exp(loss_d), unigram_ppl=uni,

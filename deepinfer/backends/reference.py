@@ -130,10 +130,23 @@ def fp8_qdq(x: torch.Tensor, block: int) -> torch.Tensor:
 
 def e2m1_round(v: torch.Tensor) -> torch.Tensor:
     """float32 in [-6, 6] -> the nearest e2m1 value {0, .5, 1, 1.5, 2, 3, 4, 6} (signed), ties to the even
-    code: a value's quantum is 2^(floor(log2|v|) - 1), at least 0.5, and torch.round rounds half to even."""
+    code: a value's quantum is half its binade's power of two 2^floor(log2|v|) (taken from the exponent
+    bits), at least 0.5, and torch.round rounds half to even."""
     mag = v.abs()
-    quantum = torch.exp2(torch.frexp(mag).exponent.clamp(1, 3).float() - 2)
+    binade = (mag.view(torch.int32) & 0x7F800000).clamp(0x3F800000, 0x40800000).view(torch.float32)  # in [1, 4]
+    quantum = binade * 0.5
     return torch.copysign(torch.round(mag / quantum) * quantum, v)
+
+
+def _fp4_values(x: torch.Tensor, block: int, e4m3_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the e2m1 values [..., K / block, block] before scaling, the scales [..., K / block])."""
+    g = _groups(x, block)
+    amax = g.abs().amax(dim=-1)
+    if e4m3_scale:
+        s = (amax.clamp_min(6 * 2 ** -9) / 6).clamp(max=FP8_MAX).to(torch.float8_e4m3fn).float()
+    else:
+        s = pow2_scale(amax.clamp_min(6 * 2 ** -126), _FP4_MAX_INV)
+    return e2m1_round((g / s.unsqueeze(-1)).clamp(-6, 6)), s
 
 
 def fp4_quantize(x: torch.Tensor, block: int, e4m3_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,21 +154,14 @@ def fp4_quantize(x: torch.Tensor, block: int, e4m3_scale: bool) -> tuple[torch.T
     [..., K / block]). E8M0 scales (e4m3_scale False; the indexer's, block 32): amax floored at 6 * 2^-126,
     s = 2^ceil(log2(amax * fp32(1/6))). E4M3 scales (compressed KV, block 16): amax floored at 6 * 2^-9,
     s = e4m3(min(amax / 6, 448)), a division. Values x / s (a division) clamped to +-6, rounded to e2m1."""
-    g = _groups(x, block)
-    amax = g.abs().amax(dim=-1)
-    if e4m3_scale:
-        s = (amax.clamp_min(6 * 2 ** -9) / 6).clamp(max=FP8_MAX).to(torch.float8_e4m3fn).float()
-    else:
-        s = pow2_scale(amax.clamp_min(6 * 2 ** -126), _FP4_MAX_INV)
-    v = e2m1_round((g / s.unsqueeze(-1)).clamp(-6, 6))
+    v, s = _fp4_values(x, block, e4m3_scale)
     codes = _E2M1_CODE.to(v.device)[(2 * v.abs()).long()] | (torch.signbit(v).to(torch.uint8) << 3)
     return codes.flatten(-2), s
 
 
 def fp4_qdq(x: torch.Tensor, block: int, e4m3_scale: bool = False) -> torch.Tensor:
-    g = _groups(x, block)
-    _, s = fp4_quantize(x, block, e4m3_scale)
-    return (e2m1_round((g / s.unsqueeze(-1)).clamp(-6, 6)) * s.unsqueeze(-1)).flatten(-2)
+    v, s = _fp4_values(x, block, e4m3_scale)
+    return (v * s.unsqueeze(-1)).flatten(-2)
 
 
 def embedding(ids: torch.Tensor, weight: Weight) -> torch.Tensor:
