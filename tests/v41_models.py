@@ -113,3 +113,13 @@ def split_decode_logprobs(config: str, accelerator: str, decode_steps: int = 2) 
     # log-prob of token t + 1 at position t, from the last prefill position to the last fed one
     logprobs = torch.log_softmax(logits.double(), -1).gather(1, ids[1:p0 + decode_steps + 1, None]).squeeze(1)
     return (logprobs[p0 - 1:] - g["p3.split.logprobs"][:decode_steps + 1]).abs()
+
+
+def check_split_decode(config: str, accelerator: str) -> None:
+    """split_decode_logprobs on `accelerator` within the cpu backend's level-3 bound (e2e_tolerance)."""
+    from v41_goldens import e2e_tolerance
+
+    diff = split_decode_logprobs(config, accelerator)
+    tol = e2e_tolerance(config)
+    print(f"{config} on {accelerator}: |d logprob| mean {float(diff.mean()):.4f} max {float(diff.max()):.4f} (bound {tol})")
+    assert float(diff.mean()) <= tol["mean"] and float(diff.max()) <= tol["max"]
