@@ -16,7 +16,7 @@ from deepinfer.models.base import StepInput
 from deepinfer.models.deepseek_v41 import model as v41_model
 from deepinfer.models.deepseek_v41.model import StepState
 from deepinfer.models.registry import load_config
-from v41_goldens import checkpoint_dir, load
+from v41_goldens import checkpoint_dir, e2e_tolerance, load
 
 
 @cache
@@ -117,8 +117,6 @@ def split_decode_logprobs(config: str, accelerator: str, decode_steps: int = 2) 
 
 def check_split_decode(config: str, accelerator: str) -> None:
     """split_decode_logprobs on `accelerator` within the cpu backend's level-3 bound (e2e_tolerance)."""
-    from v41_goldens import e2e_tolerance
-
     diff = split_decode_logprobs(config, accelerator)
     tol = e2e_tolerance(config)
     print(f"{config} on {accelerator}: |d logprob| mean {float(diff.mean()):.4f} max {float(diff.max()):.4f} (bound {tol})")
