@@ -24,8 +24,10 @@ model moved to cuda), both in float32.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -44,6 +46,13 @@ def _cpu_isa() -> dict:
                if k in os.environ}}
 
 
+def _temp_dir() -> str:
+    """A directory for a generated model, removed when this process exits (each is ~200 MB)."""
+    path = tempfile.mkdtemp(prefix="deepinfer_bench_")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
 def _model_dir(args) -> str:
     """--model, else the tiny test config (with DeepSeek's real vocabulary and tokenizer when
     --vocab deepseek: the LM head and embedding of a real model, the layers of a tiny one)."""
@@ -55,12 +64,12 @@ def _model_dir(args) -> str:
         import tiny_models_v3
 
         hf, _ = tiny_models_v3.make_hf_model(args.tiny_config.removeprefix("v3/"), seed=0)
-        path = tempfile.mkdtemp(prefix="deepinfer_bench_")
+        path = _temp_dir()
         tiny_models_v3.save_hf_layout(hf, path)
         return path
     real_vocab = getattr(args, "vocab", "test") == "deepseek"
     hf, _ = make_hf_model(args.tiny_config, seed=0, **({"vocab_size": DEEPSEEK_VOCAB} if real_vocab else {}))
-    path = tempfile.mkdtemp(prefix="deepinfer_bench_")
+    path = _temp_dir()
     hf.save_pretrained(path, safe_serialization=True)
     if real_vocab:
         write_deepseek_tokenizer(path)
