@@ -130,15 +130,12 @@ def test_the_drafter_holds_nothing_that_grows_with_max_model_len(monkeypatch):
     """DSpark's device memory outside the memory plan (stage weights, context rings) is the same at any
     max_model_len: its RoPE is computed per step from positions, not looked up in a table of every
     position (which at DeepSeek-V4.1-Flash's 1M context would be 256 MiB nobody planned for)."""
-    import os
-
-    from deepinfer.llm import DEFAULT_MODEL_DIR
+    from deepinfer.llm import TINY_DSV41_DIR
 
     monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "3")
     held = []
     for max_model_len in (256, 4096):  # tiny-dsv41's max_position_embeddings: 4096
-        llm = LLM(model=os.path.join(os.path.dirname(DEFAULT_MODEL_DIR), "tiny-dsv41"), max_model_len=max_model_len,
-                  **SMALL)
+        llm = LLM(model=TINY_DSV41_DIR, max_model_len=max_model_len, **SMALL)
         drafter = llm.engine.spec.drafter
         held.append(_tensor_bytes([v for k, v in vars(drafter).items() if k != "model"], set()))
     assert held[0] == held[1] > 0
