@@ -9,7 +9,6 @@ routed experts are one recorded host call, as the backbone's)."""
 from __future__ import annotations
 
 import copy
-import os
 
 import pytest
 import torch
