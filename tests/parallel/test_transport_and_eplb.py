@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import io
 import os
-import tempfile
 
 import torch
 import torch.multiprocessing as mp
@@ -32,9 +31,9 @@ def _exchange(rank: int, world: int, store: str, results) -> None:
         group.destroy_group()
 
 
-def test_uneven_all_to_all_carries_fp8_as_bytes():
+def test_uneven_all_to_all_carries_fp8_as_bytes(tmp_path):
     world = 3
-    store = os.path.join(tempfile.mkdtemp(), "store")
+    store = str(tmp_path / "store")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     procs = [ctx.Process(target=_exchange, args=(r, world, store, results)) for r in range(world)]
