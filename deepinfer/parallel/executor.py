@@ -44,16 +44,24 @@ def _with_seeds(params: list) -> list:
 
 
 # ------------------------------------------------------------------ worker process
-def _watch_parent(parent_pid: int) -> None:
+def _driver_lost(store_dir: str) -> None:
+    """The driver died without its own cleanup (SIGKILL, say): its rendezvous directory goes with
+    the workers, or every such death would leave one behind in the temp dir."""
+    shutil.rmtree(store_dir, ignore_errors=True)
+
+
+def _watch_parent(parent_pid: int, store_dir: str) -> None:
     """Exit when the driver is gone (even if this process is blocked in a collective)."""
     while True:
         time.sleep(0.5)
         if os.getppid() != parent_pid:
+            _driver_lost(store_dir)
             os._exit(1)
 
 
 def _worker_main(conn, rank: int, world_size: int, init_method: str, args: WorkerArgs) -> None:
-    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+    store_dir = os.path.dirname(init_method.removeprefix("file://"))
+    threading.Thread(target=_watch_parent, args=(os.getppid(), store_dir), daemon=True).start()
     try:
         bind_device(rank)
         from deepinfer.backends import get_accelerator
@@ -67,7 +75,8 @@ def _worker_main(conn, rank: int, world_size: int, init_method: str, args: Worke
     while True:
         try:
             method, payload = conn.recv()
-        except (EOFError, OSError):
+        except (EOFError, OSError):  # the driver's end closed without a "stop": it is gone
+            _driver_lost(store_dir)
             break
         if method == "stop":
             break

@@ -108,13 +108,14 @@ def test_workers_exit_when_the_driver_is_killed(moe_model_dir):
     here = os.path.dirname(__file__)
     script = ("import sys, time\nfrom deepinfer import LLM\n"
               f"llm = LLM({moe_model_dir!r}, expert_parallel_size=2)\n"
-              "print(*llm.parallel.workers.pids, flush=True)\ntime.sleep(600)\n")
+              "print(llm.parallel.workers._store_dir, *llm.parallel.workers.pids, flush=True)\ntime.sleep(600)\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(here)),
                                                          os.environ.get("PYTHONPATH", "")]))
     driver = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
     try:
-        pids = [int(p) for p in driver.stdout.readline().split()]
-        assert len(pids) == 2
+        store_dir, *pids = driver.stdout.readline().split()
+        pids = [int(p) for p in pids]
+        assert len(pids) == 2 and os.path.isdir(store_dir)
     finally:
         driver.send_signal(signal.SIGKILL)
         driver.wait()
@@ -122,3 +123,4 @@ def test_workers_exit_when_the_driver_is_killed(moe_model_dir):
     while not all(_gone(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert all(_gone(pid) for pid in pids), "workers outlived their driver"
+    assert not os.path.exists(store_dir), "the killed driver's rendezvous directory was left behind"
