@@ -97,7 +97,8 @@ def test_non_editable_install_ships_the_model(tmp_path):
                    check=True, timeout=600)
     code = ("import deepinfer, json, os; from deepinfer.llm import ASSETS_DIR as d; "
             "print(d); print(json.dumps({m: sorted(os.listdir(os.path.join(d, m))) for m in os.listdir(d)}))")
-    proc = subprocess.run([str(py), "-c", code], capture_output=True, text=True, cwd=tmp_path, check=True)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # a checkout on it would shadow the install
+    proc = subprocess.run([str(py), "-c", code], capture_output=True, text=True, cwd=tmp_path, check=True, env=env)
     location, models = proc.stdout.splitlines()
     assert location.startswith(str(venv)) and "site-packages" in location
     models = json.loads(models)
