@@ -33,8 +33,10 @@ def run(model, batch: int, new_tokens: int, invariant: bool) -> float:
 
 
 def main() -> None:
+    from deepinfer.llm import TINY_DSV4_DIR
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None)
+    parser.add_argument("--model", default=TINY_DSV4_DIR, help="default: tiny-dsv4 (the README's figures)")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--json", default="benchmarks/results/batch_invariance.json")

@@ -28,8 +28,9 @@ def main() -> int:
     from torch.profiler import ProfilerActivity, profile
 
     from deepinfer import LLM, SamplingParams
+    from deepinfer.llm import TINY_DSV4_DIR
 
-    llm = LLM(accelerator="nvidia", max_num_seqs=args.batch)
+    llm = LLM(TINY_DSV4_DIR, accelerator="nvidia", max_num_seqs=args.batch)  # issue 21's "shipped model" goal
     engine = llm.engine
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(2, engine.model_config.vocab_size, (args.batch, 32), generator=gen).tolist()

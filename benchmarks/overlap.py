@@ -1,6 +1,6 @@
 """Zero-overhead scheduling on vs off: throughput, the per-step timeline (schedule, prepare,
 forward, sample, post-process, waiting for the device) and the share of wall time the model
-(forward + sample, the "device") is idle, at batch 1 / 8 / 32 on the shipped model (or a tiny
+(forward + sample, the "device") is idle, at batch 1 / 8 / 32 on tiny-dsv4 (or a tiny
 test config: its phase columns are the decode-step breakdown quoted in the README).
 
     python benchmarks/overlap.py [--model DIR | --tiny-config mixed_hc4_yarn] [--new-tokens 64]
@@ -42,8 +42,10 @@ def run(model, batch: int, new_tokens: int, overlap: bool) -> dict:
 
 
 def main() -> None:
+    from deepinfer.llm import TINY_DSV4_DIR
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None)
+    parser.add_argument("--model", default=TINY_DSV4_DIR, help="default: tiny-dsv4 (the README's figures)")
     parser.add_argument("--tiny-config", default=None, help="a tiny random V4 of the tests instead of --model")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--batches", default="1,8,32")

@@ -27,10 +27,9 @@ def run(model, layout: dict, batch: int, prompt_len: int, new_tokens: int) -> di
     from deepinfer import LLM, SamplingParams
     from deepinfer.parallel.worker import RankWorker
 
-    from deepinfer.llm import default_model
     from deepinfer.models.registry import load_config
 
-    vocab = load_config(model or default_model())[0].vocab_size
+    vocab = load_config(model)[0].vocab_size
     prompts = torch.randint(3, vocab, (batch, prompt_len), generator=torch.Generator().manual_seed(0)).tolist()
     llm = LLM(model, max_num_seqs=batch, max_num_batched_tokens=max(2048, batch * prompt_len), **layout)
     try:
@@ -76,8 +75,10 @@ def v4_flash_decode_volume(ep: int = 64, tokens_per_rank: int = 128) -> dict:
 
 
 def main() -> None:
+    from deepinfer.llm import TINY_DSV4_DIR
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="model dir (default: the shipped tiny model)")
+    parser.add_argument("--model", default=TINY_DSV4_DIR, help="model dir (default: tiny-dsv4, the README's figures)")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=32)

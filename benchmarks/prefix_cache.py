@@ -82,12 +82,13 @@ def quality(path: str) -> None:
     from prefix_quality import heldout_quality
 
     from deepinfer import LLM
+    from deepinfer.llm import TINY_DSV4_DIR
 
     os.environ["DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE"] = "compact"
     rows = []
     for keep in (128 + 6, 140, 256):
         os.environ["DEEPINFER_YOCO_PREFILL_KEEP_TOKENS"] = str(keep)
-        rows += heldout_quality(LLM(max_num_seqs=8, max_num_batched_tokens=2048), keep)
+        rows += heldout_quality(LLM(TINY_DSV4_DIR, max_num_seqs=8, max_num_batched_tokens=2048), keep)
     print("relative perplexity change of compact vs off (per-token deviation as a fraction of truncation's)")
     print("| KEEP | " + " | ".join(f"H={h}" for h in sorted({r['hit'] for r in rows})) + " |")
     print("|---|---|---|---|")

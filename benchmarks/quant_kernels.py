@@ -183,19 +183,19 @@ def shipped(steps: int) -> list[dict]:
 
     from safetensors.torch import load_file, save_file
 
-    from deepinfer.llm import DEFAULT_MODEL_DIR
+    from deepinfer.llm import TINY_DSV4_DIR
 
     rows = []
     print(f"{'shipped model':<16} {'batch':>5} {'bf16 tok/s':>11} {'float32 tok/s':>14} {'float32, eager':>25}")
     with tempfile.TemporaryDirectory() as tmp:
         fdir = Path(tmp, "float32")
-        shutil.copytree(DEFAULT_MODEL_DIR, fdir)
+        shutil.copytree(TINY_DSV4_DIR, fdir)
         for f in fdir.glob("*.safetensors"):
             save_file({k: v.float() if v.is_floating_point() else v for k, v in load_file(str(f)).items()}, str(f))
         gen = torch.Generator().manual_seed(2)
         for batch in (1, 32):
             prompts = [torch.randint(3, 1000, (64,), generator=gen).tolist() for _ in range(batch)]
-            bf16 = _decode_rate(DEFAULT_MODEL_DIR, steps, prompts)
+            bf16 = _decode_rate(TINY_DSV4_DIR, steps, prompts)
             f32 = _decode_rate(str(fdir), steps, prompts)
             f32_graph = _graph_only(lambda: _decode_rate(str(fdir), steps, prompts))
             rows.append({"batch": batch, "bf16_tok_s": bf16, "float32_tok_s": f32, "float32_graph_tok_s": f32_graph})

@@ -3,7 +3,7 @@
 the same prompts in the same run: what the server path costs. Prints a table, writes JSON and,
 when matplotlib is installed, a plot of latency against rate.
 
-    python benchmarks/serve.py                              # starts a server on the shipped model
+    python benchmarks/serve.py                              # starts a server on tiny-dsv4
     python benchmarks/serve.py --rates 2,8,inf --num-prompts 64
     python benchmarks/serve.py --base-url http://127.0.0.1:8000 --served-model-name tiny-dsv4
 
@@ -162,7 +162,7 @@ def _plot(rows: list[dict], offline: dict, path: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="model dir (default: the shipped tiny model)")
+    parser.add_argument("--model", default=None, help="model dir (default: tiny-dsv4, the README's figures)")
     parser.add_argument("--base-url", default=None, help="a running server (default: start one for the run)")
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--rates", default="1,4,16,inf", help="requests per second; inf = all at once")
@@ -174,12 +174,13 @@ def main() -> None:
     parser.add_argument("--json", default="benchmarks/results/serve.json")
     parser.add_argument("--plot", default="benchmarks/results/serve.png")
     args = parser.parse_args()
-    from deepinfer.llm import default_model
+    from deepinfer.llm import TINY_DSV4_DIR
 
-    model = args.model or default_model()
+    model = args.model or TINY_DSV4_DIR
     shown = model if os.path.relpath(model).startswith("..") else os.path.relpath(model)  # for the table and JSON
     name = args.served_model_name or os.path.basename(os.path.normpath(model))
-    vocab = json.load(open(os.path.join(model, "config.json")))["vocab_size"]
+    config = json.load(open(os.path.join(model, "config.json")))
+    vocab = config.get("vocab_size") or config["text_config"]["vocab_size"]  # V4.1 nests its text config
     prompts = _prompts(vocab, args.num_prompts, args.prompt_len)
     proc = None
     base_url = args.base_url

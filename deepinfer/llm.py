@@ -15,7 +15,12 @@ from deepinfer.core.engine import EngineConfig, LLMEngine
 from deepinfer.outputs import RequestOutput
 from deepinfer.sampling_params import SamplingParams
 
-DEFAULT_MODEL_DIR = os.path.join(os.path.dirname(__file__), "assets", "tiny-dsv4")
+ASSETS_DIR = os.path.join(os.path.dirname(__file__), "assets")
+TINY_DSV4_DIR = os.path.join(ASSETS_DIR, "tiny-dsv4")
+TINY_DSV41_DIR = os.path.join(ASSETS_DIR, "tiny-dsv41")
+# The shipped model of lowest held-out perplexity (tests/e2e/test_shipped_v41.py keeps it so): the
+# tiny V4.1, the model DeepSeek's engine serves, since its training reached tiny-dsv4's quality.
+DEFAULT_MODEL_DIR = TINY_DSV41_DIR
 logger = logging.getLogger("deepinfer")
 
 

@@ -97,19 +97,20 @@ def test_llm_generates_on_ascend_like_cpu(monkeypatch, model_dir):
 
 @pytest.mark.slow
 def test_shipped_model_drafts_on_ascend_like_cpu(monkeypatch):
-    """ascend drafts by default: the shipped model's DSpark drafter (its experts in the layout
+    """ascend drafts by default: tiny-dsv4's DSpark drafter (its experts in the layout
     npu_grouped_matmul takes) generates the same greedy tokens as cpu without drafting."""
     from deepinfer import LLM, SamplingParams
+    from deepinfer.llm import TINY_DSV4_DIR
 
     monkeypatch.delenv("DEEPINFER_BATCH_INVARIANT", raising=False)
     monkeypatch.delenv("DEEPINFER_USE_NEXTN_DECODE", raising=False)
     monkeypatch.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "0")  # fixed length: no start-up profile under the interpreter
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     prompts = ["def fib(n):"]
-    asc = LLM(accelerator="ascend", max_num_seqs=2, max_num_batched_tokens=128, num_cache_pages=4, dtype="float32")
+    asc = LLM(TINY_DSV4_DIR, accelerator="ascend", max_num_seqs=2, max_num_batched_tokens=128, num_cache_pages=4, dtype="float32")
     assert asc.engine.spec is not None  # the backend's default: draft
     drafted = [o.outputs[0].token_ids for o in asc.generate(prompts, params, use_tqdm=False)]
     assert asc.engine.spec.stats["verified"] > 0
-    cpu = LLM(accelerator="cpu", max_num_seqs=2, max_num_batched_tokens=128, num_cache_pages=4)
+    cpu = LLM(TINY_DSV4_DIR, accelerator="cpu", max_num_seqs=2, max_num_batched_tokens=128, num_cache_pages=4)
     assert cpu.engine.spec is None
     assert drafted == [o.outputs[0].token_ids for o in cpu.generate(prompts, params, use_tqdm=False)]

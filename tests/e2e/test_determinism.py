@@ -16,6 +16,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from deepinfer import LLM, SamplingParams  # noqa: E402
+from deepinfer.llm import TINY_DSV4_DIR  # noqa: E402
 
 VOCAB = 512
 
@@ -144,15 +145,15 @@ def test_seq_seed_without_the_mode_is_logged_once(tiny_model_dir, monkeypatch, c
     monkeypatch.delenv("DEEPINFER_ENABLE_MTP_VARLEN")  # default 1: variable verification length
     # without a drafter the verify length plays no part: nothing is missing
     assert records(LLM(path, accelerator="cpu", num_cache_pages=4), seeded) == []
-    # the shipped model drafts when asked to: then the variable length is what is missing
+    # tiny-dsv4 drafts when asked to: then the variable length is what is missing
     monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "5")
-    drafting = LLM(accelerator="cpu", num_cache_pages=4)
+    drafting = LLM(TINY_DSV4_DIR, accelerator="cpu", num_cache_pages=4)
     assert drafting.engine.spec is not None
     msgs = records(drafting, seeded)
     assert len(msgs) == 1 and "DEEPINFER_ENABLE_MTP_VARLEN=0" in msgs[0] and "BATCH_INVARIANT" not in msgs[0]
 
     monkeypatch.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "0")
-    assert records(LLM(accelerator="cpu", num_cache_pages=4), seeded) == []
+    assert records(LLM(TINY_DSV4_DIR, accelerator="cpu", num_cache_pages=4), seeded) == []
 
 
 def test_seq_seed_on_nvidia_needs_no_mode(tiny_model_dir, monkeypatch, caplog):

@@ -293,12 +293,12 @@ SHIPPED_PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n\nclass Conf
 def test_shipped_model_greedy_equals_no_drafting(monkeypatch, mode):
     """The trained drafter shipped with tiny-dsv4: a mixed batch (lengths, max_tokens, a stop token,
     logprobs) is token-for-token the no-drafting output, and drafts are accepted."""
-    from deepinfer.llm import DEFAULT_MODEL_DIR
+    from deepinfer.llm import TINY_DSV4_DIR
 
     params = [SamplingParams(temperature=0.0, max_tokens=24 + 12 * i, ignore_eos=True, top_logprobs=1 if i == 1 else 0,
                              stop_token_ids=[25] if i == 3 else None) for i in range(len(SHIPPED_PROMPTS))]
-    off = _llm(DEFAULT_MODEL_DIR, monkeypatch, "off").generate(SHIPPED_PROMPTS, params, use_tqdm=False)
-    llm = _llm(DEFAULT_MODEL_DIR, monkeypatch, mode)
+    off = _llm(TINY_DSV4_DIR, monkeypatch, "off").generate(SHIPPED_PROMPTS, params, use_tqdm=False)
+    llm = _llm(TINY_DSV4_DIR, monkeypatch, mode)
     on = llm.generate(SHIPPED_PROMPTS, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in on] == [o.outputs[0].token_ids for o in off]
     assert [o.outputs[0].finish_reason for o in on] == [o.outputs[0].finish_reason for o in off]

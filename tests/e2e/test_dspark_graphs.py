@@ -9,7 +9,6 @@ routed experts are one recorded host call, as the backbone's)."""
 from __future__ import annotations
 
 import copy
-import os
 
 import pytest
 import torch
@@ -19,9 +18,7 @@ from deepinfer.backends.base import Instruction
 from deepinfer.backends.cpu import kernels, replay
 from deepinfer.core import graphs as graphs_mod
 from deepinfer.core.graphs import StepGraphs, signature
-from deepinfer.llm import DEFAULT_MODEL_DIR as SHIPPED
-
-SHIPPED_V41 = os.path.join(os.path.dirname(SHIPPED), "tiny-dsv41")
+from deepinfer.llm import TINY_DSV4_DIR as SHIPPED, TINY_DSV41_DIR as SHIPPED_V41
 MODELS = [pytest.param(SHIPPED, id="v4"), pytest.param(SHIPPED_V41, id="v41", marks=pytest.mark.slow)]
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.envs import EnvError
-from deepinfer.llm import DEFAULT_MODEL_DIR
+from deepinfer.llm import TINY_DSV4_DIR
 
 WINDOW = 32  # sliding window of the tiny model (conftest's 'mixed_hc4_yarn')
 KEEP = WINDOW + 6  # the smallest KEEP allowed (window + backtracking): the approximation at its coarsest
@@ -184,13 +184,13 @@ PPL_REL_BOUND = 0.002
 DEVIATION_FRACTION_BOUND = 0.25
 
 
-@pytest.mark.skipif(not os.path.isfile(os.path.join(DEFAULT_MODEL_DIR, "model.safetensors")),
+@pytest.mark.skipif(not os.path.isfile(os.path.join(TINY_DSV4_DIR, "model.safetensors")),
                     reason="the shipped model has not been trained into deepinfer/assets yet")
 @pytest.mark.parametrize("keep", [128 + 6, 140, 256])
 def test_heldout_perplexity_after_a_hit(monkeypatch, keep):
     from prefix_quality import heldout_quality
 
-    llm = _llm(DEFAULT_MODEL_DIR, monkeypatch, "compact", keep=keep, max_num_batched_tokens=2048)
+    llm = _llm(TINY_DSV4_DIR, monkeypatch, "compact", keep=keep, max_num_batched_tokens=2048)
     for row in heldout_quality(llm, keep):
         h = row["hit"]
         print(f"KEEP {keep} H {h}: ppl off {row['ppl_off']:.3f} compact {row['ppl_compact']:.3f} "

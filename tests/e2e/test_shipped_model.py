@@ -1,8 +1,9 @@
-"""The tiny DeepSeek-V4 shipped in deepinfer/assets: loads offline, has learned Python,
+"""The tiny DeepSeek-V4 shipped in deepinfer/assets/tiny-dsv4: loads offline, has learned Python,
 generates through the CLI, and agrees with transformers."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
@@ -12,16 +13,16 @@ import pytest
 import torch
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.llm import DEFAULT_MODEL_DIR
+from deepinfer.llm import ASSETS_DIR, TINY_DSV4_DIR
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-pytestmark = pytest.mark.skipif(not os.path.isfile(os.path.join(DEFAULT_MODEL_DIR, "model.safetensors")),
+pytestmark = pytest.mark.skipif(not os.path.isfile(os.path.join(TINY_DSV4_DIR, "model.safetensors")),
                                 reason="the shipped model has not been trained into deepinfer/assets yet")
 
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(max_num_seqs=8, max_num_batched_tokens=2048)
+    return LLM(TINY_DSV4_DIR, max_num_seqs=8, max_num_batched_tokens=2048)
 
 
 # Perplexity per token over the first 1024 tokens of each of the 16 held-out files, each file on
@@ -47,7 +48,7 @@ def test_greedy_equals_transformers(llm):
     prompts = ["def fibonacci(n):\n", "import os\nimport sys\n\n\nclass Config:\n    def __init__(self"]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, top_logprobs=1),
                         use_tqdm=False)
-    hf = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL_DIR, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(TINY_DSV4_DIR, dtype=torch.float32).eval()
     hf.generation_config.eos_token_id = None
     gc = GenerationConfig(max_new_tokens=48, do_sample=False, eos_token_id=None, pad_token_id=2)
     for out in outs:
@@ -94,19 +95,23 @@ def test_non_editable_install_ships_the_model(tmp_path):
         f.write(sysconfig.get_paths()["purelib"] + "\n")
     subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", REPO],
                    check=True, timeout=600)
-    code = ("import deepinfer, os; from deepinfer.llm import DEFAULT_MODEL_DIR as d; "
-            "print(d); print(sorted(os.listdir(d)))")
-    proc = subprocess.run([str(py), "-c", code], capture_output=True, text=True, cwd=tmp_path, check=True)
-    location, files = proc.stdout.splitlines()
+    code = ("import deepinfer, json, os; from deepinfer.llm import ASSETS_DIR as d; "
+            "print(d); print(json.dumps({m: sorted(os.listdir(os.path.join(d, m))) for m in os.listdir(d)}))")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # a checkout on it would shadow the install
+    proc = subprocess.run([str(py), "-c", code], capture_output=True, text=True, cwd=tmp_path, check=True, env=env)
+    location, models = proc.stdout.splitlines()
     assert location.startswith(str(venv)) and "site-packages" in location
-    for name in ("config.json", "model.safetensors", "tokenizer.json"):
-        assert name in files
+    models = json.loads(models)
+    assert sorted(models) == sorted(os.listdir(ASSETS_DIR))  # both shipped models, the default among them
+    for files in models.values():
+        for name in ("config.json", "model.safetensors", "tokenizer.json"):
+            assert name in files
 
 
 def test_bfloat16_state_cache(llm):
     """dtype='bfloat16' stores the decode state in bf16 (half the bytes) and stays close to fp32."""
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, top_logprobs=1)
-    half = LLM(dtype="bfloat16", max_num_seqs=2)
+    half = LLM(TINY_DSV4_DIR, dtype="bfloat16", max_num_seqs=2)
     assert all(pool.data.dtype == torch.bfloat16 for pool in half.engine.cache.pools.values())
     assert half.engine.cache.bytes_per_slot() * 2 == llm.engine.cache.bytes_per_slot()
     ref = llm.generate(["def fib(n):"], params, use_tqdm=False)[0].outputs[0]

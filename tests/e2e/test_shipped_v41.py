@@ -12,9 +12,10 @@ import os
 import pytest
 
 from deepinfer import LLM, SamplingParams
+from deepinfer.llm import TINY_DSV41_DIR
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-ASSET = os.path.join(REPO, "deepinfer", "assets", "tiny-dsv41")
+ASSET = TINY_DSV41_DIR
 GOLDEN = os.path.join(REPO, "tests", "goldens", "tiny_dsv41_greedy.json")
 pytestmark = pytest.mark.skipif(not os.path.isfile(os.path.join(ASSET, "model.safetensors")),
                                 reason="tiny-dsv41 has not been trained into deepinfer/assets yet")
@@ -39,6 +40,20 @@ def test_the_shipped_v41_is_a_trained_v41():
     text = llm.generate(["def main(argv):\n    "], SamplingParams(temperature=0.0, max_tokens=24),
                         use_tqdm=False)[0].outputs[0].text
     assert text.strip(), text
+
+
+def test_llm_defaults_to_the_shipped_model_of_lowest_heldout_perplexity():
+    """LLM() with no model is tiny-dsv41 because it is the better of the two shipped models on held-out code
+    (tests/heldout.py: each held-out file, its first 1024 tokens); retraining either one re-checks that."""
+    from heldout import heldout_perplexity
+
+    from deepinfer.llm import DEFAULT_MODEL_DIR, TINY_DSV4_DIR
+
+    ppl = {path: heldout_perplexity(LLM(path, max_num_seqs=16, max_num_batched_tokens=4096))["perplexity"]
+           for path in (TINY_DSV4_DIR, ASSET)}
+    print({os.path.basename(p): round(v, 3) for p, v in ppl.items()})
+    assert DEFAULT_MODEL_DIR == min(ppl, key=ppl.get), ppl
+    assert type(LLM(max_num_seqs=1).engine.model).__name__ == "DeepseekV41Model"
 
 
 def test_greedy_equals_deepseeks_reference():

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SHIPPED = "tiny-dsv4"  # the served name of the shipped model
+SHIPPED = "tiny-dsv41"  # the served name of the default model (deepinfer.llm.DEFAULT_MODEL_DIR)
 
 
 @dataclass

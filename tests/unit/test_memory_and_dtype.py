@@ -11,6 +11,7 @@ from deepinfer import LLM, SamplingParams
 from deepinfer.backends.cpu import CpuAccelerator
 from deepinfer.core import memory
 from deepinfer.core.engine import EngineConfig
+from deepinfer.llm import TINY_DSV4_DIR, TINY_DSV41_DIR
 
 GiB = 1 << 30
 SMALL = dict(max_num_seqs=4, max_num_batched_tokens=128)
@@ -57,10 +58,10 @@ def test_a_cache_that_cannot_fit_names_every_size(monkeypatch):
 
 
 def test_memory_report_accounts_for_weights_and_cache():
-    llm = LLM(**SMALL, max_model_len=512)
+    llm = LLM(TINY_DSV4_DIR, **SMALL, max_model_len=512)
     report = llm.memory_report()
     engine = llm.engine
-    # the shipped model is stored in bf16: its weights stay bf16 (a few float32 norms, int64 tables)
+    # tiny-dsv4 is stored in bf16: its weights stay bf16 (a few float32 norms, int64 tables)
     assert max(report.weights, key=report.weights.get) == "bfloat16"
     assert report.weight_bytes <= 1.05 * report.checkpoint_bytes
     pools = sum(p.data.numel() * p.data.element_size() for p in engine.cache.pools.values())
@@ -103,7 +104,7 @@ def test_bf16_compute_on_cpu_runs_and_rounds_gemm_inputs():
     prompts = [[0, 5, 17, 300, 42, 7, 99]]
     out = {}
     for dtype in ("float32", "bfloat16"):
-        llm = LLM(**SMALL, dtype=dtype, num_cache_pages=8)
+        llm = LLM(TINY_DSV4_DIR, **SMALL, dtype=dtype, num_cache_pages=8)
         assert llm.engine.cache.dtype == getattr(torch, dtype) and llm.accel.compute_dtype == getattr(torch, dtype)
         assert llm.engine.model.w["lm_head.weight"].dtype == torch.bfloat16  # stored dtype either way
         res = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)[0]
@@ -111,7 +112,7 @@ def test_bf16_compute_on_cpu_runs_and_rounds_gemm_inputs():
         # the last step's logits for the prompt: compare the two compute dtypes
         llm.close()
     assert len(out["bfloat16"]) == 6
-    # the tiny shipped model is confident enough that the first tokens survive bf16 GEMM inputs
+    # tiny-dsv4 is confident enough that the first tokens survive bf16 GEMM inputs
     assert out["bfloat16"][:2] == out["float32"][:2]
 
 
@@ -130,15 +131,10 @@ def test_the_drafter_holds_nothing_that_grows_with_max_model_len(monkeypatch):
     """DSpark's device memory outside the memory plan (stage weights, context rings) is the same at any
     max_model_len: its RoPE is computed per step from positions, not looked up in a table of every
     position (which at DeepSeek-V4.1-Flash's 1M context would be 256 MiB nobody planned for)."""
-    import os
-
-    from deepinfer.llm import DEFAULT_MODEL_DIR
-
     monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "3")
     held = []
     for max_model_len in (256, 4096):  # tiny-dsv41's max_position_embeddings: 4096
-        llm = LLM(model=os.path.join(os.path.dirname(DEFAULT_MODEL_DIR), "tiny-dsv41"), max_model_len=max_model_len,
-                  **SMALL)
+        llm = LLM(model=TINY_DSV41_DIR, max_model_len=max_model_len, **SMALL)
         drafter = llm.engine.spec.drafter
         held.append(_tensor_bytes([v for k, v in vars(drafter).items() if k != "model"], set()))
     assert held[0] == held[1] > 0
