@@ -179,8 +179,9 @@ def main() -> None:
     model = args.model or TINY_DSV4_DIR
     shown = model if os.path.relpath(model).startswith("..") else os.path.relpath(model)  # for the table and JSON
     name = args.served_model_name or os.path.basename(os.path.normpath(model))
-    config = json.load(open(os.path.join(model, "config.json")))
-    vocab = config.get("vocab_size") or config["text_config"]["vocab_size"]  # V4.1 nests its text config
+    from deepinfer.models.registry import load_config
+
+    vocab = load_config(model)[0].vocab_size  # the family's parser: V4.1 nests its text config
     prompts = _prompts(vocab, args.num_prompts, args.prompt_len)
     proc = None
     base_url = args.base_url
