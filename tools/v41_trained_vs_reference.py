@@ -75,11 +75,11 @@ def greedy_prompts(docs: list[list[int]], count: int, length: int) -> list[list[
     return out
 
 
-def reference_runner(tool, ref, model_dir: Path, max_seq_len: int, max_batch_size: int = 1):
+def reference_runner(tool, ref, model_dir: Path, max_seq_len: int, max_batch_size: int = 1, probe: str = "bf16"):
     config = json.loads((model_dir / "config.json").read_text())
     args = replace(tool.model_args(ref, config, max_batch_size=max_batch_size), max_seq_len=max_seq_len)
     tokenizer = tool.hf_tokenizer(model_dir / "tokenizer.json")
-    return tool.Runner(ref, args, tokenizer, load_file(str(model_dir / "model.safetensors")))
+    return tool.Runner(ref, args, tokenizer, load_file(str(model_dir / "model.safetensors")), probe)
 
 
 def reference_perplexity(tool, runner, docs) -> dict:
