@@ -16,6 +16,7 @@
 // multiplied by every token while it is hot in cache, so a weight is read from memory, and
 // decoded, once per call.
 
+#include <cmath>
 #include "kernel_util.h"
 
 #include <ATen/ATen.h>
@@ -273,8 +274,11 @@ inline void dot_tile(const float* const* xs, const Matrix& w, const Rows* rows, 
     for (int t = 0; t < TT; ++t)
       #pragma GCC unroll 16
       for (int r = 0; r < R; ++r) {
+        // std::fma, not `s += a * b`: left to itself the compiler may contract the tails of some tile
+        // widths and not of others (GCC -march=native on an AMD EPYC with AVX-512 did: two tokens
+        // per call got other bits than one), and a token's bits then depend on its call's size
         float s = v_sum(acc[t][r]);
-        for (int64_t k = body; k < K; ++k) s += xs[t][k] * rows[r].load1(k);
+        for (int64_t k = body; k < K; ++k) s = std::fma(xs[t][k], rows[r].load1(k), s);
         outs[t][r] = s;
       }
   } else {
@@ -298,8 +302,8 @@ inline void dot_tile(const float* const* xs, const Matrix& w, const Rows* rows, 
         for (int r = 0; r < R; ++r)
           for (int t = 0; t < TT; ++t) {
             float p = 0.0f;
-            for (int64_t k = kv; k < k1; ++k) p += xs[t][k] * rows[r].load1(k);
-            tail[t][r] += p * sc[r * blocks + kb];
+            for (int64_t k = kv; k < k1; ++k) p = std::fma(xs[t][k], rows[r].load1(k), p);
+            tail[t][r] = std::fma(p, sc[r * blocks + kb], tail[t][r]);
           }
     }
     #pragma GCC unroll 16
