@@ -119,6 +119,14 @@ class Recording:
 
 
 class _Recorder(TorchDispatchMode):
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # TorchDispatchMode wraps a subclass's __torch_dispatch__ in torch._dynamo.disable unless this
+        # says no: the first recorded call then imported torch._dynamo (1.5 s here, a third of a
+        # 256-token batch-1 generate on tiny-dsv41) and every call went through its wrapper. Nothing
+        # here runs under torch.compile, so there is nothing for that wrapper to guard.
+        return False
+
     def __init__(self, recording: Recording, inputs: list[torch.Tensor]):
         super().__init__()
         self.rec = recording
