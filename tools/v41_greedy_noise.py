@@ -15,10 +15,9 @@ arithmetic:
   goldens tool's "fp32" probe: the same FP8/FP4 quantization points, fp32 between them).
 A pair of schedules agrees on a prompt when all 32 tokens are equal. The reference computes in bf16
 with FP8 activation quantization; its GEMMs' summation order changes with the batch and the
-schedule, so near-tied tokens flip between its own runs; a near-tied expert choice flips with them
-and moves the rest of the continuation by up to nats (measured: a 0.003 gap between the second and
-third expert's selection scores at layer 4 of prompt 58 flips between the reference's prefill and its
-decode and moves the next token's log-probs by 1.5). Writes benchmarks/results/v41_greedy_noise.json.
+schedule, so near-tied tokens flip between its own runs, and so do near-tied expert choices, which
+move a token's log-probs by more than a nat (tools/v41_routing_flip.py: prompt 58, token 28, where
+the second and third experts of layer 4 are 0.003 apart in selection score). Writes benchmarks/results/v41_greedy_noise.json.
 """
 
 from __future__ import annotations
