@@ -13,8 +13,11 @@ import pytest
 @pytest.mark.slow
 def test_torchrun_dp2_ep2_matches_one_process(moe_model_dir, reference_outputs, tmp_path):
     here = os.path.dirname(__file__)
+    # TMPDIR: torchrun makes a log folder under the temp dir (torchelastic_*) and leaves it there; in
+    # tmp_path it goes with pytest's other folders instead of piling up in /tmp run after run
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(here)), here,
-                                                         os.environ.get("PYTHONPATH", "")]))
+                                                         os.environ.get("PYTHONPATH", "")]),
+               TMPDIR=str(tmp_path))
     layout = json.dumps(dict(expert_parallel_size=2, data_parallel_size=2))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            os.path.join(here, "torchrun_generate.py"), moe_model_dir, str(tmp_path), layout]
