@@ -6,7 +6,11 @@ recording must be caught by that comparison; what a replay could not repeat stay
 from __future__ import annotations
 
 import copy
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -305,6 +309,22 @@ def test_views_of_the_cache_are_taken_once_and_writes_through_them_land():
     assert graphs.stats == {"recorded": 2, "replayed": 2, "eager": 0, "compiled": 1}
     ops = next(iter(graphs.buckets.values())).recording.ops()
     assert ops == ["aten.mul.Tensor", "aten.index_copy_.default", "aten.sum.dim_IntList"], ops
+
+
+def test_recording_a_step_does_not_import_torch_dynamo():
+    """A fresh process records a step without importing torch._dynamo: TorchDispatchMode would wrap the
+    recorder in torch._dynamo.disable, whose first call imported it (1.5 s of a fresh engine's first
+    generate, benchmarks/bucket_warmup.py)."""
+    code = ("import sys, torch\n"
+            "from deepinfer.core.graphs import record\n"
+            "x = torch.ones(4, 8)\n"
+            "rec, failure, _ = record(lambda: (x * 2).sum(dim=0), [x])\n"
+            "assert failure is None and len(rec.instructions) == 2, (failure, rec)\n"
+            "print('torch._dynamo' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2])))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "False"
 
 
 def test_enforce_eager_turns_capture_off(monkeypatch):
