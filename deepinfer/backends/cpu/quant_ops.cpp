@@ -16,7 +16,6 @@
 // multiplied by every token while it is hot in cache, so a weight is read from memory, and
 // decoded, once per call.
 
-#include <cmath>
 #include "kernel_util.h"
 
 #include <ATen/ATen.h>
@@ -24,6 +23,7 @@
 #include <c10/core/InferenceMode.h>
 #include <torch/library.h>
 
+#include <cmath>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
