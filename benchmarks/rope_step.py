@@ -15,7 +15,7 @@ This prints and stores (benchmarks/results/rope_step.json):
    for scale, replayed where the step graphs replay it (the table says which ran eagerly, and why). A drafting engine step computes RoPE twice (the block, and absorbing the
    accepted context rows).
 
-    /work/quiet.sh python benchmarks/rope_step.py [--positions 1048581] [--reps 2000]
+    python benchmarks/rope_step.py [--positions 1048581] [--reps 2000]   # with other work paused
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Held-out perplexity of a shipped model: each of the 16 held-out CPython files on its own (bos +
 its first 1024 tokens), scored through prompt_logprobs, against an add-one unigram baseline of the
 same tokenizer. tests/e2e/test_shipped_model.py bounds it; benchmarks/heldout.py stores it (the
-figure the README and the model card quote)."""
+figure docs/shipped-models.md and the model card quote)."""
 
 from __future__ import annotations
 

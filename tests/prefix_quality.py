@@ -1,6 +1,6 @@
 """Held-out perplexity after a prefix-cache hit on the shipped model: compact replay against the
 exact cold run. tests/e2e/test_prefix_cache.py bounds it; `benchmarks/prefix_cache.py --quality`
-stores it (the README's quality table)."""
+stores it (the quality table of docs/prefix-cache.md)."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ formats (tests/quant_checks.py); K and N off the block edges; outputs poisoned w
 | moe_experts, FP4 / FP8 / bf16 stacks   | reference moe on the dequantized stacks     | 1e-5 x max|ref|          |
 | moe_experts_bf16 (V4.1), every stack   | base.py's composite on the reference ops    | op_checks (measured: =)  |
 
-The second FP8 row is the activation-quantization error the README states: printed with -s
+The second FP8 row is the activation-quantization error docs/checkpoint-loading.md bounds: printed with -s
 (`pytest -s tests/conformance/test_nvidia_quantized.py -k act_quant_error`).
 """
 
@@ -161,7 +161,7 @@ def test_v41_experts_record_with_fixed_shapes(nv):
 
 def test_act_quant_error(nv):
     """What DeepSeek's activation quantization costs on the nvidia FP8 path, measured against
-    weight-only float32 math at a V4-like shape (README: 'FP8 activation quantization')."""
+    weight-only float32 math at a V4-like shape (docs/checkpoint-loading.md: activations quantized per 1x128)."""
     gen = torch.Generator().manual_seed(11)
     x = torch.randn(16, 1024, generator=gen)
     w = quantize_fp8(torch.randn(512, 1024, generator=gen) * 0.02, ue8m0=True)

@@ -99,7 +99,7 @@ def test_dtype_resolution():
 
 def test_bf16_compute_on_cpu_runs_and_rounds_gemm_inputs():
     """dtype="bfloat16" on cpu: the decode state in bf16, every weight op's input rounded to bf16
-    (the reference ops take it: slower, see the README), weights still as stored."""
+    (the reference ops take it: slower, see docs/memory.md), weights still as stored."""
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     prompts = [[0, 5, 17, 300, 42, 7, 99]]
     out = {}
