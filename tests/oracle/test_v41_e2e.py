@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from model_runner import run_schedule
-from v41_goldens import CONFIGS, e2e_tolerance, load
+from v41_goldens import E2E_CONFIGS, e2e_tolerance, load
 from v41_models import model, new_cache
 
 PROMPTS = range(5)
@@ -46,7 +46,7 @@ def schedule_logits(config: str, prompts: list[torch.Tensor], steps) -> list[tor
     return run_schedule(m, new_cache(m), prompts, steps)
 
 
-@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("config", E2E_CONFIGS)
 def test_prefill_logprobs(config):
     g = load(f"e2e_{config}")
     diffs = []
@@ -59,7 +59,7 @@ def test_prefill_logprobs(config):
         assert float(diffs[0].max()) <= 1e-6
 
 
-@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("config", E2E_CONFIGS)
 def test_chunked_prefill(config):
     """Chunks of 13 and 29 tokens (odd: a ratio-2 pair straddles each boundary) then the rest."""
     g = load(f"e2e_{config}")
@@ -72,7 +72,7 @@ def test_chunked_prefill(config):
     check(config, diffs)
 
 
-@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("config", E2E_CONFIGS)
 def test_prefill_then_decode(config):
     """Prefill of the golden's split length, then one token per step: the decode path (ring buffers,
     pairs completing across steps, Engram's look-back from the cache) against the reference's."""
@@ -87,7 +87,7 @@ def test_prefill_then_decode(config):
     check(config, diffs)
 
 
-@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("config", E2E_CONFIGS)
 def test_mixed_batch(config):
     """Every prompt in one schedule: prefill chunks of some sequences next to decode steps of others."""
     g = load(f"e2e_{config}")
@@ -108,7 +108,7 @@ def test_mixed_batch(config):
                    for j, (x, ids) in enumerate(zip(logits, prompts))])
 
 
-@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("config", E2E_CONFIGS)
 def test_greedy_continuations(config):
     """12 greedy tokens (prefill, then one token per step): equal to the reference's while its top-2
     gap exceeds the bound."""
@@ -135,7 +135,7 @@ def test_greedy_continuations(config):
             assert mine == ref, (j, tokens, expected)
 
 
-@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("config", E2E_CONFIGS)
 def test_dspark_drafts(config):
     """DSpark drafts along the greedy decode (e2e_<config>: dspark.*): after each decode step the block
     anchored at the new token, drafted left to right with the Markov bias. While deepinfer's greedy tokens
