@@ -7,6 +7,11 @@ its own decode-vs-prefill difference).
 |---|---|---|
 | ced10 | 0.25 / 3.1 | 0.040 / 0.051 / 0.075 / 0.040 mean; 0.68 max |
 | mini6 | 0.15 / 1.7 | 0.015 / 0.019 / 0.032 / 0.015 mean; 0.24 max |
+| mini6wide | 0.13 / 0.68 | 0.008 / 0.013 / 0.014 / 0.008 mean; 0.069 max |
+
+mini6wide is mini6 with a Reindex top-k (128) wider than its candidate blocks (2 x 8) and no token seeing
+more entries than the top-k: DeepSeek then attends every entry a token sees. Keeping the candidates only
+(main before this golden) measures 0.16 / 0.20 / 0.28 / 0.16 mean, 0.94 max.
 
 What remains is the indexer's ties at the k-th score (the reference's torch.topk(sorted=False) breaks
 them its own way; deepinfer takes the earlier entry, so a token's picks do not depend on its batch):
