@@ -19,8 +19,8 @@ import torch
 from safetensors import safe_open
 
 from v41_goldens import (CONFIGS, E2E_CONFIGS, GOLDENS, VL_CONFIG, WIDE_CONFIG, block_tolerance, checkpoint_dir,
-                         e2e_tolerance, load, noise, real_token_map, same_topk_picks, token_map_sha256, topk_boundary_ties, ulp_error,
-                         vision_e2e_tolerance, vision_tolerance)
+                         e2e_tolerance, load, noise, real_token_map, same_topk_picks, token_map_sha256,
+                         topk_boundary_ties, ulp_error, vision_e2e_tolerance, vision_tolerance)
 
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 FP4_TABLE = torch.cat([E2M1, -E2M1])
