@@ -359,11 +359,11 @@ class DeepseekV41Config:
         fail(f"index_topk ({k}) exceeds the candidate entries of the Reindex layers {reindex}: they keep "
              f"candidate_topk_blocks ({blocks}) blocks of candidate_block_size ({size}) entries, the newest block "
              f"partly filled, so a token at position {visible * rate - 1} sees {visible} entries of which {held} "
-             f"are candidates, and DeepSeek's top-k would fill the other {k - held} picks with entries of score "
-             f"-inf in an unspecified order. Make (candidate_topk_blocks - 1) * candidate_block_size + 1 >= "
-             f"index_topk (e.g. index_topk {(blocks - 1) * size + 1}, or more candidate_topk_blocks), or "
-             f"max_position_embeddings <= {visible * rate - 1} (every token then sees at most index_topk entries "
-             "and attends all of them)")
+             f"are candidates, and DeepSeek's top-k would take {k - held} of its {visible - held} other entries "
+             f"(all scored -inf), which ones torch leaves unspecified. Make (candidate_topk_blocks - 1) * "
+             f"candidate_block_size + 1 >= index_topk (index_topk <= {(blocks - 1) * size + 1}, or "
+             f"candidate_topk_blocks >= {-(-(k - 1) // size) + 1}), or max_position_embeddings <= "
+             f"{visible * rate - 1} (no token then sees more than index_topk entries: it attends all of them)")
 
     def _roles(self) -> list[LayerRole]:
         roles = []
