@@ -16,6 +16,10 @@ from safetensors.torch import load_file
 GOLDENS = Path(__file__).parent / "goldens" / "v41"
 CONFIGS = ("ced10", "mini6")  # the tiny checkpoints, each a directory in the HF layout
 VL_CONFIG = "mini6vl"  # mini6 with a vision tower (its text tensors are mini6's, through the shard index)
+# mini6 with index_topk wider than its candidate blocks, and so few positions that no token sees more
+# entries than index_topk (its tensors are mini6's, through the shard index): e2e goldens only
+WIDE_CONFIG = "mini6wide"
+E2E_CONFIGS = CONFIGS + (WIDE_CONFIG,)
 
 
 class Golden(dict):
@@ -36,14 +40,14 @@ class Golden(dict):
 
 @cache
 def load(stem: str) -> Golden:
-    """stem: "ops", "engram", "blocks_ced10", "e2e_ced10", "e2e_mini6" (README lists them)."""
+    """stem: "ops", "engram", "blocks_ced10", "e2e_ced10", "e2e_mini6", "e2e_mini6wide" (README lists them)."""
     return Golden(stem)
 
 
 def checkpoint_dir(config: str) -> Path:
     """The tiny checkpoint: config.json (nested text_config), model.safetensors (mini6vl: a shard index),
     tokenizer files."""
-    assert config in CONFIGS + (VL_CONFIG,), config
+    assert config in E2E_CONFIGS + (VL_CONFIG,), config
     return GOLDENS / config
 
 

@@ -1072,6 +1072,8 @@ PROMPT_STRIDE = 37  # prompt j starts at token 1 + 37 j of the text (after <|bos
 E2E = {
     "ced10": {"lengths": (5, 24, 57, 100, 140), "new_tokens": 12, "split": {100: 33, 140: 61}, "batch": None},
     "mini6": {"lengths": (9, 40, 90, 150, 200), "new_tokens": 12, "split": {150: 51, 200: 77}, "batch": 90},
+    # every prompt plus its greedy tokens and a draft block stays below max_position_embeddings (128)
+    "mini6wide": {"lengths": (9, 40, 70, 90, 110), "new_tokens": 12, "split": {90: 31, 110: 47}, "batch": None},
 }
 
 
@@ -1623,6 +1625,35 @@ def write_vl_checkpoint(ref: Ref, out: Path, text: Setup) -> Setup:
     return Setup(name=VL_NAME, args=args, tokenizer=tokenizer, ckpt=ckpt)
 
 
+# mini6wide: mini6's checkpoint (its tensors, through a shard index) with index_topk wider than the
+# candidate blocks: 2 blocks of 8 (at most 16 candidates) under a top-128, and max_position_embeddings
+# 128, so no token sees more than index_topk entries. DeepSeek's Reindex layer 5 then attends every
+# entry a token sees, candidate or not: its top-k = min(index_topk, visible) runs past the finite
+# candidate scores into all the -inf rest. (With more positions a token would see more entries than
+# the top-k and the top-k would pick some of its -inf entries, which ones torch leaves unspecified:
+# deepinfer refuses such a config, config.py.) Layers 1 and 3 then pick every entry they see as well.
+WIDE_NAME, WIDE_TEXT = "mini6wide", "mini6"
+WIDE_KEYS = {"index_topk": 128, "candidate_topk_blocks": 2, "candidate_block_size": 8, "max_position_embeddings": 128}
+
+
+def write_wide_checkpoint(ref: Ref, out: Path, text: Setup) -> Setup:
+    """tests/goldens/v41/mini6wide/: config.json (mini6's with WIDE_KEYS), the tokenizer files and
+    model.safetensors.index.json mapping every tensor to ../mini6/model.safetensors."""
+    d = out / WIDE_NAME
+    d.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (d / name).write_bytes((out / WIDE_TEXT / name).read_bytes())
+    mini6 = json.loads((out / WIDE_TEXT / "config.json").read_text())
+    config = dict(mini6, text_config=dict(mini6["text_config"], **WIDE_KEYS))
+    (d / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+    args = model_args(ref, config)
+    build_model(ref, args, text.tokenizer, text.ckpt)  # loads: the shapes do not depend on WIDE_KEYS
+    index = {"metadata": {}, "weight_map": {k: f"../{WIDE_TEXT}/model.safetensors" for k in sorted(text.ckpt)}}
+    (d / "model.safetensors.index.json").write_text(json.dumps(index, indent=1) + "\n")
+    (d / "reference_args.json").write_text(json.dumps(_jsonable(asdict(args)), indent=1) + "\n")
+    return Setup(name=WIDE_NAME, args=args, tokenizer=text.tokenizer, ckpt=text.ckpt)
+
+
 @torch.no_grad()
 def seed_vision_weights(ref: Ref, model, seed: int) -> None:
     """testing.init_weights (fan-in scaled projections, unit-mean norms, biases of RMS 0.5), then the
@@ -1777,8 +1808,8 @@ def main(argv=None) -> None:
     ap.add_argument("--reference", help=f"the deepseek_v41 reference folder (default ${REFERENCE_ENV}, "
                                         "then <repo>/../shared/reference/deepseek_v41)")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    ap.add_argument("--only", choices=("vision",), help="rewrite only these goldens (and their part of "
-                                                         "noise.json); the checkpoints are rewritten too")
+    ap.add_argument("--only", choices=("vision", WIDE_NAME), help="rewrite only these goldens (and their part "
+                                                                   "of noise.json); the checkpoints are rewritten too")
     a = ap.parse_args(argv)
     # one thread: bit-reproducible reruns, and faster for these tiny shapes than two
     torch.set_num_threads(1)
@@ -1788,7 +1819,8 @@ def main(argv=None) -> None:
     t0 = time.time()
     setups = {name: write_checkpoint(ref, out, name) for name in CONFIGS}
     vl = write_vl_checkpoint(ref, out, setups[VL_TEXT])
-    if a.only == "vision":
+    wide = write_wide_checkpoint(ref, out, setups[WIDE_TEXT])
+    if a.only:
         noise = json.loads((out / "noise.json").read_text())
     else:
         noise = {"ops": golden_ops(ref, out, setups)}
@@ -1798,7 +1830,10 @@ def main(argv=None) -> None:
             prompt = prompts(s.tokenizer, E2E[name]["lengths"])[3]
             noise["blocks"][name] = golden_blocks(ref, out, s, prompt)
         noise["e2e"] = {name: golden_e2e(ref, out, s) for name, s in setups.items()}
-    noise["vision"] = golden_vision(ref, out, vl)
+    if a.only in (None, WIDE_NAME):
+        noise["e2e"][WIDE_NAME] = golden_e2e(ref, out, wide)
+    if a.only in (None, "vision"):
+        noise["vision"] = golden_vision(ref, out, vl)
     (out / "noise.json").write_text(json.dumps(noise, indent=1, sort_keys=True) + "\n")
     write_manifest(out)
     print(f"wrote {out} in {time.time() - t0:.0f} s")

@@ -1,7 +1,8 @@
 """Engine features on DeepSeek-V4.1, through `LLM` on the golden tiny checkpoints (tests/goldens/v41:
-ced10, the released schedule in miniature; mini6): greedy against the reference, continuous batching
-and batch invariance, preemption, the prefix cache with bounded replay, the CED split (decoder layers
-on each prompt's tail), structured outputs, seeded sampling, lossless DSpark drafting."""
+ced10, the released schedule in miniature; mini6; mini6wide, a top-k wider than its candidate blocks):
+greedy against the reference, continuous batching and batch invariance, preemption, the prefix cache
+with bounded replay, the CED split (decoder layers on each prompt's tail), structured outputs, seeded
+sampling, lossless DSpark drafting."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def invariant(monkeypatch):
     monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "1")
 
 
-@pytest.mark.parametrize("config", ["ced10", "mini6"])
+@pytest.mark.parametrize("config", ["ced10", "mini6", "mini6wide"])
 def test_greedy_generation_against_the_reference(config):
     """LLM.generate on the golden prompts, all in one batch: the reference's greedy tokens while its top-2
     gap exceeds the bound (e2e_tolerance: a legitimate flip below it changes what follows)."""

@@ -18,9 +18,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from v41_goldens import (CONFIGS, GOLDENS, VL_CONFIG, block_tolerance, checkpoint_dir, e2e_tolerance, load, noise,
-                         real_token_map, same_topk_picks, token_map_sha256, topk_boundary_ties, ulp_error,
-                         vision_e2e_tolerance, vision_tolerance)
+from v41_goldens import (CONFIGS, E2E_CONFIGS, GOLDENS, VL_CONFIG, WIDE_CONFIG, block_tolerance, checkpoint_dir,
+                         e2e_tolerance, load, noise, real_token_map, same_topk_picks, token_map_sha256,
+                         topk_boundary_ties, ulp_error, vision_e2e_tolerance, vision_tolerance)
 
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 FP4_TABLE = torch.cat([E2M1, -E2M1])
@@ -467,7 +467,7 @@ def test_dspark_goldens():
 
 # --- end to end ------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("config", E2E_CONFIGS)
 def test_e2e_goldens_are_consistent(config):
     e2e = load(f"e2e_{config}")
     t = text_config(config)
@@ -500,6 +500,27 @@ def test_noise_covers_every_probe_and_gives_usable_tolerances():
         assert 0 < tol["mean"] < 0.5 and 0 < tol["max"] < 5 and 0 < tol["greedy_gap"] < 2
         bound = block_tolerance(config, "L2.out.x")
         assert 1 <= bound["max"] < 1000 and bound["mean"] < bound["max"]
+
+
+def test_wide_checkpoint_is_mini6_with_a_topk_wider_than_its_candidates():
+    """mini6wide: mini6's tensors (through the shard index) and config, but a Reindex top-k wider than
+    the candidate blocks, and no position where a token sees more entries than the top-k, not even
+    in a draft block after the golden's greedy tokens: DeepSeek's picks are then every entry a token
+    sees, with no choice left among -inf scores (the ties probe moves nothing)."""
+    d = checkpoint_dir(WIDE_CONFIG)
+    wide, mini6 = text_config(WIDE_CONFIG), text_config("mini6")
+    changed = {k for k in wide.keys() | mini6.keys() if wide.get(k) != mini6.get(k)}
+    assert changed == {"index_topk", "candidate_topk_blocks", "max_position_embeddings"}  # blocks of 8 as mini6
+    assert wide["index_topk"] > wide["candidate_topk_blocks"] * wide["candidate_block_size"]
+    rate = wide["compress_ratios"][wide["candidate_source_layer_id"]]
+    assert wide["max_position_embeddings"] // rate <= wide["index_topk"]
+    e2e = load(f"e2e_{WIDE_CONFIG}")
+    longest = max(p["length"] for p in e2e.meta["prompts"]) + e2e.meta["new_tokens"] + wide["dspark_block_size"]
+    assert longest <= wide["max_position_embeddings"]
+    weight_map = json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]
+    assert set(weight_map.values()) == {"../mini6/model.safetensors"} and set(weight_map) == set(checkpoint("mini6"))
+    ties = noise()["e2e"][WIDE_CONFIG]["ties"]
+    assert ties["prefill_token_logprob"]["max"] == 0 and ties["argmax_flips"] == 0
 
 
 # --- image input (mini6vl, vision.*) -----------------------------------------------------------------

@@ -18,7 +18,7 @@ from deepinfer.core.loader import CheckpointError, load_checkpoint
 from deepinfer.models.base import ConfigError
 from deepinfer.models.deepseek_v41 import DeepseekV41Config, DeepseekV41Model
 from deepinfer.models.registry import family_of, load_config
-from v41_goldens import CONFIGS, checkpoint_dir
+from v41_goldens import CONFIGS, WIDE_CONFIG, checkpoint_dir
 from v41_released import RELEASED_CONFIG, text_only
 
 
@@ -89,6 +89,31 @@ def test_unsupported_settings_are_named():
     bad(lambda t: t.update(dspark_target_layer_ids=[40]), "dspark_target_layer_ids")
     bad(lambda t: t.update(qk_rope_head_dim=7), "qk_rope_head_dim")
     bad(lambda t: t.update(moe_intermediate_size=2300), "moe_intermediate_size")
+
+
+def test_topk_wider_than_the_candidates_is_refused_where_deepseek_is_unspecified(tmp_path):
+    """A Reindex layer's top-k runs over candidate scores only (-inf elsewhere) and takes min(index_topk,
+    visible) entries. Where a token can see more entries than index_topk but fewer candidates, DeepSeek
+    returns some of its -inf entries, which ones torch.topk leaves unspecified: the config is refused at
+    load, naming the three keys. mini6wide (no token sees more than index_topk entries) loads."""
+    wide = json.loads((checkpoint_dir(WIDE_CONFIG) / "config.json").read_text())
+    assert DeepseekV41Config.from_dict(wide).index_topk == 128
+    released = text_only()
+    refused = [(wide, {"max_position_embeddings": 129}),  # position 128 sees 129 entries, 16 candidates
+               # 64 blocks of 8 = 512 = index_topk, but the newest block is partly filled: 505 candidates of 513
+               (released, {"candidate_topk_blocks": 64}),
+               (released, {"index_topk": 16385})]
+    for data, change in refused:
+        data = copy.deepcopy(data)
+        data["text_config"].update(change)
+        (tmp_path / "config.json").write_text(json.dumps(data))
+        with pytest.raises(ConfigError) as raised:
+            load_config(tmp_path)
+        for key in ("index_topk", "candidate_topk_blocks", "candidate_block_size"):
+            assert key in str(raised.value), (change, str(raised.value))
+    data = copy.deepcopy(released)
+    data["text_config"].update(candidate_topk_blocks=65)  # 64 full blocks + the newest: >= 513 candidates
+    assert DeepseekV41Config.from_dict(data).candidate_topk_blocks == 65
 
 
 def test_engram_table_sizes_must_follow_the_primes():

@@ -24,6 +24,26 @@ QUANTIZATION = {"quant_method": "fp8", "weight_block_size": [32, 32], "scale_fmt
 ACT_BLOCK = 32  # FP8 activation quantization group (and the weight tile side)
 
 
+def candidates_held(visible: int, blocks: int, size: int) -> int:
+    """Entries inside a token's candidate blocks when it sees `visible` entries: every one while they
+    fill at most `blocks` blocks, else blocks - 1 full blocks and the newest (always kept) one."""
+    if -(-visible // size) <= blocks:
+        return visible
+    return (blocks - 1) * size + (visible - 1) % size + 1
+
+
+def candidates_short_of_topk(topk: int, blocks: int, size: int, most: int) -> tuple[int, int] | None:
+    """The first (visible, candidates) with topk < visible <= most and fewer than topk candidates: where
+    a Reindex layer's top-k would pick among -inf scores. None if no token gets there. Past blocks *
+    size entries the candidate count repeats with period `size`, so one period is enough to look at."""
+    start = max(topk, blocks * size) + 1
+    for visible in range(start, min(most, start + size - 1) + 1):
+        held = candidates_held(visible, blocks, size)
+        if held < topk:
+            return visible, held
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class LayerRole:
     """One backbone layer's place in the cross-layer hand-off."""
@@ -277,6 +297,9 @@ class DeepseekV41Config:
             if later and any(i > c for i in self.index_source_layers):
                 fail(f"KV sources {later} after the candidate source {c}: the index sources after it score the "
                      "candidate source's keys, so it must be the last KV source")
+            reindex = [i for i in self.index_source_layers if i > c]
+            if reindex and self.index_topk > 0:
+                self._check_candidates_cover_topk(reindex, ratios[c], fail)
         if any(ratios[:n]) and (self.index_n_heads <= 0 or self.index_head_dim <= 0 or self.index_topk <= 0):
             fail("index_n_heads, index_head_dim and index_topk must be positive when a layer compresses")
         if self.index_head_dim and self.index_head_dim < self.rope_dim:
@@ -320,6 +343,27 @@ class DeepseekV41Config:
         if self.vision is not None and not 0 <= self.vision.image_token_id < self.vocab_size:
             fail(f"image_token_id {self.vision.image_token_id} is not a token id in [0, vocab_size={self.vocab_size})")
         check_token_ids(self.eos_token_ids, self.vocab_size, source)
+
+    def _check_candidates_cover_topk(self, reindex: list[int], rate: int, fail) -> None:
+        """The Reindex layers score only inside the candidate blocks, and DeepSeek's top-k there takes
+        min(index_topk, visible) entries. A token seeing more than index_topk entries but fewer than
+        index_topk candidates would get the finite candidates plus some of its -inf others, which
+        ones torch.topk leaves unspecified: no reference result exists, so such a config is refused
+        wherever a position below max_position_embeddings can get there."""
+        k, blocks, size = self.index_topk, self.candidate_topk_blocks, self.candidate_block_size
+        most = self.max_position_embeddings // rate  # entries the last position sees
+        short = candidates_short_of_topk(k, blocks, size, most)
+        if short is None:
+            return
+        visible, held = short
+        fail(f"index_topk ({k}) exceeds the candidate entries of the Reindex layers {reindex}: they keep "
+             f"candidate_topk_blocks ({blocks}) blocks of candidate_block_size ({size}) entries, the newest block "
+             f"partly filled, so a token at position {visible * rate - 1} sees {visible} entries of which {held} "
+             f"are candidates, and DeepSeek's top-k would take {k - held} of its {visible - held} other entries "
+             f"(all scored -inf), which ones torch leaves unspecified. Make (candidate_topk_blocks - 1) * "
+             f"candidate_block_size + 1 >= index_topk (index_topk <= {(blocks - 1) * size + 1}, or "
+             f"candidate_topk_blocks >= {-(-(k - 1) // size) + 1}), or max_position_embeddings <= "
+             f"{visible * rate - 1} (no token then sees more than index_topk entries: it attends all of them)")
 
     def _roles(self) -> list[LayerRole]:
         roles = []

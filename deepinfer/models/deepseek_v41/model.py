@@ -343,7 +343,12 @@ class DeepseekV41Model(CausalLM):
                                            cfg.candidate_block_size)
             state.candidates = (rows, mask)
         elif role.reindex:
-            scores = scores.masked_fill(~state.gather(state.candidates, rows), float("-inf"))
+            # DeepSeek's top-k takes min(index_topk, visible) entries: a token that sees no more than
+            # index_topk attends every one, candidate or not (its top-k runs past the finite scores into
+            # all the -inf rest); the others pick among candidates only (config.py refuses the configs
+            # where one could see fewer candidates than index_topk, but more entries).
+            keep = state.gather(state.candidates, rows) | (dev["visible"][role.rate] <= cfg.index_topk)[:, None]
+            scores = scores.masked_fill(~keep, float("-inf"))
         picks = topk_picks(scores, candidates, cfg.index_topk)
         state.picks[i] = (rows, picks)
         return picks
