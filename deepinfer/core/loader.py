@@ -258,17 +258,26 @@ def load_checkpoint(model_dir: str | os.PathLike, expected: dict[str, TensorSpec
     source: dict[tuple[str, int | None, int | None], str] = {}  # (model name, expert, half) -> checkpoint name
     with ExitStack() as stack:
         handles = {p: stack.enter_context(safe_open(p, framework="pt")) for p in dict.fromkeys(where.values())}
+        readers: dict[Path, safe_open] = {}
 
-        def read(name: str) -> torch.Tensor:
-            return handles[where[name]].get_tensor(name)
+        def read(name: str, copied: bool = False) -> torch.Tensor:
+            """A tensor of the checkpoint: a view of its file's mapping (pages come from the file as
+            they are touched), or, `copied` (an expert's slice, copied into its stack), read into
+            memory of its own. A slice read through the mapping would leave its pages resident
+            beside the stack for as long as any other tensor of the file is used in place."""
+            path = where[name]
+            if not copied:
+                return handles[path].get_tensor(name)
+            if path not in readers:
+                readers[path] = stack.enter_context(safe_open(path, framework="pt", backend="pread"))
+            return readers[path].get_tensor(name)
 
         # File by file, so each shard is read once, front to back.
         for name in sorted(where.keys() - scale_names, key=lambda n: (str(where[n]), n)):
             if skip_prefixes and name.startswith(tuple(skip_prefixes)):
                 continue
-            scale = read(scales[name]) if name in scales else None
             if name.startswith(tuple(keep_prefixes)):
-                extra[name] = _extra(name, read(name), scale, block)
+                extra[name] = _extra(name, read(name), read(scales[name]) if name in scales else None, block)
                 continue
             slot = _resolve(name, expected, names)
             if slot is None or slot[0] not in expected:
@@ -287,7 +296,9 @@ def load_checkpoint(model_dir: str | os.PathLike, expected: dict[str, TensorSpec
                 raise CheckpointError(f"{name}: {hf} is also loaded from {source.get(key, 'another tensor')}")
             source[key] = name
             spec = expected[hf]
-            t = _convert(name, read(name), scale, spec, block)
+            copied = part is not None
+            scale = read(scales[name], copied) if name in scales else None
+            t = _convert(name, read(name, copied), scale, spec, block)
             if part is None:
                 _check_shape(name, tuple(t.shape), spec.shape)
                 weights[hf] = t
