@@ -72,7 +72,6 @@ class Shapes:
 
 
 FLASH = Shapes()
-VOCAB = FLASH.vocab
 
 
 def _config(s: Shapes) -> dict:
@@ -352,8 +351,9 @@ def main() -> None:
     gen = torch.Generator().manual_seed(1)
     params = SamplingParams(temperature=0.0, max_tokens=args.warmup + args.steps + 1, ignore_eos=True)
     moe_layers = sl["moe_layers"]
+    vocab = engine.model_config.vocab_size
     for batch in args.batches:
-        prompts = [torch.randint(3, VOCAB, (args.prompt,), generator=gen).tolist() for _ in range(batch)]
+        prompts = [torch.randint(3, vocab, (args.prompt,), generator=gen).tolist() for _ in range(batch)]
         reqs = [engine.add_request(p, params) for p in prompts]
         Counting.hits.clear()
         # prefill, then warm-up decode steps: the engine records each step bucket (eagerly, so the
@@ -419,8 +419,8 @@ def main() -> None:
           f"process RSS grew {(rss_served - rss0) / gb:.2f} GB = {(rss_served - rss0) / file_bytes:.3f}x once served "
           f"({(rss_loaded - rss0) / gb:.2f} GB after loading)")
     print(f"resident after load   {rss_weights / gb:.2f} GB = {rss_weights_over_file:.3f}x the files"
-          f"{' but the Engram table' if v41 else ''} (RSS less the cache pool, the tokenizer"
-          f"{' and the table pages' if v41 else ''})")
+          f"{' but the Engram table' if v41 else ''} (RSS less the cache pool"
+          f"{', the tokenizer and the table pages' if v41 else ' and the tokenizer'})")
     if v41:
         r = out["resident"]
         print(f"Engram table          {table_bytes / gb:.2f} GB file ({facts['engram_rows']:,} rows = "
