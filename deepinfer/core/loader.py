@@ -15,7 +15,9 @@ Memory. Whole tensors are views of their file's mapping (safetensors' default): 
 resident when it is touched and is counted once. Per-expert tensors are copied into their stack,
 so they are read (pread(2)) instead: a slice read through the mapping would stay resident beside
 its copy for as long as any other tensor keeps the file mapped (a layer's shard holds both), which
-had the process hold ~1.9x the files of such a checkpoint.
+had the process hold ~1.9x the files of such a checkpoint. (Reading costs one more copy: an 850 MB
+checkpoint loads in 0.35 s instead of 0.33 s (medians, warm page cache, two cores); a second mapping
+unmapped after each file measured the same.)
 """
 from __future__ import annotations
 
