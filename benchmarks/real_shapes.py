@@ -3,7 +3,8 @@ checkpoint. Prints a table and writes benchmarks/results/real_shapes.json.
 
     python benchmarks/real_shapes.py                     # writes /tmp/deepinfer_real_shapes once (~9 GB)
     python benchmarks/real_shapes.py --model v41         # DeepSeek-V4.1-Flash instead (real_shapes_v41.py, ~12 GB)
-    /work/quiet.sh python benchmarks/real_shapes.py      # the reported figures (nothing else running)
+
+The reported figures come from a run on an otherwise idle machine (the JSON records the load average).
 
 The checkpoint is two consecutive decoder layers of V4-Flash in DeepSeek's upstream naming: layer
 types as V4-Flash's layers 2 and 3 (a heavily compressed attention layer with hash-routed experts,
@@ -16,19 +17,22 @@ and head weights, the router, the embedding and the head in bf16, mixing matrice
 biases float32. Values are random (finite FP8 codes, every FP4 code, scales 2^-10..2^-6), so the
 activations stay in range; the tokens mean nothing.
 
-Measured in one run: load time, the process's resident memory (RSS once the decode steps have
-touched every weight: whole tensors stay memory-mapped from the files as safetensors returns them,
-expert stacks are assembled in anonymous memory) and the weights' bytes against the files' bytes, decode tokens/s at batch 1 and 32 (the time of decode steps only, after every prompt
-is prefilled), and the memory-bandwidth roofline for the bytes those steps read: every weight but
-the embedding (one row per token) and the routed experts, plus the routed experts each step hit
-(counted from the routing ids), divided into the copy bandwidth measured in the same run (a
-1 GiB tensor copy: bytes read + written per second). The machine is shared: run it under
-/work/quiet.sh for figures to report; the JSON records the load average.
+Measured in one run: load time, the process's resident memory (VmRSS) after loading, less the
+cache pool and the tokenizer, and once the decode steps have touched every weight (whole tensors
+stay memory-mapped from the files as safetensors returns them, expert stacks are assembled in
+anonymous memory from slices read, not mapped), beside the weights' bytes memory_report() counts,
+each against the files' bytes; decode tokens/s at batch 1 and 32 (the time of decode steps only,
+after every prompt is prefilled), and the memory-bandwidth roofline for the bytes those steps read:
+every weight but the embedding (one row per token) and the routed experts, plus the routed experts
+each step hit (counted from the routing ids), divided into the copy bandwidth measured in the same
+run (a 1 GiB tensor copy: bytes read + written per second). Figures to report come from an
+otherwise idle machine: the JSON records the load average.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -40,20 +44,46 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-# V4-Flash (reference/DEEPSEEK_V4.md, transformers' DeepseekV4Config defaults)
-D, HEADS, HEAD_DIM, Q_RANK, O_GROUPS, O_RANK = 4096, 64, 512, 1024, 8, 1024
-EXPERTS, TOP_K, INTER, VOCAB, HC = 256, 6, 2048, 129280, 4
-INDEX_HEADS, INDEX_DIM = 64, 128
+HC = 4
 LAYERS = [("heavily_compressed_attention", "hash_moe", 128), ("compressed_sparse_attention", "moe", 4)]
 BLOCK = 128
 
 
-def _config() -> dict:
+@dataclasses.dataclass(frozen=True)
+class Shapes:
+    """The slice's widths: V4-Flash's (reference/DEEPSEEK_V4.md, transformers' DeepseekV4Config
+    defaults) unless a test writes a smaller slice in the same formats."""
+
+    hidden: int = 4096
+    heads: int = 64
+    head_dim: int = 512
+    q_rank: int = 1024
+    o_groups: int = 8
+    o_rank: int = 1024
+    experts: int = 256
+    top_k: int = 6
+    inter: int = 2048
+    vocab: int = 129280
+    index_heads: int = 64
+    index_dim: int = 128
+    # routed experts per file (64: ~800 MB); 0 puts them in their layer's file with its other
+    # tensors, as a checkpoint sharded by size (Hugging Face's save_pretrained) often has them
+    experts_per_shard: int = 64
+
+
+FLASH = Shapes()
+
+
+def _config(s: Shapes) -> dict:
     from transformers import DeepseekV4Config
 
     cfg = DeepseekV4Config(num_hidden_layers=len(LAYERS), layer_types=[k for k, _, _ in LAYERS],
                            mlp_layer_types=[m for _, m, _ in LAYERS], num_nextn_predict_layers=0,
-                           max_position_embeddings=65536).to_dict()
+                           max_position_embeddings=65536, hidden_size=s.hidden, num_attention_heads=s.heads,
+                           head_dim=s.head_dim, q_lora_rank=s.q_rank, o_groups=s.o_groups, o_lora_rank=s.o_rank,
+                           n_routed_experts=s.experts, num_experts_per_tok=s.top_k,
+                           moe_intermediate_size=s.inter, vocab_size=s.vocab, index_n_heads=s.index_heads,
+                           index_head_dim=s.index_dim).to_dict()
     cfg.update(architectures=["DeepseekV4ForCausalLM"], torch_dtype="bfloat16",
                quantization_config={"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
                                     "weight_block_size": [BLOCK, BLOCK]})
@@ -120,15 +150,19 @@ class Writer:
     def ffn_experts(self, f: str, dense: Path, experts_shard: str, experts: int, inter: int, d: int,
                     per_shard: int) -> None:
         """The shared expert (FP8) under `f`, flushed with the layer's dense tensors to `dense`, then
-        the routed experts (FP4), `per_shard` per file (`experts_shard` formats the shard number)."""
+        the routed experts (FP4), `per_shard` per file (`experts_shard` formats the shard number; 0:
+        in `dense` too)."""
         for w, n, k in (("w1", inter, d), ("w3", inter, d), ("w2", d, inter)):
             self.fp8(f + "shared_experts." + w, n, k)
-        self.flush(dense)
+        if per_shard:
+            self.flush(dense)
         for j in range(experts):
             for w, n, k in (("w1", inter, d), ("w3", inter, d), ("w2", d, inter)):
                 self.fp4(f + f"experts.{j}.{w}", n, k)
-            if j % per_shard == per_shard - 1:
+            if per_shard and (j % per_shard == per_shard - 1 or j == experts - 1):
                 self.flush(dense.with_name(experts_shard.format(j // per_shard)))
+        if not per_shard:
+            self.flush(dense)
 
     def flush(self, path: Path) -> None:
         from safetensors.torch import save_file
@@ -137,45 +171,47 @@ class Writer:
         self.tensors = {}
 
 
-def write_checkpoint(out: Path) -> dict:
-    """The synthetic checkpoint (module doc) in `out`; returns bytes by kind."""
+def write_checkpoint(out: Path, s: Shapes = FLASH) -> dict:
+    """The synthetic checkpoint (module doc) in `out`, at the widths `s`; returns bytes by kind."""
     out.mkdir(parents=True, exist_ok=True)
     w = Writer(torch.Generator().manual_seed(0))
-    w.bf16("embed.weight", VOCAB, D)
-    w.bf16("head.weight", VOCAB, D)
-    w.f32("norm.weight", D, std=0.0, mean=1.0)
-    w.f32("hc_head_fn", HC, HC * D)
+    d = s.hidden
+    w.bf16("embed.weight", s.vocab, d)
+    w.bf16("head.weight", s.vocab, d)
+    w.f32("norm.weight", d, std=0.0, mean=1.0)
+    w.f32("hc_head_fn", HC, HC * d)
     w.f32("hc_head_base", HC)
     w.f32("hc_head_scale", 1, std=0.0, mean=1.0)
     w.flush(out / "model-embed-head.safetensors")
     for i, (kind, mlp, rate) in enumerate(LAYERS):
         p = f"layers.{i}."
-        w.block_entry(p, D, HC, Q_RANK, HEADS, HEAD_DIM, O_GROUPS, O_RANK)
+        w.block_entry(p, d, HC, s.q_rank, s.heads, s.head_dim, s.o_groups, s.o_rank)
         a = p + "attn."
-        width = 2 * HEAD_DIM if kind == "compressed_sparse_attention" else HEAD_DIM
+        width = 2 * s.head_dim if kind == "compressed_sparse_attention" else s.head_dim
         w.f32(a + "compressor.ape", rate, width, std=0.5)
-        w.bf16(a + "compressor.wkv.weight", width, D)
-        w.bf16(a + "compressor.wgate.weight", width, D)
-        w.f32(a + "compressor.norm.weight", HEAD_DIM, std=0.0, mean=1.0)
+        w.bf16(a + "compressor.wkv.weight", width, d)
+        w.bf16(a + "compressor.wgate.weight", width, d)
+        w.f32(a + "compressor.norm.weight", s.head_dim, std=0.0, mean=1.0)
         if kind == "compressed_sparse_attention":
             x = a + "indexer."
-            w.fp8(x + "wq_b", INDEX_HEADS * INDEX_DIM, Q_RANK)
-            w.bf16(x + "weights_proj.weight", INDEX_HEADS, D)
-            w.f32(x + "compressor.ape", rate, 2 * INDEX_DIM, std=0.5)
-            w.bf16(x + "compressor.wkv.weight", 2 * INDEX_DIM, D)
-            w.bf16(x + "compressor.wgate.weight", 2 * INDEX_DIM, D)
-            w.f32(x + "compressor.norm.weight", INDEX_DIM, std=0.0, mean=1.0)
+            w.fp8(x + "wq_b", s.index_heads * s.index_dim, s.q_rank)
+            w.bf16(x + "weights_proj.weight", s.index_heads, d)
+            w.f32(x + "compressor.ape", rate, 2 * s.index_dim, std=0.5)
+            w.bf16(x + "compressor.wkv.weight", 2 * s.index_dim, d)
+            w.bf16(x + "compressor.wgate.weight", 2 * s.index_dim, d)
+            w.f32(x + "compressor.norm.weight", s.index_dim, std=0.0, mean=1.0)
         f = p + "ffn."
-        w.bf16(f + "gate.weight", EXPERTS, D)
+        w.bf16(f + "gate.weight", s.experts, d)
         if mlp == "hash_moe":
-            table = torch.stack([torch.randperm(EXPERTS, generator=w.gen)[:TOP_K] for _ in range(VOCAB)]).int()
+            table = torch.stack([torch.randperm(s.experts, generator=w.gen)[:s.top_k] for _ in range(s.vocab)]).int()
             w.tensors[f + "gate.tid2eid"] = table
             w._count("int32", table)
         else:
-            w.f32(f + "gate.bias", EXPERTS, std=0.1)
-        w.ffn_experts(f, out / f"model-layer{i}-dense.safetensors", f"model-layer{i}-experts{{}}.safetensors",
-                      EXPERTS, INTER, D, per_shard=64)  # shards of 64 experts (~800 MB)
-    (out / "config.json").write_text(json.dumps(_config(), indent=2))
+            w.f32(f + "gate.bias", s.experts, std=0.1)
+        layer_file = f"model-layer{i}-dense.safetensors" if s.experts_per_shard else f"model-layer{i}.safetensors"
+        w.ffn_experts(f, out / layer_file, f"model-layer{i}-experts{{}}.safetensors", s.experts, s.inter, d,
+                      per_shard=s.experts_per_shard)
+    (out / "config.json").write_text(json.dumps(_config(s), indent=2))
     (out / "WRITTEN").write_text(json.dumps(w.bytes))
     return w.bytes
 
@@ -237,6 +273,7 @@ def main() -> None:
 
     from deepinfer.backends.cpu import CpuKernelAccelerator, kernels
     from deepinfer.core.engine import EngineConfig, LLMEngine
+    from deepinfer.core.tokenizer import Tokenizer
     from deepinfer.sampling_params import SamplingParams
 
     ckpt = Path(args.dir or sl["dir"])
@@ -282,6 +319,11 @@ def main() -> None:
     accel = Counting()
     if v41:
         real_shapes_v41.evict(table_file)
+    # what a tokenizer holds, measured on one kept alive beside the engine's own (subtracted from
+    # the RSS after load: it is not weights)
+    rss_tok = rss()
+    tokenizer = Tokenizer(ckpt) if (ckpt / "tokenizer.json").exists() else None
+    tokenizer_bytes = rss() - rss_tok
     rss0 = rss()
     t0 = time.perf_counter()
     engine = LLMEngine(str(ckpt), accel, EngineConfig(max_num_seqs=max(args.batches), max_model_len=256,
@@ -289,8 +331,13 @@ def main() -> None:
     load_s = time.perf_counter() - t0
     print(f"loaded in {load_s:.1f} s", flush=True)
     rss_loaded = rss()
+    del tokenizer
     table_loaded = real_shapes_v41.engram_resident(table_file) if v41 else 0
     report = engine.memory
+    # the weights' share of the RSS after load: less the cache pool, the tokenizer and the Engram
+    # table's resident pages, against the files but the table's (memory-mapped, not read)
+    rss_weights = rss_loaded - rss0 - report.cache["total"] - tokenizer_bytes - table_loaded
+    rss_weights_over_file = rss_weights / (file_bytes - table_bytes)
     w = engine.model.w
     experts = {k: v for k, v in w.items() if sl["experts"] in k}
     # one expert of one layer: its gate_up and down slices (every layer's experts are alike)
@@ -304,8 +351,9 @@ def main() -> None:
     gen = torch.Generator().manual_seed(1)
     params = SamplingParams(temperature=0.0, max_tokens=args.warmup + args.steps + 1, ignore_eos=True)
     moe_layers = sl["moe_layers"]
+    vocab = engine.model_config.vocab_size
     for batch in args.batches:
-        prompts = [torch.randint(3, VOCAB, (args.prompt,), generator=gen).tolist() for _ in range(batch)]
+        prompts = [torch.randint(3, vocab, (args.prompt,), generator=gen).tolist() for _ in range(batch)]
         reqs = [engine.add_request(p, params) for p in prompts]
         Counting.hits.clear()
         # prefill, then warm-up decode steps: the engine records each step bucket (eagerly, so the
@@ -342,7 +390,9 @@ def main() -> None:
         "resident": {"rss_before": rss0, "rss_after_load": rss_loaded, "rss_after_decode": rss_served,
                      "rss_growth": rss_served - rss0, "rss_growth_over_file": (rss_served - rss0) / file_bytes,
                      "weight_bytes": report.weight_bytes, "weights_by_kind": report.weights,
-                     "weights_over_file": report.weight_bytes / file_bytes, "cache_bytes": report.cache["total"]},
+                     "weights_over_file": report.weight_bytes / file_bytes, "cache_bytes": report.cache["total"],
+                     "tokenizer_bytes": tokenizer_bytes, "rss_weights_after_load": rss_weights,
+                     "rss_weights_after_load_over_file": rss_weights_over_file},
         "copy_bandwidth_GBps": bandwidth / 1e9,
         "dense_bytes_per_step": dense, "bytes_per_expert": per_expert,
         "decode": results,
@@ -368,6 +418,9 @@ def main() -> None:
     print(f"weights in memory     {report.weight_bytes / gb:.2f} GB = {report.weight_bytes / file_bytes:.3f}x the files; "
           f"process RSS grew {(rss_served - rss0) / gb:.2f} GB = {(rss_served - rss0) / file_bytes:.3f}x once served "
           f"({(rss_loaded - rss0) / gb:.2f} GB after loading)")
+    print(f"resident after load   {rss_weights / gb:.2f} GB = {rss_weights_over_file:.3f}x the files"
+          f"{' but the Engram table' if v41 else ''} (RSS less the cache pool"
+          f"{', the tokenizer and the table pages' if v41 else ' and the tokenizer'})")
     if v41:
         r = out["resident"]
         print(f"Engram table          {table_bytes / gb:.2f} GB file ({facts['engram_rows']:,} rows = "

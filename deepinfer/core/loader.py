@@ -10,6 +10,14 @@ stays bf16, an FP8 e4m3 weight with block scales or a packed FP4 e2m1 weight wit
 becomes a backends.quant.QuantizedWeight (nothing is widened at load). Every other tensor is
 converted to its spec's dtype (dequantized if the file stores it quantized). FP8 block size:
 config.json's quantization_config.weight_block_size, default 128x128.
+
+Memory. Whole tensors are views of their file's mapping (safetensors' default): a page becomes
+resident when it is touched and is counted once. Per-expert tensors are copied into their stack,
+so they are read (pread(2)) instead: a slice read through the mapping would stay resident beside
+its copy for as long as any other tensor keeps the file mapped (a layer's shard holds both), which
+had the process hold ~1.9x the files of such a checkpoint. (Reading costs one more copy: an 850 MB
+checkpoint loads in 0.35 s instead of 0.33 s (medians, warm page cache, two cores); a second mapping
+unmapped after each file measured the same.)
 """
 from __future__ import annotations
 
@@ -258,17 +266,24 @@ def load_checkpoint(model_dir: str | os.PathLike, expected: dict[str, TensorSpec
     source: dict[tuple[str, int | None, int | None], str] = {}  # (model name, expert, half) -> checkpoint name
     with ExitStack() as stack:
         handles = {p: stack.enter_context(safe_open(p, framework="pt")) for p in dict.fromkeys(where.values())}
+        readers: dict[Path, safe_open] = {}
 
-        def read(name: str) -> torch.Tensor:
-            return handles[where[name]].get_tensor(name)
+        def read(name: str, copied: bool = False) -> torch.Tensor:
+            """A view of the file's mapping, or, `copied` (an expert's slice, copied into its stack),
+            read into memory of its own (module doc: Memory)."""
+            path = where[name]
+            if not copied:
+                return handles[path].get_tensor(name)
+            if path not in readers:
+                readers[path] = stack.enter_context(safe_open(path, framework="pt", backend="pread"))
+            return readers[path].get_tensor(name)
 
         # File by file, so each shard is read once, front to back.
         for name in sorted(where.keys() - scale_names, key=lambda n: (str(where[n]), n)):
             if skip_prefixes and name.startswith(tuple(skip_prefixes)):
                 continue
-            scale = read(scales[name]) if name in scales else None
             if name.startswith(tuple(keep_prefixes)):
-                extra[name] = _extra(name, read(name), scale, block)
+                extra[name] = _extra(name, read(name), read(scales[name]) if name in scales else None, block)
                 continue
             slot = _resolve(name, expected, names)
             if slot is None or slot[0] not in expected:
@@ -287,7 +302,9 @@ def load_checkpoint(model_dir: str | os.PathLike, expected: dict[str, TensorSpec
                 raise CheckpointError(f"{name}: {hf} is also loaded from {source.get(key, 'another tensor')}")
             source[key] = name
             spec = expected[hf]
-            t = _convert(name, read(name), scale, spec, block)
+            copied = part is not None
+            scale = read(scales[name], copied) if name in scales else None
+            t = _convert(name, read(name, copied), scale, spec, block)
             if part is None:
                 _check_shape(name, tuple(t.shape), spec.shape)
                 weights[hf] = t

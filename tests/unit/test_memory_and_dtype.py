@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -14,6 +18,7 @@ from deepinfer.core.engine import EngineConfig
 from deepinfer.llm import TINY_DSV4_DIR, TINY_DSV41_DIR
 
 GiB = 1 << 30
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMALL = dict(max_num_seqs=4, max_num_batched_tokens=128)
 
 
@@ -138,3 +143,122 @@ def test_the_drafter_holds_nothing_that_grows_with_max_model_len(monkeypatch):
         drafter = llm.engine.spec.drafter
         held.append(_tensor_bytes([v for k, v in vars(drafter).items() if k != "model"], set()))
     assert held[0] == held[1] > 0
+
+
+# A fresh process loads the checkpoint given as argv[1] and prints its resident memory (VmRSS)
+# before and after, with what memory_report() counts. The cpu kernels and the engine's modules are
+# loaded before the first reading: they are not weights.
+_LOAD_AND_MEASURE = """
+import json, sys
+from deepinfer import LLM
+from deepinfer.backends.cpu import kernels
+import deepinfer.models.deepseek_v3.model, deepinfer.models.deepseek_v4.model
+
+def rss():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+kernels.load()
+before = rss()
+llm = LLM(sys.argv[1], max_num_seqs=2, max_num_batched_tokens=64, max_model_len=256, num_cache_pages=4)
+after = rss()
+report = llm.memory_report()
+print(json.dumps({"rss_growth": after - before, "cache": report.cache["total"],
+                  "weight_bytes": report.weight_bytes, "checkpoint_bytes": report.checkpoint_bytes}))
+llm.close()
+"""
+
+
+def _v4_upstream_fp4(path) -> None:
+    """benchmarks/real_shapes.py's V4-Flash writer at small widths: per-expert FP4 w1 / w3 / w2
+    (ue8m0 scales per 32) in the file of their layer's FP8 and bf16 tensors."""
+    pytest.importorskip("transformers", reason="the writer takes V4's config from transformers")
+    saved = list(sys.path)  # the benchmark puts the repository on sys.path: not for other tests
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    try:
+        import real_shapes
+    finally:
+        sys.path[:] = saved
+    real_shapes.write_checkpoint(path, real_shapes.Shapes(
+        hidden=512, heads=8, head_dim=128, q_rank=256, o_groups=2, o_rank=256, experts=128, inter=1024, vocab=4096,
+        index_heads=16, index_dim=128, experts_per_shard=0))
+
+
+def _v3_hub_fp8(path) -> None:
+    """DeepSeek-V3's hub layout (tests/tiny_models_v3.py) at small widths, random values: per-expert
+    gate_proj / up_proj / down_proj and the dense projections FP8 e4m3 with float32 128x128
+    weight_scale_inv, embedding, head and router bf16, norms float32; one file, as a hub shard
+    mixes a layer's tensors."""
+    from safetensors.torch import save_file
+    from tiny_models_v3 import FP8_SUFFIXES, QUANTIZATION_CONFIG
+
+    from deepinfer.models.deepseek_v3 import weights
+    from deepinfer.models.deepseek_v3.config import DeepseekV3Config
+
+    config = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 4096,
+              "hidden_size": 1024, "intermediate_size": 1024, "moe_intermediate_size": 512, "num_hidden_layers": 2,
+              "first_k_dense_replace": 0, "num_attention_heads": 8, "num_key_value_heads": 8, "q_lora_rank": 256,
+              "kv_lora_rank": 128, "qk_nope_head_dim": 64, "qk_rope_head_dim": 32, "v_head_dim": 64,
+              "n_routed_experts": 64, "num_experts_per_tok": 4, "n_shared_experts": 1, "n_group": 1,
+              "topk_group": 1, "scoring_func": "sigmoid", "topk_method": "noaux_tc", "rope_theta": 10000.0,
+              "rope_scaling": None, "max_position_embeddings": 4096, "quantization_config": QUANTIZATION_CONFIG}
+    (path / "config.json").write_text(json.dumps(config))
+    gen = torch.Generator().manual_seed(0)
+    out = {}
+
+    def fp8(name: str, n: int, k: int) -> None:
+        codes = torch.randint(0, 256, (n, k), dtype=torch.uint8, generator=gen)
+        codes[(codes & 0x7F) == 0x7F] = 0x7E  # no NaN codes
+        out[name] = codes.view(torch.float8_e4m3fn)
+        out[name + "_scale_inv"] = torch.full((-(-n // 128), -(-k // 128)), 2.0 ** -8)
+
+    for name, spec in weights.checkpoint_tensors(DeepseekV3Config.from_dict(config)).items():
+        if spec.experts:
+            e, n, k = spec.shape
+            halves = (0, 1) if name.endswith("gate_up_proj") else (None,)
+            for j in range(e):
+                for half in halves:
+                    fp8(weights.checkpoint_source(name, (j, half)), n // len(halves), k)
+        elif name.endswith(FP8_SUFFIXES):
+            fp8(name, *spec.shape)
+        elif len(spec.shape) == 2:
+            out[name] = (torch.randn(spec.shape, generator=gen) * 0.02).bfloat16()
+        else:
+            out[name] = torch.ones(spec.shape)
+    save_file(out, str(path / "model.safetensors"))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads VmRSS from /proc (Linux)")
+@pytest.mark.parametrize("layout", [_v4_upstream_fp4, _v3_hub_fp8], ids=["v4_upstream_fp4", "v3_hub_fp8"])
+def test_resident_memory_after_loading_per_expert_tensors_is_about_the_files(tmp_path, layout):
+    """A checkpoint whose routed experts are stored per expert, in the same file as tensors the model
+    uses in place from the file's mapping. After loading, the process holds about the files' bytes:
+    VmRSS growth in a fresh process (less the cache pool; no tokenizer here) within 1.1x of the
+    files, not only in memory_report()'s accounting. Copying the expert slices out of the mapping
+    left their pages resident beside the stacks for as long as the file stayed mapped (measured:
+    1.9x on both layouts)."""
+    layout(tmp_path)
+    files = memory.checkpoint_bytes(tmp_path)
+    env = {**os.environ, "DEEPINFER_ACCELERATOR": "cpu",
+           "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
+    run = subprocess.run([sys.executable, "-c", _LOAD_AND_MEASURE, str(tmp_path)], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    m = json.loads(run.stdout.strip().splitlines()[-1])
+    assert _expert_bytes(tmp_path) > 0.8 * files  # the routed experts are most of it, as in the released checkpoints
+    resident = (m["rss_growth"] - m["cache"]) / files
+    print(f"\nfiles {files / 1e6:.0f} MB: memory_report weights {m['weight_bytes'] / files:.3f}x, "
+          f"RSS after load less the cache {resident:.3f}x", end="")
+    assert m["checkpoint_bytes"] == files and m["weight_bytes"] <= 1.05 * files
+    assert resident <= 1.1, f"RSS grew {m['rss_growth'] / 1e6:.0f} MB loading {files / 1e6:.0f} MB of files"
+
+
+def _expert_bytes(path) -> int:
+    """Bytes of the per-expert tensors (and their scales) in the checkpoint's files."""
+    from safetensors import safe_open
+
+    total = 0
+    for f in path.glob("*.safetensors"):
+        with safe_open(f, framework="pt") as st:
+            total += sum(st.get_tensor(n).nbytes for n in st.keys() if ".experts." in n)
+    return total
