@@ -57,6 +57,38 @@ class Instruction:
     kwargs: dict
     outs: list[int]  # slot of each returned tensor (tensor lists flattened), -1: an argument returned
 
+    def writes_state(self, num_inputs: int) -> bool:
+        """Whether the call writes a tensor that outlives the step (a Const: a cache pool, a view of
+        one) or one of the step's inputs: what a replay that stops after it has changed for the eager
+        step run again. A written argument that is neither (a step's own intermediate) does not count;
+        one that is not a recorded tensor at all counts."""
+        arguments = self.op._schema.arguments
+        for i, arg in enumerate(arguments):
+            if arg.alias_info is None or not arg.alias_info.is_write:
+                continue
+            if i < len(self.args):
+                value = self.args[i]
+            elif arg.name in self.kwargs:
+                value = self.kwargs[arg.name]
+            else:
+                continue  # left at its default (an out= not given)
+            values = value if isinstance(value, (list, tuple)) else [value]
+            if any(isinstance(v, Const) or (isinstance(v, Slot) and v.index < num_inputs)
+                   or not isinstance(v, (Slot, Const, type(None))) for v in values):
+                return True
+        return False
+
+
+class ReplayError(RuntimeError):
+    """A compiled step's replay (Accelerator.compile_step) that failed. `state_written`: whether it
+    had written a cache pool or another tensor that outlives the step before it stopped; if not, the
+    step can run again eagerly from the state it found. Any other exception from a replay counts as
+    state_written (nothing says otherwise)."""
+
+    def __init__(self, message: str, state_written: bool):
+        super().__init__(message)
+        self.state_written = state_written
+
 
 class Accelerator(ABC):
     # identity
@@ -388,7 +420,9 @@ class Accelerator(ABC):
         and Const (`constants`), and the slots it returned (`outputs`). `step_fn(inputs) -> outputs`
         runs the same step eagerly on other input tensors of the same shapes. The replay is a callable
         `inputs -> outputs` with the eager step's results and in-place writes; a backend may replay the
-        instructions (cpu: a C++ tape) or capture step_fn (nvidia: a CUDA graph on static buffers)."""
+        instructions (cpu: a C++ tape) or capture step_fn (nvidia: a CUDA graph on static buffers).
+        Compiling may raise, and so may a replay (the engine then runs the bucket eagerly, with a
+        warning); a replay raises ReplayError saying whether it had already written state."""
         return None
 
     # -------------------------------------------------------------- device
