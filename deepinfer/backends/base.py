@@ -106,7 +106,6 @@ class Accelerator(ABC):
     # its fast ops are not). A backend whose ops are always invariant (nvidia) or never (ascend)
     # has nothing to switch.
     batch_invariant_mode: bool = False
-    fp8_weights: bool = False  # can run FP8 block-scaled GEMMs natively
     # LLM(dtype="auto")'s compute dtype on this backend, and the one in use (set_compute_dtype): the
     # dtype a model rounds the inputs of its weight ops to, and the decode state's storage dtype
     preferred_dtype: torch.dtype = torch.float32
@@ -139,19 +138,6 @@ class Accelerator(ABC):
     def grouped_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """Block-diagonal projection. x [T, G, K], weight [G*N, K] viewed as G blocks of
         [N, K] -> [T, G, N]; group g only sees x[:, g]."""
-
-    @abstractmethod
-    def fp8_block_linear(self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                         block: int = 128) -> torch.Tensor:
-        """DeepSeek's FP8 block-scaled GEMM. x [T, K] float32 (leading dims allowed, as linear);
-        weight [N, K] float8_e4m3fn, weight_scale [ceil(N/block), ceil(K/block)] float32, one scale
-        per block x block tile (edge tiles may be partial). Activations are quantized per token per
-        1 x block group of input channels (DeepSeek's act_quant): s[t, kb] = max(amax|x|, 1e-4) / 448,
-        x_q = e4m3fn(x / s), round to nearest even. Then
-        y[t, n] = sum_kb (x_q[t, kb] . w_q[n, kb]) * s[t, kb] * weight_scale[n // block, kb],
-        accumulated in float32 -> [T, N] float32. The cpu reference evaluates the same sum as
-        dequant(x_q) @ dequant(w_q).T in float32 (another rounding order: tolerances in
-        tests/conformance/test_fp8_gemm.py)."""
 
     @abstractmethod
     def fp8_qdq(self, x: torch.Tensor, block: int) -> torch.Tensor:
