@@ -40,13 +40,13 @@ import time
 
 import torch
 
-OPS = ("linear", "grouped_linear", "fp8_block_linear", "embedding", "rms_norm", "rope", "swiglu", "hc_pre", "hc_post",
+OPS = ("linear", "grouped_linear", "embedding", "rms_norm", "rope", "swiglu", "hc_pre", "hc_post",
        "hc_head", "compress_windows", "indexer_topk", "sparse_attention", "route_topk", "route_grouped_topk",
        "route_hash", "moe_experts", "swiglu_mlp", "sample", "apply_token_bitmask",
        # DeepSeek-V4.1's own
        "hc_mixes", "hc_collapse", "fp8_qdq", "fp4_qdq", "sparse_attention_bf16", "dense_attention",
        "indexer_scores", "moe_experts_bf16")
-GEMM_OPS = ("linear (LM head)", "linear", "grouped_linear", "fp8_block_linear", "moe_experts", "swiglu_mlp",
+GEMM_OPS = ("linear (LM head)", "linear", "grouped_linear", "moe_experts", "swiglu_mlp",
             "moe_experts_bf16")
 
 

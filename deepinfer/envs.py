@@ -1,7 +1,9 @@
-"""Every DEEPINFER_* environment variable: name, default, parser and validation.
+"""Every DEEPINFER_* environment variable: name, default, parser and validation; and the few
+variables other programs own that deepinfer reads (torchrun's, Triton's, the XDG cache directory).
 
-This is the only module that reads the environment. Values are read at call
-time (not import time) so tests and long-lived processes can change them.
+This is the only module that reads the environment (tests/unit/test_layering.py checks the
+package's source). Values are read at call time (not import time) so tests and long-lived
+processes can change them.
 """
 
 from __future__ import annotations
@@ -152,3 +154,45 @@ def max_backtracking_tokens() -> int:
     if value < 0:
         raise EnvError(f"DEEPINFER_MAX_BACKTRACKING_TOKENS={value} must be >= 0")
     return max(value, nextn_decode() + 1)
+
+
+# ---------------------------------------------------------------- variables other programs own
+# torchrun (and every env:// launcher) sets these for each process it starts
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _launcher_int(name: str) -> int:
+    raw = os.environ.get(name)
+    if raw is None:
+        raise EnvError(f"{name} is not set: start the process with torchrun (it sets {', '.join(TORCHRUN_VARS)})")
+    return _int(name, raw)
+
+
+def launched_by_torchrun() -> bool:
+    return all(k in os.environ for k in TORCHRUN_VARS)
+
+
+def torchrun_rank() -> tuple[int, int]:
+    """(RANK, WORLD_SIZE) as the launcher set them."""
+    return _launcher_int("RANK"), _launcher_int("WORLD_SIZE")
+
+
+def torchrun_local_rank() -> int:
+    """This process's rank on its machine: LOCAL_RANK, else RANK (one machine)."""
+    return _launcher_int("LOCAL_RANK" if "LOCAL_RANK" in os.environ else "RANK")
+
+
+def torchrun_local_world_size(default: int) -> int:
+    """Processes on this machine: LOCAL_WORLD_SIZE under torchrun, else `default`."""
+    raw = os.environ.get("LOCAL_WORLD_SIZE")
+    return default if raw is None else _int("LOCAL_WORLD_SIZE", raw)
+
+
+def triton_interpreter() -> bool:
+    """TRITON_INTERPRET=1: Triton kernels run through its interpreter, on CPU tensors."""
+    return os.environ.get("TRITON_INTERPRET", "") == "1"
+
+
+def cache_root() -> str:
+    """The user's cache directory: XDG_CACHE_HOME, else ~/.cache."""
+    return os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Train the DSpark drafter shipped with ``deepinfer/assets/tiny-dsv4`` (DSPARK.md).
+"""Train the DSpark drafter (deepinfer/models/deepseek_v4/dspark.py) shipped with ``deepinfer/assets/tiny-dsv4``.
 
 1. data     -- the shipped model's training split (tools/train_tiny.py's corpus rule: CPython
                stdlib files, held out by sha1(relpath) % 100 < 2), tokenized with the shipped

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 
 from deepinfer import envs
 from deepinfer.backends.base import Accelerator
@@ -20,7 +19,7 @@ def cuda_usable() -> bool:
 
 
 def triton_interpreter() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "") == "1"
+    return envs.triton_interpreter()
 
 
 def npu_usable() -> bool:

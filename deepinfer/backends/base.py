@@ -57,6 +57,38 @@ class Instruction:
     kwargs: dict
     outs: list[int]  # slot of each returned tensor (tensor lists flattened), -1: an argument returned
 
+    def writes_state(self, num_inputs: int) -> bool:
+        """Whether the call writes a tensor that outlives the step (a Const: a cache pool, a view of
+        one) or one of the step's inputs: what a replay that stops after it has changed for the eager
+        step run again. A written argument that is neither (a step's own intermediate) does not count;
+        one that is not a recorded tensor at all counts."""
+        arguments = self.op._schema.arguments
+        for i, arg in enumerate(arguments):
+            if arg.alias_info is None or not arg.alias_info.is_write:
+                continue
+            if i < len(self.args):
+                value = self.args[i]
+            elif arg.name in self.kwargs:
+                value = self.kwargs[arg.name]
+            else:
+                continue  # left at its default (an out= not given)
+            values = value if isinstance(value, (list, tuple)) else [value]
+            if any(isinstance(v, Const) or (isinstance(v, Slot) and v.index < num_inputs)
+                   or not isinstance(v, (Slot, Const, type(None))) for v in values):
+                return True
+        return False
+
+
+class ReplayError(RuntimeError):
+    """A compiled step's replay (Accelerator.compile_step) that failed. `state_written`: whether it
+    had written a cache pool or another tensor that outlives the step before it stopped; if not, the
+    step can run again eagerly from the state it found. Any other exception from a replay counts as
+    state_written (nothing says otherwise)."""
+
+    def __init__(self, message: str, state_written: bool):
+        super().__init__(message)
+        self.state_written = state_written
+
 
 class Accelerator(ABC):
     # identity
@@ -74,7 +106,6 @@ class Accelerator(ABC):
     # its fast ops are not). A backend whose ops are always invariant (nvidia) or never (ascend)
     # has nothing to switch.
     batch_invariant_mode: bool = False
-    fp8_weights: bool = False  # can run FP8 block-scaled GEMMs natively
     # LLM(dtype="auto")'s compute dtype on this backend, and the one in use (set_compute_dtype): the
     # dtype a model rounds the inputs of its weight ops to, and the decode state's storage dtype
     preferred_dtype: torch.dtype = torch.float32
@@ -107,19 +138,6 @@ class Accelerator(ABC):
     def grouped_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """Block-diagonal projection. x [T, G, K], weight [G*N, K] viewed as G blocks of
         [N, K] -> [T, G, N]; group g only sees x[:, g]."""
-
-    @abstractmethod
-    def fp8_block_linear(self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                         block: int = 128) -> torch.Tensor:
-        """DeepSeek's FP8 block-scaled GEMM. x [T, K] float32 (leading dims allowed, as linear);
-        weight [N, K] float8_e4m3fn, weight_scale [ceil(N/block), ceil(K/block)] float32, one scale
-        per block x block tile (edge tiles may be partial). Activations are quantized per token per
-        1 x block group of input channels (DeepSeek's act_quant): s[t, kb] = max(amax|x|, 1e-4) / 448,
-        x_q = e4m3fn(x / s), round to nearest even. Then
-        y[t, n] = sum_kb (x_q[t, kb] . w_q[n, kb]) * s[t, kb] * weight_scale[n // block, kb],
-        accumulated in float32 -> [T, N] float32. The cpu reference evaluates the same sum as
-        dequant(x_q) @ dequant(w_q).T in float32 (another rounding order: tolerances in
-        tests/conformance/test_fp8_gemm.py)."""
 
     @abstractmethod
     def fp8_qdq(self, x: torch.Tensor, block: int) -> torch.Tensor:
@@ -388,7 +406,9 @@ class Accelerator(ABC):
         and Const (`constants`), and the slots it returned (`outputs`). `step_fn(inputs) -> outputs`
         runs the same step eagerly on other input tensors of the same shapes. The replay is a callable
         `inputs -> outputs` with the eager step's results and in-place writes; a backend may replay the
-        instructions (cpu: a C++ tape) or capture step_fn (nvidia: a CUDA graph on static buffers)."""
+        instructions (cpu: a C++ tape) or capture step_fn (nvidia: a CUDA graph on static buffers).
+        Compiling may raise, and so may a replay (the engine then runs the bucket eagerly, with a
+        warning); a replay raises ReplayError saying whether it had already written state."""
         return None
 
     # -------------------------------------------------------------- device

@@ -78,20 +78,6 @@ def fp8_block_quant(x: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tens
     return q.view(rb * b0, cb * b1)[:r, :c].contiguous(), scale
 
 
-def fp8_block_dequant(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    r, c = q.shape
-    full = scale.float().repeat_interleave(block[0], 0)[:r].repeat_interleave(block[1], 1)[:, :c]
-    return q.float() * full
-
-
-def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                     block: int = 128) -> torch.Tensor:
-    lead, k = x.shape[:-1], x.shape[-1]
-    x_q, x_s = fp8_block_quant(x.reshape(-1, k), (1, block))
-    w = fp8_block_dequant(weight, weight_scale, (block, block))
-    return F.linear(fp8_block_dequant(x_q, x_s, (1, block)), w).view(*lead, weight.shape[0])
-
-
 # ---------------------------------------------------------------- DeepSeek-V4.1's quantization points
 # Bit-exact to DeepSeek's quantizers (tests/goldens/v41: ops act_quant / fp4_e8m0 / fp4_e4m3). Their input
 # is bf16 (the trained format): a float32 x is rounded to bf16 first.

@@ -440,7 +440,7 @@ class LLMEngine:
 
         rows = torch.arange(batch, device=meta.ids.device)
         if self.graphs is not None and batch <= self.graphs.max_tokens:
-            return self.graphs.run_steps((True, sizes), tensors, [rows], steps, [(0, ids_input)], step)[0].cpu()
+            return self.graphs.run_steps(("greedy decode", sizes), tensors, [rows], steps, [(0, ids_input)], step)[0].cpu()
         out = []
         for s in range(steps):
             inputs = [t[s] for t in tensors] + [rows]
@@ -457,7 +457,7 @@ class LLMEngine:
         if self.graphs is None or num_tokens != inp.lens.shape[0] or num_tokens > self.graphs.max_tokens:
             return model.forward(inp, cache, logit_rows, meta)
         tensors, sizes = step_inputs(meta)
-        return self.graphs.run((False, sizes), lambda: model.forward(inp, cache, logit_rows, meta),
+        return self.graphs.run(("decode", sizes), lambda: model.forward(inp, cache, logit_rows, meta),
                                tensors + [logit_rows],
                                lambda inputs: model.forward(inp, cache, inputs[-1], with_step_tensors(meta, inputs[:-1])))
 

@@ -45,6 +45,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
+import warnings
 import weakref
 from collections import OrderedDict
 from typing import Any, Callable
@@ -54,7 +56,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from deepinfer import envs
-from deepinfer.backends.base import Const, Instruction, Slot
+from deepinfer.backends.base import Const, Instruction, ReplayError, Slot
 
 
 # Tensor methods and functions that move tensor data into Python values (or back): a replay would
@@ -65,6 +67,11 @@ _HOST_READS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__"
 _DATA_SHAPED = {"aten::nonzero", "aten::masked_select", "aten::_unique", "aten::_unique2", "aten::unique_dim",
                 "aten::unique_consecutive", "aten::unique_dim_consecutive", "aten::argwhere",
                 "aten::_local_scalar_dense", "aten::item"}
+
+
+class RecorderFailed(str):
+    """Why a step was not recorded, when the reason is the recorder's own error rather than the
+    step's (a host read, a data-shaped op): that is a failure the engine warns about."""
 
 
 def _is_view(op: torch._ops.OpOverload) -> bool:
@@ -170,28 +177,35 @@ class _Recorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         if self.failure is not None:
             return out
+        try:
+            self._note(func, args, kwargs, out)
+        except Exception as exc:  # noqa: BLE001 - a recorder bug must not break the eager step it watches
+            self.failure = RecorderFailed(f"recording {func} raised {type(exc).__name__}: {exc}")
+        return out
+
+    def _note(self, func, args, kwargs, out) -> None:
         name = func._schema.name
         if name in _DATA_SHAPED or (func is torch.ops.aten.index.Tensor and any(
                 isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1])):
             self.failure = f"{func}: its output shape depends on tensor data"
-            return out
+            return
         cargs, ckwargs = self._canon(args), {k: self._canon(v) for k, v in kwargs.items()}
         results = _flatten(out)
         if any(not isinstance(r, torch.Tensor) for r in results if r is not None):
             self.failure = f"{func} returned a Python value"
-            return out
+            return
         tensor_args = [a for a in _flatten(list(cargs) + list(ckwargs.values())) if isinstance(a, (Slot, Const))]
         if _is_view(func):
             if all(isinstance(a, Const) for a in tensor_args):
                 for r in results:  # a view of constants is a constant: taken once, here
                     if id(r) not in self.refs:
                         self._constant(r, ("view", func, cargs, tuple(sorted(ckwargs.items()))))
-                return out
+                return
             base = args[0] if args and isinstance(args[0], torch.Tensor) else None
             if len(results) == 1 and base is not None and _same_view(results[0], base):
                 self.refs[id(results[0])] = self._name(base)  # the whole tensor (x[:], a same-shape view)
                 self.alive.append(weakref.finalize(results[0], self.refs.pop, id(results[0]), None))
-                return out
+                return
         outs = []
         for r in results:
             if r is None or id(r) in self.refs:  # returned an argument (in place, or a no-op)
@@ -199,9 +213,8 @@ class _Recorder(TorchDispatchMode):
             else:
                 outs.append(self._new_slot(r).index)
         if not func._schema.is_mutable and all(o < 0 for o in outs):
-            return out  # changed nothing, made nothing
+            return  # changed nothing, made nothing
         self.rec.instructions.append(Instruction(func, cargs, ckwargs, outs))
-        return out
 
 
 class _HostReads(TorchFunctionMode):
@@ -339,18 +352,38 @@ class _Bucket:
     replays: int = 0
 
 
+def bucket_name(bucket_key: tuple) -> str:
+    """How a warning names a bucket: its kind (the key's first item), the shape of its first input,
+    and a digest of the whole key (the sizes and every input's shape: hundreds of characters)."""
+    first = next((part for part in bucket_key if isinstance(part, tuple) and len(part) == 2
+                  and isinstance(part[0], torch.Size)), None)
+    shape = f", first input {list(first[0])} {str(first[1]).removeprefix('torch.')}" if first else ""
+    digest = hashlib.blake2s(repr(bucket_key).encode(), digest_size=4).hexdigest()
+    return f"{bucket_key[0]!r} step bucket {digest}{shape}"
+
+
 class StepGraphs:
     """The captured steps of one model on one cache: bucket -> replay. `run` takes a step (fn, the
     tensors it reads), records or replays it, and returns what fn returns.
 
     `max_tokens`: the largest step recorded (decode batches; prefill steps run eagerly: their
     shapes rarely repeat and a recording keeps every intermediate of the step until its end).
-    `max_buckets`: compiled buckets kept (least recently used dropped)."""
+    `max_buckets`: compiled buckets kept (least recently used dropped).
+
+    Capture is on by default where the accelerator offers it, so a bucket whose capture or replay
+    fails must not take the engine down: compiling it (compile_step) raised, its replay raised
+    (a CUDA graph's capture happens at its first replay), or the recorder itself raised. The bucket
+    is then failed: one RuntimeWarning names it, its steps run eagerly from then on (the step that
+    failed too), other buckets are unaffected, and `failed` remembers it past eviction, so it is
+    never captured (or warned about) again. A replay that failed after it had written state that
+    outlives the step (a cache pool: ReplayError.state_written) cannot be run again eagerly, since
+    the eager step would start from half a step's writes: that raises instead, naming the bucket."""
 
     def __init__(self, accel, max_tokens: int, max_buckets: int = 256):
         self.accel, self.max_tokens, self.max_buckets = accel, max_tokens, max_buckets
         self.buckets: OrderedDict[tuple, _Bucket] = OrderedDict()
-        self.stats = {"recorded": 0, "replayed": 0, "eager": 0, "compiled": 0}
+        self.failed: dict[tuple, str] = {}  # bucket key -> why its capture or replay failed
+        self.stats = {"recorded": 0, "replayed": 0, "eager": 0, "compiled": 0, "failed": 0}
 
     def padded_batch(self, batch: int) -> int:
         """The batch size a decode step of `batch` sequences runs at: itself, or where the accelerator
@@ -368,6 +401,25 @@ class StepGraphs:
         DEEPINFER_ENFORCE_EAGER is off."""
         return accel.step_graphs and not envs.get("DEEPINFER_ENFORCE_EAGER")
 
+    def _fail(self, bucket_key: tuple, bucket: _Bucket, why: str) -> None:
+        """The bucket's capture or replay failed: eager for good, said once."""
+        bucket.step, bucket.recording, bucket.eager = None, None, f"failed: {why}"
+        self.failed[bucket_key] = why
+        self.stats["failed"] += 1
+        warnings.warn(f"deepinfer: {bucket_name(bucket_key)} could not be captured or replayed ({why}); its steps "
+                      "run eagerly from now on (slower, same results)", RuntimeWarning, stacklevel=3)
+
+    def _replay_failed(self, bucket_key: tuple, bucket: _Bucket, exc: Exception) -> None:
+        """A replay raised: fail the bucket, and raise if the replay had written state already."""
+        why = f"its replay raised {exc}" if isinstance(exc, ReplayError) else \
+            f"its replay raised {type(exc).__name__}: {exc}"
+        self._fail(bucket_key, bucket, why)
+        if not isinstance(exc, ReplayError) or exc.state_written:
+            raise RuntimeError(
+                f"deepinfer: the replay of {bucket_name(bucket_key)} failed after it had written the cache "
+                f"({why}): the step's sequences cannot be rolled back, so the engine stops rather than continue "
+                "from a half-written step. DEEPINFER_ENFORCE_EAGER=1 runs every step eagerly") from exc
+
     def run(self, key: tuple, fn: Callable[[], Any], inputs: list[torch.Tensor],
             step_fn: Callable[[list[torch.Tensor]], Any] | None = None):
         """One step. `key` names the kind of step and what else decides its operators (e.g. the
@@ -378,36 +430,45 @@ class StepGraphs:
         bucket = self.buckets.get(bucket_key)
         if bucket is None:
             bucket = self.buckets[bucket_key] = _Bucket()
+            if bucket_key in self.failed:  # evicted after it failed: still eager
+                bucket.eager = f"failed: {self.failed[bucket_key]}"
         else:
             self.buckets.move_to_end(bucket_key)
         if bucket.eager is not None:
             self.stats["eager"] += 1
             return fn()
         if bucket.step is not None:
+            recording = bucket.recording
             try:
                 outputs = bucket.step(inputs)
-            except RuntimeError as exc:  # a replay refused its inputs: this bucket runs eagerly from now on
-                bucket.step, bucket.eager = None, f"replay failed: {exc}"
+            except Exception as exc:  # noqa: BLE001 - any backend's error: the bucket goes eager
+                self._replay_failed(bucket_key, bucket, exc)
                 self.stats["eager"] += 1
                 return fn()
             bucket.replays += 1
             self.stats["replayed"] += 1
-            return bucket.recording.restore(outputs)
+            return recording.restore(outputs)
         recording, failure, result = record(fn, inputs)
         self.stats["recorded"] += 1
         if recording is None:
-            bucket.eager = failure
+            if isinstance(failure, RecorderFailed):
+                self._fail(bucket_key, bucket, failure)
+            bucket.eager = bucket.eager or failure
         elif bucket.recording is None:
             bucket.recording = recording
         elif not bucket.recording.same_as(recording):
             bucket.eager, bucket.recording = "two steps of the bucket ran different operators", None
         else:
-            bucket.step = self.accel.compile_step(recording, step_fn)
-            if bucket.step is None:
-                bucket.eager, bucket.recording = "the accelerator cannot replay it", None
+            try:
+                bucket.step = self.accel.compile_step(recording, step_fn)
+            except Exception as exc:  # noqa: BLE001 - the step already ran eagerly: only the bucket goes eager
+                self._fail(bucket_key, bucket, f"compiling it raised {type(exc).__name__}: {exc}")
             else:
-                bucket.recording = recording
-                self.stats["compiled"] += 1
+                if bucket.step is None:
+                    bucket.eager, bucket.recording = "the accelerator cannot replay it", None
+                else:
+                    bucket.recording = recording
+                    self.stats["compiled"] += 1
         self._evict()
         return result
 
@@ -418,13 +479,14 @@ class StepGraphs:
         `feedback` takes output o of the step before (from the second step on). A compiled bucket
         whose replay runs several steps per call (the cpu tape) takes them all in one call.
         -> step_fn's outputs, each stacked over the steps."""
-        bucket = self.buckets.get(key + _first_step_signature(per_step, shared))
+        bucket_key = key + _first_step_signature(per_step, shared)
+        bucket = self.buckets.get(bucket_key)
         many = getattr(bucket.step, "run_steps", None) if bucket is not None and bucket.step is not None else None
         if many is not None:
             try:
                 out = many(per_step, list(shared), steps, feedback)
-            except RuntimeError as exc:
-                bucket.step, bucket.eager = None, f"replay failed: {exc}"
+            except Exception as exc:  # noqa: BLE001 - as in run: eager from the first step, or raise
+                self._replay_failed(bucket_key, bucket, exc)
             else:
                 bucket.replays += steps
                 self.stats["replayed"] += steps

@@ -29,6 +29,7 @@ from multiprocessing.connection import wait
 import torch
 import torch.distributed as dist
 
+from deepinfer import envs
 from deepinfer.parallel import group
 from deepinfer.parallel.worker import RankWorker, RequestRejected, WorkerArgs, bind_device
 
@@ -214,13 +215,14 @@ class ParallelExecutor:
         self.parallel = args.parallel
         world = self.parallel.world_size
         if group.launched_by_torchrun():
-            if int(os.environ["WORLD_SIZE"]) != world:
+            started = envs.torchrun_rank()[1]
+            if started != world:
                 raise ValueError(
-                    f"torchrun started WORLD_SIZE={os.environ['WORLD_SIZE']} processes but the layout "
+                    f"torchrun started WORLD_SIZE={started} processes but the layout "
                     f"(expert_parallel_size={self.parallel.expert_parallel_size}, data_parallel_size="
                     f"{self.parallel.data_parallel_size}, context_parallel_size={self.parallel.context_parallel_size})"
                     f" needs {world}: run torchrun --nproc-per-node/--nnodes for {world} processes")
-            bind_device(int(os.environ.get("LOCAL_RANK", os.environ["RANK"])))
+            bind_device(envs.torchrun_local_rank())
             from deepinfer.backends import get_accelerator
 
             me = group.init_group(get_accelerator(args.accelerator).dist_backend)

@@ -7,12 +7,13 @@ activations or expert weights cross the wire as uint8 views and are viewed back 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from deepinfer import envs
 
 _BYTE_DTYPES = tuple(d for d in (getattr(torch, n, None) for n in (
     "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")) if d is not None)
@@ -26,12 +27,12 @@ class Rank:
     @property
     def local_world_size(self) -> int:
         """Ranks on this machine: all of them when spawned here, torchrun's LOCAL_WORLD_SIZE under it."""
-        return int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+        return envs.torchrun_local_world_size(self.world_size)
 
 
 def launched_by_torchrun() -> bool:
     """torchrun (and other env:// launchers) set these for every process it starts."""
-    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+    return envs.launched_by_torchrun()
 
 
 def init_group(backend: str, rank: int | None = None, world_size: int | None = None,
@@ -40,7 +41,7 @@ def init_group(backend: str, rank: int | None = None, world_size: int | None = N
     if not dist.is_initialized():
         if init_method is None:
             init_method = "env://"
-            rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            rank, world_size = envs.torchrun_rank()
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s))
     return Rank(dist.get_rank(), dist.get_world_size())

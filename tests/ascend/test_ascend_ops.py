@@ -29,7 +29,7 @@ Tolerance: max |ascend - cpu| <= TOL[op] * max |cpu|; 0.0 = bit-identical; ids/t
 DeepSeek-V3's inputs to the existing ops, at the same tolerances: sparse_attention with no sink (-inf)
 (2.7e-7), moe_experts / swiglu_mlp / swiglu with limit inf (1.7e-7 / 3.6e-9 / 1.6e-10).
 
-linear, grouped_linear, embedding, fp8_block_linear and sample are bound to the reference functions
+linear, grouped_linear, embedding and sample are bound to the reference functions
 themselves (plain torch, which runs on the NPU as aclnn ops): comparing them with the reference here
 could not fail, so what is tested of them is what the backend adds, the weight layout and dtype
 `prepare_weight` stores.

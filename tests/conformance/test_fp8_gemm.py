@@ -1,4 +1,5 @@
-"""fp8_block_linear (DeepSeek's FP8 block-scaled GEMM): the nvidia Triton kernels against the cpu reference.
+"""DeepSeek's FP8 block-scaled GEMM (the nvidia backend's linear on an FP8 QuantizedWeight,
+fp8.quantized_linear): the Triton kernels against the cpu reference's linear on the same weight.
 
 Runs through the Triton interpreter on CPU tensors (conftest sets TRITON_INTERPRET=1). Ragged T in
 (1, 7, 33), N and K not multiples of 128 (partial scale blocks), weight rows and activation groups
@@ -30,6 +31,7 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed: the nvidia backend's kernels cannot run")
 
 from deepinfer.backends import reference as ref  # noqa: E402
+from deepinfer.backends.quant import FP8, ActQuant, QuantizedWeight  # noqa: E402
 from deepinfer.backends.triton import fp8  # noqa: E402
 from deepinfer.backends.triton.fp8 import FP8_DOT_TOL  # noqa: E402
 from op_checks import poisoned, seeded  # noqa: E402
@@ -50,6 +52,13 @@ def _inputs(gen, t, n, k):
     x = torch.randn(t, k, generator=gen) * torch.logspace(0, 2, -(-k // 128)).repeat_interleave(128)[:k]
     w = torch.randn(n, k, generator=gen) * 0.05 * torch.logspace(0, -2, -(-n // 128)).repeat_interleave(128)[:n, None]
     return x, w
+
+
+def _weight(w: torch.Tensor) -> QuantizedWeight:
+    """w in DeepSeek's FP8 layout (128x128 blocks, float32 scales) with the GEMM's own activation
+    quantization (per 1 x 128, scale amax / 448) stated, so the reference computes the same math."""
+    wq, ws = ref.fp8_block_quant(w, (128, 128))
+    return QuantizedWeight(wq, ws, FP8, (128, 128), ActQuant(128, pow2=False))
 
 
 def _rel_err(out: torch.Tensor, expected: torch.Tensor) -> float:
@@ -91,36 +100,29 @@ def test_act_quant_rounding_edge_cases(nv):
 @pytest.mark.parametrize("t", TOKENS)
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("fp8_dot", (True, False))
-def test_fp8_block_linear(nv, t, n, k, fp8_dot):
+def test_fp8_linear(nv, t, n, k, fp8_dot):
     if fp8_dot and nv.device.type == "cuda" and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("tl.dot on fp8 operands needs fp8 tensor cores (sm_89+)")
     tol = FP8_DOT_TOL if fp8_dot and nv.device.type == "cuda" else TOL
     gen = seeded(2, t, n, k)
     x, w = _inputs(gen, t, n, k)
-    wq, ws = ref.fp8_block_quant(w, (128, 128))
-    expected = ref.fp8_block_linear(x, wq, ws)
-    out = fp8.fp8_block_linear(x.to(nv.device), wq.to(nv.device), ws.to(nv.device), fp8_dot=fp8_dot)
+    weight = _weight(w)
+    expected = ref.linear(x, weight)
+    out = fp8.quantized_linear(x.to(nv.device), weight.to(nv.device), fp8_dot=fp8_dot)
     err = _rel_err(out, expected)
-    print(f"\nfp8_block_linear T={t} N={n} K={k} fp8_dot={fp8_dot}: max rel err {err:.2e} (tol {tol:.0e})", end="")
+    print(f"\nfp8 linear T={t} N={n} K={k} fp8_dot={fp8_dot}: max rel err {err:.2e} (tol {tol:.0e})", end="")
     assert err <= tol
 
 
-def test_fp8_block_linear_leading_dims_and_empty(nv):
+def test_fp8_linear_leading_dims_and_empty(nv):
     gen = seeded(3)
     x, w = _inputs(gen, 15, 24, 140)
-    wq, ws = ref.fp8_block_quant(w, (128, 128))
+    weight = _weight(w)
     x3 = x.view(3, 5, 140)
     tol = FP8_DOT_TOL if nv.device.type == "cuda" else TOL
-    assert _rel_err(nv.fp8_block_linear(x3.to(nv.device), wq.to(nv.device), ws.to(nv.device)),
-                    ref.fp8_block_linear(x3, wq, ws)) <= tol
-    empty = nv.fp8_block_linear(torch.zeros(0, 140, device=nv.device), wq.to(nv.device), ws.to(nv.device))
+    assert _rel_err(nv.linear(x3.to(nv.device), weight.to(nv.device)), ref.linear(x3, weight)) <= tol
+    empty = nv.linear(torch.zeros(0, 140, device=nv.device), weight.to(nv.device))
     assert empty.shape == (0, 24)
-
-
-def test_fp8_block_linear_rejects_mismatched_scales(nv):
-    wq, ws = ref.fp8_block_quant(torch.randn(130, 40), (128, 128))
-    with pytest.raises(ValueError, match="weight_scale"):
-        nv.fp8_block_linear(torch.randn(2, 40, device=nv.device), wq.to(nv.device), ws[:1].to(nv.device))
 
 
 def test_quantization_error_vs_fp32_gemm():
@@ -129,7 +131,7 @@ def test_quantization_error_vs_fp32_gemm():
     x = torch.randn(33, 512, generator=gen)
     w = torch.randn(256, 512, generator=gen) * 0.05
     exact = x @ w.T
-    out = ref.fp8_block_linear(x, *ref.fp8_block_quant(w, (128, 128)))
+    out = ref.linear(x, _weight(w))
     max_err = float((out - exact).abs().max() / exact.abs().max())
     rms_err = float((out - exact).square().mean().sqrt() / exact.square().mean().sqrt())
     print(f"\nfp8 quantization error vs fp32: max {max_err:.3f} (tol {QUANT_TOL_MAX}), "
@@ -138,10 +140,10 @@ def test_quantization_error_vs_fp32_gemm():
     assert rms_err > 1e-3  # the weights really were quantized (a no-op quantizer would pass above)
 
 
-def test_fp8_block_linear_batch_invariant(nv):
+def test_fp8_linear_batch_invariant(nv):
     gen = seeded(5)
     x, w = _inputs(gen, 9, 72, 200)
-    wq, ws = [t.to(nv.device) for t in ref.fp8_block_quant(w, (128, 128))]
+    weight = _weight(w).to(nv.device)
     x = x.to(nv.device)
-    alone = torch.cat([nv.fp8_block_linear(x[r:r + 1], wq, ws) for r in range(9)])
-    assert torch.equal(nv.fp8_block_linear(x, wq, ws), alone)
+    alone = torch.cat([nv.linear(x[r:r + 1], weight) for r in range(9)])
+    assert torch.equal(nv.linear(x, weight), alone)

@@ -251,4 +251,4 @@ def test_calls_after_the_first_replay_all_their_steps_at_once(tiny_model_dir, mo
     calls = _count_calls(multi)
     multi.generate(prompt_token_ids=_prompts([20, 30], seed=6), use_tqdm=False,
                    sampling_params=SamplingParams(temperature=0.0, max_tokens=41, ignore_eos=True))
-    assert len(calls) >= 4 and sum(single) == calls[0], (calls, single)  # multi-step keys: the first call's steps
+    assert len(calls) >= 4 and single.count("greedy decode") == calls[0], (calls, single)  # the first call's steps

@@ -1,4 +1,4 @@
-"""The layering rules of DESIGN.md, checked on the source: the engine (core/) knows models only
+"""The house's layering rules, checked on the source: the engine (core/) knows models only
 through their interface and backends only through base.py; a backend imports no engine, model or
 other backend; nothing replaces methods on live objects."""
 
@@ -79,4 +79,22 @@ def test_no_method_is_replaced_on_a_live_object():
                 obj = node.args[0] if node.args else None
                 if not (isinstance(obj, ast.Name) and obj.id in classes):
                     bad.append(f"{path}:{node.lineno}")
+    assert not bad, bad
+
+
+def test_only_envs_reads_the_environment():
+    """envs.py is the one module of the package that reads (or writes) environment variables, its own
+    DEEPINFER_* ones and those other programs own (torchrun's RANK / WORLD_SIZE / LOCAL_RANK /
+    MASTER_ADDR, TRITON_INTERPRET, XDG_CACHE_HOME): os.environ, os.environb, os.getenv, os.putenv,
+    os.unsetenv, under any name they are imported as."""
+    names = {"environ", "environb", "getenv", "getenvb", "putenv", "unsetenv"}
+    bad = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path == PACKAGE / "envs.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in names:
+                bad.append(f"{path.relative_to(PACKAGE)}:{node.lineno} .{node.attr}")
+            elif isinstance(node, ast.ImportFrom) and node.module == "os" and any(a.name in names for a in node.names):
+                bad.append(f"{path.relative_to(PACKAGE)}:{node.lineno} from os import")
     assert not bad, bad

@@ -307,7 +307,7 @@ def test_views_of_the_cache_are_taken_once_and_writes_through_them_land():
         rows, values = torch.tensor([k % 4, (k + 1) % 4]), torch.full((2, 4), float(k))
         got = graphs.run(("w",), lambda: step(rows, values), [rows, values])
         assert torch.equal(got, pool.sum(0)) and pool[2 + k % 4, 0] == 2 * k
-    assert graphs.stats == {"recorded": 2, "replayed": 2, "eager": 0, "compiled": 1}
+    assert graphs.stats == {"recorded": 2, "replayed": 2, "eager": 0, "compiled": 1, "failed": 0}
     ops = next(iter(graphs.buckets.values())).recording.ops()
     assert ops == ["aten.mul.Tensor", "aten.index_copy_.default", "aten.sum.dim_IntList"], ops
 
@@ -446,3 +446,153 @@ def test_padded_decode_batches_and_static_buffers_give_the_unpadded_tokens(tmp_p
     graphs = engine.graphs
     batches = {key[2][0][0] for key, b in graphs.buckets.items() if b.step is not None}  # the ids' length
     assert batches <= {1, 2, 4, 8} and graphs.stats["replayed"] > 5, (batches, graphs.stats)
+
+
+# ---------------------------------------------------------------- a capture or replay that fails
+class _FailsOnce:
+    """An accelerator whose capture of the first bucket it compiles fails, the way it is passed to
+    the engine: `how` = "compile" (compile_step raises) or "capture" (the CUDA-graph path's capture
+    raises at the bucket's first replay; backends/nvidia/graphs.py with a stand-in for the graph)."""
+
+    def __new__(cls, how: str):
+        from deepinfer.backends.cpu import CpuInvariantKernelAccelerator
+        from deepinfer.backends.nvidia.graphs import CapturedStep
+
+        class FailsOnce(CpuInvariantKernelAccelerator):
+            compiled = 0
+
+            def compile_step(self, recording, step_fn):
+                self.compiled += 1
+                first = self.compiled == 1
+                if how == "compile":
+                    if first:
+                        raise RuntimeError("injected: compile failed")
+                    return super().compile_step(recording, step_fn)
+
+                def capture(fn):
+                    if first:
+                        raise RuntimeError("injected: operation not permitted when stream is capturing")
+                    return fn  # a stand-in graph: the step's own graph on the static buffers, every replay
+
+                return CapturedStep(recording, step_fn, self.device, capture)
+
+        return FailsOnce()
+
+
+@pytest.mark.parametrize("how", ["compile", "capture"])
+def test_a_bucket_whose_capture_fails_runs_eagerly_with_one_warning_and_the_engine_keeps_serving(
+        tmp_path, monkeypatch, how):
+    """Capture is on by default on nvidia, so a bucket whose capture fails must not take the engine
+    down: its steps (the failing one too) run eagerly, one RuntimeWarning names it, the other buckets
+    are still replayed, and later requests (which meet the failed bucket again) are served, all with
+    the eager engine's tokens."""
+    import warnings as warnings_module
+
+    from deepinfer.backends.cpu import CpuInvariantKernelAccelerator
+    from deepinfer.core.graphs import bucket_name
+
+    lengths = [40, 70, 33, 90, 12]  # decode batches of 5, 4, 3, 2, 1 as the requests finish
+    monkeypatch.setenv("DEEPINFER_ENFORCE_EAGER", "1")
+    eager = _engine(tmp_path, CpuInvariantKernelAccelerator())
+    assert eager.graphs is None
+    want = [_greedy_tokens(eager, lengths), _greedy_tokens(eager, lengths)]
+    monkeypatch.delenv("DEEPINFER_ENFORCE_EAGER")
+    engine = _engine(tmp_path, _FailsOnce(how))
+    with warnings_module.catch_warnings(record=True) as caught:
+        warnings_module.simplefilter("always")
+        got = [_greedy_tokens(engine, lengths)]
+        got.append(_greedy_tokens(engine, lengths))  # the failed bucket comes back: eager, no new warning
+    graphs = engine.graphs
+    assert got == want
+    assert len(graphs.failed) == 1, graphs.failed
+    [failed] = graphs.failed
+    ours = [w for w in caught if "step bucket" in str(w.message)]
+    assert len(ours) == 1 and issubclass(ours[0].category, RuntimeWarning), [str(w.message) for w in ours]
+    assert bucket_name(failed) in str(ours[0].message) and "injected" in str(ours[0].message)
+    assert graphs.stats["eager"] > 1 and graphs.stats["replayed"] > 5, graphs.stats  # others still replayed
+
+
+class _BadTape:
+    """A cpu accelerator whose tapes have one constant swapped for a tensor of the wrong shape, so
+    their replays raise at that call: before the step's pool write, or after it."""
+
+    def __new__(cls, bad: torch.Tensor, swapped: torch.Tensor):
+        base = type(kernels_accel())
+
+        class BadTape(base):
+            def compile_step(self, recording, step_fn):
+                rec = copy.copy(recording)
+                rec.constants = [bad if c is swapped else c for c in recording.constants]
+                return super().compile_step(rec, step_fn)
+
+        return BadTape()
+
+
+@pytest.mark.parametrize("where", ["before the pool write", "after the pool write"])
+def test_a_replay_that_fails_reruns_eagerly_only_when_it_had_written_nothing(where):
+    """A replay that raised before any call that writes a pool leaves the state as it found it: the
+    step runs eagerly instead, with the eager results and pool writes, and the bucket stays eager. One
+    that raised after the write cannot be rerun (the eager step would start from half its writes):
+    that is an error naming the bucket and DEEPINFER_ENFORCE_EAGER, not a silent wrong answer."""
+    import warnings as warnings_module
+
+    from deepinfer.core.graphs import bucket_name
+
+    pool, scale, weight = torch.zeros(10, 4), torch.full((4,), 2.0), torch.arange(4.0)
+    swapped = scale if where.startswith("before") else weight
+    graphs = StepGraphs(_BadTape(torch.ones(3), swapped), max_tokens=8)
+
+    def step(rows, values):
+        pool.index_copy_(0, rows, values * scale)
+        return pool.sum(0) * weight
+
+    for k in range(2):  # recorded twice, compiled
+        rows, values = torch.tensor([k, k + 1]), torch.full((2, 4), float(k + 1))
+        graphs.run(("w",), lambda: step(rows, values), [rows, values])
+    [bucket_key] = graphs.buckets
+    rows, values = torch.tensor([5, 6]), torch.full((2, 4), 7.0)
+    want_pool = pool.clone()
+    want_pool[5:7] = 14.0
+    with warnings_module.catch_warnings(record=True) as caught:
+        warnings_module.simplefilter("always")
+        if where.startswith("before"):
+            got = graphs.run(("w",), lambda: step(rows, values), [rows, values])
+            assert torch.equal(pool, want_pool) and torch.equal(got, want_pool.sum(0) * weight)
+            rows, values = torch.tensor([8, 9]), torch.full((2, 4), 1.0)
+            graphs.run(("w",), lambda: step(rows, values), [rows, values])  # eager now: no replay, no warning
+            assert torch.equal(pool[8:10], torch.full((2, 4), 2.0))
+        else:
+            with pytest.raises(RuntimeError, match="DEEPINFER_ENFORCE_EAGER") as raised:
+                graphs.run(("w",), lambda: step(rows, values), [rows, values])
+            assert bucket_name(bucket_key) in str(raised.value)
+    assert [bucket_name(bucket_key) in str(w.message) for w in caught] == [True]
+    assert graphs.stats["replayed"] == 0 and graphs.stats["failed"] == 1 and list(graphs.failed) == [bucket_key]
+
+
+def test_a_recorder_error_leaves_the_eager_step_whole(monkeypatch):
+    """A bug of the recorder's own (here: it raises on every multiplication it notes) must not break the
+    eager step it watches: the step's result and writes are whole, one warning names the bucket, and
+    the bucket runs eagerly, never recorded again."""
+    import warnings as warnings_module
+
+    from deepinfer.core import graphs as graphs_module
+
+    original = graphs_module._Recorder._note
+
+    def note(self, func, args, kwargs, out):
+        if func is torch.ops.aten.mul.Tensor:
+            raise KeyError("injected")
+        return original(self, func, args, kwargs, out)
+
+    monkeypatch.setattr(graphs_module._Recorder, "_note", note)
+    graphs = StepGraphs(kernels_accel(), max_tokens=8)
+    pool = torch.zeros(4)
+    with warnings_module.catch_warnings(record=True) as caught:
+        warnings_module.simplefilter("always")
+        for k in range(4):
+            x = torch.full((4,), float(k))
+            out = graphs.run(("r",), lambda: pool.add_(x * 2) + 1, [x])
+            assert torch.equal(out, pool + 1)
+    assert torch.equal(pool, torch.full((4,), 12.0))
+    assert graphs.stats == {"recorded": 1, "replayed": 0, "eager": 3, "compiled": 0, "failed": 1}, graphs.stats
+    assert len([w for w in caught if "step bucket" in str(w.message)]) == 1

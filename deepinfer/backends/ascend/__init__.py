@@ -29,7 +29,6 @@ Op mapping (a torch_npu operator is used only where its documented semantics equ
 | route_hash          | Triton scores                                                       [a]  |
 | apply_token_bitmask | Triton (shared kernel)                                              [a]  |
 | linear, grouped_linear, embedding | reference: plain torch (aclnn matmul / gather on the NPU)  |
-| fp8_block_linear    | reference: plain torch (dequantize, then aclnn matmul)              [g]  |
 | FP8 / FP4 weights   | widened per call (row chunks; only the experts a call hits)         [g]  |
 | sample              | reference: plain torch                                              [f]  |
 
@@ -69,10 +68,9 @@ calls through tests/ascend/shim, the Triton kernels through the Triton interpret
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from deepinfer import envs
 from deepinfer.backends import reference
 from deepinfer.backends.ascend import ascendc, npu_ops
 from deepinfer.backends.base import Accelerator, WeightRole
@@ -118,7 +116,6 @@ class AscendAccelerator(Accelerator):
     dist_backend = "hccl"
     batch_invariant = False
     deterministic_sampling = False  # seq_seed still seeds sampling; identical reruns are not guaranteed
-    fp8_weights = False
     preferred_dtype = torch.bfloat16
 
     # torch_npu fused operators
@@ -145,7 +142,6 @@ class AscendAccelerator(Accelerator):
     # the reference's plain torch (aclnn matmul / gather / sort on the NPU)
     linear = staticmethod(reference.linear)
     grouped_linear = staticmethod(reference.grouped_linear)
-    fp8_block_linear = staticmethod(reference.fp8_block_linear)
     embedding = staticmethod(reference.embedding)
     sample = staticmethod(reference.sample)
 
@@ -155,7 +151,7 @@ class AscendAccelerator(Accelerator):
         if self.shim:
             # tests/ascend: torch_npu is the plain-torch shim, so tensors live on the CPU and the
             # Triton kernels must run through the interpreter
-            if os.environ.get("TRITON_INTERPRET", "") != "1":
+            if not envs.triton_interpreter():
                 raise _unavailable("the torch_npu test shim runs on CPU tensors: set TRITON_INTERPRET=1")
             self.device = torch.device("cpu")
         else:

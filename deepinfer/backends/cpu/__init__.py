@@ -28,7 +28,6 @@ class CpuAccelerator(Accelerator):
     batch_invariant = False
     deterministic_sampling = False
     batch_invariant_mode = True
-    fp8_weights = False
     # The "device" is the host: a forward on a worker thread and the next step's planning contend
     # for the GIL, and the overlap measured 0.76x (batch 32) to 0.95x (batch 1) of synchronous steps.
     overlap_scheduling = False
@@ -42,7 +41,6 @@ class CpuAccelerator(Accelerator):
 
     linear = staticmethod(reference.linear)
     grouped_linear = staticmethod(reference.grouped_linear)
-    fp8_block_linear = staticmethod(reference.fp8_block_linear)
     embedding = staticmethod(reference.embedding)
     rms_norm = staticmethod(reference.rms_norm)
     rope = staticmethod(reference.rope)

@@ -30,6 +30,7 @@ import warnings
 
 import torch
 
+from deepinfer import envs
 from deepinfer.backends import reference as ops
 from deepinfer.backends.cpu import quant_kernels as quant
 
@@ -59,14 +60,9 @@ def build_digest(sources: list[str] | None = None) -> str:
 
 def build_dir(name: str = "cpu_kernels", sources: list[str] | None = None) -> str:
     """Where a build of `sources` lives: ~/.cache/deepinfer/<name>/<digest> (XDG_CACHE_HOME honoured)."""
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    path = os.path.join(root, "deepinfer", name, build_digest(sources))
+    path = os.path.join(envs.cache_root(), "deepinfer", name, build_digest(sources))
     os.makedirs(path, exist_ok=True)
     return path
-
-
-def _build_dir() -> str:
-    return build_dir()
 
 
 def load() -> bool:
@@ -74,7 +70,7 @@ def load() -> bool:
     global _loaded
     with _lock:
         if _loaded is None:
-            _loaded = _try_load(_build_dir())
+            _loaded = _try_load(build_dir())
         return _loaded
 
 

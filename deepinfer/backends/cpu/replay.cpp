@@ -110,6 +110,7 @@ class Tape {
 
   std::vector<at::Tensor> run(const std::vector<at::Tensor>& inputs) {
     py::gil_scoped_release no_gil;  // only the dispatcher and kernels from here on
+    completed_ = 0;
     return execute(inputs, nullptr, {});
   }
 
@@ -121,6 +122,7 @@ class Tape {
                                     int64_t steps, const std::vector<int64_t>& feedback,
                                     const std::vector<at::Tensor>& previous) {
     py::gil_scoped_release no_gil;
+    completed_ = 0;
     TORCH_CHECK(feedback.size() % 2 == 0, "replay: feedback is (output, input) pairs");
     std::vector<std::vector<at::Tensor>> outputs(outputs_.size());
     std::vector<at::Tensor> inputs(per_step.size() + shared.size()), last = previous;
@@ -146,6 +148,7 @@ class Tape {
       const std::vector<at::Tensor>& inputs, const std::vector<int64_t>& thread_counts, int64_t repeats,
       double min_seconds) {
     py::gil_scoped_release no_gil;
+    completed_ = 0;
     std::vector<std::vector<double>> seconds(instructions_.size(),
                                              std::vector<double>(thread_counts.size() + 1, -1.0));
     auto out = execute(inputs, &seconds, {thread_counts, repeats, min_seconds});
@@ -153,6 +156,10 @@ class Tape {
   }
 
   int64_t size() const { return static_cast<int64_t>(instructions_.size()); }
+
+  // Instructions the last run, run_steps or profile call finished (over all its steps): where one
+  // that raised stopped, so the caller can tell whether it had written state (replay.py).
+  int64_t completed() const { return completed_; }
 
   std::vector<std::string> op_names() const {
     std::vector<std::string> names;
@@ -253,6 +260,7 @@ class Tape {
         }
         stack.clear();
         for (int32_t s : ins.frees) slots_[s].reset();
+        ++completed_;
       }
     } catch (...) {
       if (saved_threads != at::get_num_threads()) at::set_num_threads(saved_threads);
@@ -292,6 +300,7 @@ class Tape {
   std::vector<int64_t> inputs_, outputs_;
   std::vector<Instruction> instructions_;
   std::vector<InputSpec> input_specs_;
+  int64_t completed_ = 0;
 };
 
 }  // namespace
@@ -306,5 +315,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("run_steps", &Tape::run_steps)
       .def("profile", &Tape::profile)
       .def("op_names", &Tape::op_names)
+      .def("completed", &Tape::completed)
       .def("__len__", &Tape::size);
 }

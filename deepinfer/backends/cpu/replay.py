@@ -34,7 +34,7 @@ import warnings
 
 import torch
 
-from deepinfer.backends.base import Const, Instruction, Slot
+from deepinfer.backends.base import Const, Instruction, ReplayError, Slot
 from deepinfer.backends.cpu import kernels
 
 _HERE = os.path.dirname(__file__)
@@ -77,23 +77,36 @@ def _build():
 
 
 class TapeStep:
-    """A compiled step: `step(inputs) -> outputs` (the recording's output tensors, new each call)."""
+    """A compiled step: `step(inputs) -> outputs` (the recording's output tensors, new each call).
+    A call that raises raises ReplayError, saying whether the tape had reached `first_write` (the
+    first instruction that writes a pool or an input: Instruction.writes_state; None: none does) when
+    it stopped. Not given, any failure counts as one that wrote."""
 
-    def __init__(self, tape, options: list[int]):
+    def __init__(self, tape, options: list[int], first_write: int | None = 0):
         self.tape, self.options = tape, options
+        self.first_write = first_write
         self.threads: list[int] | None = None  # chosen per instruction at the first call
         self.until_choice = 0  # replays before the threads are chosen (again)
 
+    def _checked(self, call, *args, after_a_step: bool = False):
+        """call(*args) on the tape; an exception becomes ReplayError. `after_a_step`: a whole step of
+        the same replay ran before this call (run_steps after its profiled first step)."""
+        try:
+            return call(*args)
+        except Exception as exc:  # noqa: BLE001 - any operator's error, with where it stopped
+            written = self.first_write is not None and (after_a_step or self.tape.completed() >= self.first_write)
+            raise ReplayError(f"{type(exc).__name__}: {exc}", state_written=written) from exc
+
     def __call__(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         if self.options and self.until_choice <= 0:
-            outputs, seconds = self.tape.profile(inputs, self.options, _PROFILE_REPEATS, _MIN_TRIED)
+            outputs, seconds = self._checked(self.tape.profile, inputs, self.options, _PROFILE_REPEATS, _MIN_TRIED)
             self.threads = self._whole_tape([self._choose(times[:-1]) for times in seconds],
                                             [times[-1] for times in seconds])
             self.tape.set_threads(self.threads)
             self.until_choice = _RECHOOSE_EVERY
             return outputs
         self.until_choice -= 1
-        return self.tape.run(inputs)
+        return self._checked(self.tape.run, inputs)
 
     def run_steps(self, per_step: list[torch.Tensor], shared: list[torch.Tensor], steps: int,
                   feedback: list[tuple[int, int]]) -> list[torch.Tensor]:
@@ -109,7 +122,8 @@ class TapeStep:
                 return [o[None] for o in previous]
         self.until_choice -= steps - first
         rest = [t[first:] for t in per_step] if first else per_step
-        out = self.tape.run_steps(rest, list(shared), steps - first, pairs, previous)
+        out = self._checked(self.tape.run_steps, rest, list(shared), steps - first, pairs, previous,
+                            after_a_step=bool(first))
         return out if not first else [torch.cat([p[None], o]) for p, o in zip(previous, out)]
 
     def _choose(self, times: list[float]) -> int:
@@ -175,7 +189,8 @@ def compile_recording(recording, thread_options: list[int] = (), fuse: bool = Fa
         schema = ins.op._schema
         tape.add(schema.name, schema.overload_name, value(ins.args), {n: value(v) for n, v in ins.kwargs.items()},
                  [from_slot[s] for s in used], used, ins.outs, frees[k])
-    return TapeStep(tape, list(thread_options))
+    first_write = next((k for k, ins in enumerate(instructions) if ins.writes_state(recording.num_inputs)), None)
+    return TapeStep(tape, list(thread_options), first_write)
 
 
 def fuse_calls(instructions: list[Instruction], outputs: set[int]) -> list[Instruction]:

@@ -45,7 +45,6 @@ class NvidiaAccelerator(Accelerator):
     # by the token count, so DEEPINFER_BATCH_INVARIANT has nothing to switch here.
     batch_invariant = True
     deterministic_sampling = True
-    fp8_weights = True  # linear on an FP8 QuantizedWeight runs the Triton FP8 block GEMM
     preferred_dtype = torch.bfloat16
 
     def __init__(self) -> None:
@@ -84,7 +83,6 @@ class NvidiaAccelerator(Accelerator):
             weight = weight.dequantize()
         return gemm.grouped_linear(x, weight)
 
-    fp8_block_linear = staticmethod(fp8.fp8_block_linear)
     fp8_qdq = staticmethod(quant.fp8_qdq)
     fp4_qdq = staticmethod(quant.fp4_qdq)
     moe_experts = staticmethod(gemm.moe_experts)

@@ -12,6 +12,11 @@ capture itself executes nothing, and the replay that follows runs the step. A re
 inputs into the buffers, replays the graph and returns copies of its outputs: the graph writes the
 same output buffers on every replay, and with overlapped scheduling the engine still reads a step's
 logits while the next step runs.
+
+A capture or replay that raises raises ReplayError with state_written False, and the engine runs the
+bucket eagerly from then on (core/graphs.py): a capture executes nothing, and a graph launch that
+fails fails before any of its kernels runs (a kernel's own fault is asynchronous and surfaces at a
+later synchronisation, not here; the CUDA context is lost then in any case).
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+
+from deepinfer.backends.base import ReplayError
 
 
 def _flatten(value) -> list[torch.Tensor]:
@@ -45,8 +52,14 @@ class CapturedStep:
             def run():
                 self.outputs[0] = _flatten(self.step_fn(self.static))
 
-            self.replay = self.capture(run)
-        self.replay()
+            try:
+                self.replay = self.capture(run)
+            except Exception as exc:  # noqa: BLE001 - any capture error: the step runs eagerly instead
+                raise ReplayError(f"capture failed: {type(exc).__name__}: {exc}", state_written=False) from exc
+        try:
+            self.replay()
+        except Exception as exc:  # noqa: BLE001
+            raise ReplayError(f"replay failed: {type(exc).__name__}: {exc}", state_written=False) from exc
         return [o.clone() for o in self.outputs[0]]
 
 

@@ -145,21 +145,6 @@ def _fp8_dot_default(device: torch.device) -> bool:
     return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: int = 128,
-                     fp8_dot: bool | None = None) -> torch.Tensor:
-    """Accelerator.fp8_block_linear. fp8_dot: tl.dot on fp8 operands (default where the GPU has fp8
-    tensor cores, and under the interpreter) instead of upcasting to fp32."""
-    k, n = x.shape[-1], weight.shape[0]
-    if weight.dtype != torch.float8_e4m3fn or weight.shape[1] != k:
-        raise ValueError(f"fp8_block_linear: weight must be float8_e4m3fn [N, {k}], got {weight.dtype} "
-                         f"{tuple(weight.shape)}")
-    if tuple(weight_scale.shape) != (triton.cdiv(n, block), triton.cdiv(k, block)):
-        raise ValueError(f"fp8_block_linear: weight_scale {tuple(weight_scale.shape)} != "
-                         f"{(triton.cdiv(n, block), triton.cdiv(k, block))} for weight {tuple(weight.shape)}, "
-                         f"block {block}")
-    return _gemm(x, weight, weight_scale.float(), (block, block), False, fp8_dot)
-
-
 def takes(weight: QuantizedWeight) -> bool:
     """Whether `quantized_linear` runs this weight: FP8 whose K block is a power of two >= 16 and,
     when the model quantizes activations itself (weight.act), in groups of that same K block."""
@@ -179,7 +164,7 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, fp8_dot: bool | N
 def _gemm(x, weight, scale, block: tuple[int, int], pow2: bool, fp8_dot: bool | None) -> torch.Tensor:
     b0, b1 = block
     if b1 < 16 or b1 & (b1 - 1):
-        raise ValueError(f"fp8_block_linear: block {b1} must be a power of two >= 16")
+        raise ValueError(f"FP8 linear: the K block {b1} must be a power of two >= 16")
     lead, k = x.shape[:-1], x.shape[-1]
     n = weight.shape[0]
     kb = triton.cdiv(k, b1)

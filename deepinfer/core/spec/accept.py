@@ -1,4 +1,5 @@
-"""Lossless acceptance of draft tokens (DSPARK.md, "Acceptance").
+"""Lossless acceptance of draft tokens: speculative sampling's rule, so a request's tokens follow the
+target model's distribution whatever the drafter proposed.
 
 Greedy rows (temperature < 1e-5): accept while the draft equals the target's argmax, then
 the target's token. Sampled rows: accept draft x with probability min(1, p_t(x) / p_d(x));

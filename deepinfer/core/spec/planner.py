@@ -1,4 +1,5 @@
-"""How many drafts each request verifies (DSPARK.md, "Verification length").
+"""How many drafts each request verifies: DSpark's confidence-scheduled verification length
+(DEEPINFER_ENABLE_MTP_VARLEN), or a fixed one.
 
 Fixed: every request verifies min(max_draft, its cap). Dynamic (DEEPINFER_ENABLE_MTP_VARLEN=1):
 1. the total budget K of draft tokens maximises expected tokens per second,

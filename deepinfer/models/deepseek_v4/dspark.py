@@ -1,4 +1,5 @@
-"""The DSpark drafter for DeepSeek-V4 (DSPARK.md), written only against Accelerator ops.
+"""The DSpark drafter for DeepSeek-V4 (DeepSeek's block drafter for speculative decoding; the engine
+side is core/spec/), written only against Accelerator ops.
 
 Context: at every target forward the attention input of the `dspark_target_layer_ids`
 layers (averaged over hc streams) is concatenated, projected back to D (main_proj) and

@@ -1,5 +1,6 @@
 """DeepSeek-V4.1's DSpark drafter: the checkpoint's `mtp.K` stages behind core/spec's interface
-(DSPARK.md; IMPLEMENTING.md, section 8).
+(tests/goldens/v41/IMPLEMENTING.md, section 8: the stages as the reference computes them; the
+DeepSeek-V4 drafter it follows: models/deepseek_v4/dspark.py).
 
 Context: the input of the `dspark_target_layer_ids` layers (after Engram), averaged over the hc
 copies, concatenated, projected (stage 0's main_proj, FP8) and normed: one row per position. Each
