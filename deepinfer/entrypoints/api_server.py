@@ -44,7 +44,7 @@ logger = logging.getLogger("deepinfer.server")
 
 def _shaped(path: str, error: APIError) -> dict:
     """The error body in the shape of the API the path belongs to."""
-    return error_body(error.status, error.message) if path.startswith("/v1/messages") else error.body()
+    return error_body(error.status, error.message, error.param) if path.startswith("/v1/messages") else error.body()
 
 
 def _error_response(request: Request, error: APIError) -> JSONResponse:

@@ -22,7 +22,10 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
                503: "overloaded_error", 529: "overloaded_error"}
 
 
-def error_body(status: int, message: str) -> dict:
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    """Anthropic's errors have no `param`: the message names the field instead."""
+    if param and param not in message:
+        message = f"{param}: {message}"
     return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error" if status >= 500 else
                                                                "invalid_request_error"), "message": message}}
 

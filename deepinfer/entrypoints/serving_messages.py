@@ -346,7 +346,7 @@ async def _stream(turn, writer: MessageWriter):
 
 
 def _error_event(exc: APIError) -> str:
-    return named_sse(error_body(exc.status, exc.message))
+    return named_sse(error_body(exc.status, exc.message, exc.param))
 
 
 async def count_tokens(body: CountTokensRequest, state: ServerState) -> dict:

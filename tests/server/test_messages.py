@@ -99,7 +99,7 @@ def _bad(claude, status: int = 400, **kw) -> dict:
         {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}]),
      "messages[0].content[0]"),
     (dict(tools=[{"name": "f", "input_schema": {"type": "object"}}]), "tools"),
-    (dict(tools=[{"type": "web_search_20250305", "name": "web_search"}]), "tools[0].type"),
+    (dict(tools=[{"type": "web_search_20250305", "name": "web_search"}]), "tools[0]"),
     (dict(thinking={"type": "enabled", "budget_tokens": 1024}), "thinking"),
     (dict(tool_choice={"type": "any"}), "tool_choice"),
 ])
