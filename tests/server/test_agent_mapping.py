@@ -36,8 +36,8 @@ CHAT_HISTORY = [  # the conversation both agent APIs' histories below stand for,
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "Weather in Paris and Rome?"},
     {"role": "assistant", "content": "Checking.", "reasoning_content": "I need the weather.",
-     "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
-                    {"id": "c2", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+     "tool_calls": [{"id": f"c{i}", "type": "function", "function": {"name": "get_weather", "arguments": args}}
+                    for i, args in ((1, '{"city": "Paris"}'), (2, '{"city": "Rome"}'))]},
     {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
     {"role": "tool", "tool_call_id": "c2", "content": "rain"},
     {"role": "user", "content": "Thanks. Tomorrow?"},
@@ -66,8 +66,8 @@ def _without_ids(value):
 
 
 def _responses_body(**kw) -> ResponsesRequest:
-    return ResponsesRequest(model="m", input=kw.pop("input", "Weather?"), tools=[{"type": "function", **WEATHER["function"]}],
-                            **kw)
+    return ResponsesRequest(model="m", input=kw.pop("input", "Weather?"),
+                            tools=[{"type": "function", **WEATHER["function"]}], **kw)
 
 
 # ------------------------------------------------------------------ /v1/responses
@@ -201,8 +201,8 @@ def test_the_anthropic_client_accumulates_any_split_to_the_whole_message():
 
 
 def test_stop_reasons():
-    for finish, stop, reason, sequence in [("length", None, "max_tokens", None), ("stop", "\n\n", "stop_sequence", "\n\n"),
-                                           ("stop", 1, "end_turn", None)]:
+    for finish, stop, reason, sequence in [("length", None, "max_tokens", None),
+                                           ("stop", "\n\n", "stop_sequence", "\n\n"), ("stop", 1, "end_turn", None)]:
         writer = MessageWriter("m", 1)
         writer.feed(ChatDelta(content="hi"))
         events = writer.finish(finish, stop, 2)
