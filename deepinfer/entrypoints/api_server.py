@@ -4,7 +4,8 @@
 control are plain ASGI middleware so they answer before a handler reads anything: an oversized
 body gets 413 without being buffered past the limit, a missing API key 401. Every error,
 including FastAPI's own validation and routing errors, has OpenAI's shape
-`{"error": {"message", "type", "param", "code"}}`.
+`{"error": {"message", "type", "param", "code"}}`, except on Anthropic's /v1/messages routes, whose
+errors have Anthropic's shape `{"type": "error", "error": {"type", "message"}}`.
 
 Shutdown (SIGTERM or Ctrl-C): uvicorn stops accepting connections; the engine accepts no new
 request, lets running ones finish for `shutdown_timeout` seconds, then aborts the rest (their
@@ -30,22 +31,36 @@ from deepinfer.entrypoints.async_llm import AsyncLLM
 from deepinfer.entrypoints.chat import load_chat_format
 from deepinfer.entrypoints.metrics import ServerMetrics
 from deepinfer.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from deepinfer.entrypoints.protocol_anthropic import CountTokensRequest, MessagesRequest, error_body
+from deepinfer.entrypoints.protocol_responses import ResponsesRequest
 from deepinfer.entrypoints.serving import APIError, ServerState
 from deepinfer.entrypoints.serving_chat import create_chat_completion
 from deepinfer.entrypoints.serving_completion import create_completion
+from deepinfer.entrypoints.serving_messages import count_tokens, create_message
+from deepinfer.entrypoints.serving_responses import create_response
 
 logger = logging.getLogger("deepinfer.server")
 
 
-async def _send_error(send, error: APIError) -> None:
-    body = json.dumps(error.body()).encode()
+def _shaped(path: str, error: APIError) -> dict:
+    """The error body in the shape of the API the path belongs to."""
+    return error_body(error.status, error.message, error.param) if path.startswith("/v1/messages") else error.body()
+
+
+def _error_response(request: Request, error: APIError) -> JSONResponse:
+    return JSONResponse(_shaped(request.url.path, error), status_code=error.status)
+
+
+async def _send_error(send, path: str, error: APIError) -> None:
+    body = json.dumps(_shaped(path, error)).encode()
     await send({"type": "http.response.start", "status": error.status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body})
 
 
 class Guard:
-    """ASGI middleware: the API key on /v1 routes, and the body size limit."""
+    """ASGI middleware: the API key on /v1 routes (`Authorization: Bearer <key>`, or `x-api-key: <key>`
+    as Anthropic's clients send it), and the body size limit."""
 
     def __init__(self, app, api_key: str | None, max_body_bytes: int):
         self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
@@ -55,15 +70,18 @@ class Guard:
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
         if self.api_key is not None and scope["path"].startswith("/v1"):
-            given = headers.get(b"authorization", b"").decode("latin-1")
-            if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
-                return await _send_error(send, APIError(401, "Incorrect or missing API key: send "
-                                                        "'Authorization: Bearer <key>'", code="invalid_api_key"))
+            bearer = headers.get(b"authorization", b"")
+            x_api_key = headers.get(b"x-api-key", b"")
+            if not (hmac.compare_digest(bearer, f"Bearer {self.api_key}".encode()) or
+                    (x_api_key and hmac.compare_digest(x_api_key, self.api_key.encode()))):
+                return await _send_error(send, scope["path"], APIError(
+                    401, "Incorrect or missing API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')",
+                    code="invalid_api_key"))
         too_large = APIError(413, f"the request body exceeds {self.max_body_bytes} bytes (--max-body-bytes)",
                              code="request_too_large")
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
-            return await _send_error(send, too_large)
+            return await _send_error(send, scope["path"], too_large)
         chunks, size, more = [], 0, True
         while more:  # read the whole body here, counting, so a body without a length cannot exceed it either
             message = await receive()
@@ -71,7 +89,7 @@ class Guard:
                 return
             size += len(message.get("body", b""))
             if size > self.max_body_bytes:
-                return await _send_error(send, too_large)
+                return await _send_error(send, scope["path"], too_large)
             chunks.append(message.get("body", b""))
             more = message.get("more_body", False)
         replayed = False
@@ -105,24 +123,24 @@ def build_app(state: ServerState, metrics: ServerMetrics, api_key: str | None = 
 
     @app.exception_handler(APIError)
     async def api_error(request, exc: APIError):
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return _error_response(request, exc)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request, exc: RequestValidationError):
         first = exc.errors()[0]
         param = _param(first.get("loc", ()))
         message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
-        return JSONResponse(APIError(400, message, param).body(), status_code=400)
+        return _error_response(request, APIError(400, message, param))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, exc: StarletteHTTPException):
         code = "not_found" if exc.status_code == 404 else None
-        return JSONResponse(APIError(exc.status_code, str(exc.detail), code=code).body(), status_code=exc.status_code)
+        return _error_response(request, APIError(exc.status_code, str(exc.detail), code=code))
 
     @app.exception_handler(Exception)
     async def crashed(request, exc: Exception):
         logger.exception("request failed")
-        return JSONResponse(APIError(500, f"internal error: {exc!r}", type="server_error").body(), status_code=500)
+        return _error_response(request, APIError(500, f"internal error: {exc!r}", type="server_error"))
 
     @app.get("/health")
     async def health():
@@ -147,6 +165,18 @@ def build_app(state: ServerState, metrics: ServerMetrics, api_key: str | None = 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await create_chat_completion(body, request, state)
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request):
+        return await create_response(body, request, state)
+
+    @app.post("/v1/messages")
+    async def messages(body: MessagesRequest, request: Request):
+        return await create_message(body, request, state)
+
+    @app.post("/v1/messages/count_tokens")
+    async def messages_count_tokens(body: CountTokensRequest):
+        return await count_tokens(body, state)
 
     return Guard(app, api_key, max_body_bytes)
 
