@@ -161,6 +161,8 @@ class DataParallelClient:
             raise
         self._send_locks = [threading.Lock() for _ in self.procs]
         infos = self._wait_ready(start_timeout_s)
+        for rank, proc in enumerate(self.procs):
+            logger.info("data-parallel rank %d of %d: pid %d", rank, parallel.world_size, proc.pid)
         self.engine = RankEngineInfo(infos[0]["max_model_len"], infos[0]["multimodal_placeholders"])
         self._loads = [info["load"] for info in infos]
         self._snapshots = [info["snapshot"] for info in infos]
