@@ -190,9 +190,10 @@ class DataParallelClient:
                         infos[r] = value
                         continue
                     self._abandon_start(f"data-parallel rank {r} failed while starting:\n"
-                                        f"{value or self._exit_reason(r)}")
+                                        f"{value or 'it ' + self._exit_reason(r)}")
                 elif self.procs[r].sentinel in ready:
-                    self._abandon_start(f"data-parallel rank {r} failed while starting: {self._exit_reason(r)}")
+                    self._abandon_start(f"data-parallel rank {r} (pid {self.procs[r].pid}) failed while starting: "
+                                        f"it {self._exit_reason(r)}")
         return [infos[r] for r in range(len(self.procs))]
 
     def _abandon_start(self, message: str | None = None):
@@ -206,8 +207,7 @@ class DataParallelClient:
     def _exit_reason(self, rank: int) -> str:
         proc = self.procs[rank]
         proc.join(1.0)  # the sentinel closes a moment before the exit status is ready
-        return f"process {proc.pid} {how_it_ended(proc.exitcode)}" if proc.exitcode is not None \
-            else f"process {proc.pid} closed its pipe"
+        return how_it_ended(proc.exitcode) if proc.exitcode is not None else "closed its pipe"
 
     # ------------------------------------------------------------ event-loop side
     @property
