@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deepinfer.entrypoints.async_llm import AsyncLLM
 from deepinfer.entrypoints.chat import load_chat_format
+from deepinfer.entrypoints.dp_client import DataParallelClient
 from deepinfer.entrypoints.metrics import ServerMetrics
 from deepinfer.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from deepinfer.entrypoints.protocol_anthropic import CountTokensRequest, MessagesRequest, error_body
@@ -201,18 +202,21 @@ def serve(model: str | None = None, *, host: str = "127.0.0.1", port: int = 8000
     from deepinfer.llm import LLM, default_model
 
     model = os.fspath(model) if model is not None else default_model()
-    llm = LLM(model, **engine_args)
-    if llm.tokenizer is None:
-        llm.close()
-        raise ValueError(f"{model} has no tokenizer.json: the server needs one to read prompts and write text")
-    fmt = load_chat_format(model, llm.tokenizer, chat_format)
     name = served_model_name or os.path.basename(os.path.normpath(model))
     metrics = ServerMetrics(name)
-    try:
-        engine = AsyncLLM(llm, max_waiting_requests, metrics)
-    except ValueError:
-        llm.close()  # e.g. a parallel layout: its worker processes go too
-        raise
+    if engine_args.get("data_parallel_size", 1) > 1:  # one rank process per data-parallel rank
+        engine = DataParallelClient(model, max_waiting_requests=max_waiting_requests, metrics=metrics, **engine_args)
+    else:
+        llm = LLM(model, **engine_args)
+        try:
+            engine = AsyncLLM(llm, max_waiting_requests, metrics)
+        except ValueError:
+            llm.close()  # e.g. a parallel layout: its worker processes go too
+            raise
+    if engine.tokenizer is None:
+        engine.close()
+        raise ValueError(f"{model} has no tokenizer.json: the server needs one to read prompts and write text")
+    fmt = load_chat_format(model, engine.tokenizer, chat_format)
     state = ServerState(engine, fmt, [name], model)
     logger.info("serving %s as %r (chat format %s) on http://%s:%d", model, name, fmt.name, host, port)
     # uvicorn's own graceful timeout is only a backstop: the engine's drain ends the streams first

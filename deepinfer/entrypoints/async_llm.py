@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 
 from deepinfer.core.request import Request, Status
-from deepinfer.entrypoints.streams import Delta, RequestGroup
+from deepinfer.entrypoints.streams import RequestGroup, next_delta
 
 logger = logging.getLogger("deepinfer.server")
 
@@ -202,23 +202,10 @@ class AsyncLLM:
         now = time.perf_counter()
         batch = []
         for rid, live in list(self._live.items()):
-            req = live.req
-            resolved = len(req.output_token_ids) - req.pending
-            done = req.is_finished
-            if resolved == live.sent_tokens and not done:
+            delta = next_delta(live, live.req, now)
+            if delta is None:
                 continue
-            end = len(req.text) if done else max(live.sent_text, len(req.text) - live.holdback)
-            delta = Delta(text=req.text[live.sent_text:end], token_ids=req.output_token_ids[live.sent_tokens:resolved])
-            if req.output_logprobs is not None:
-                delta.logprobs = req.output_logprobs[live.sent_tokens:resolved]
-            if live.first_token_time is None:
-                delta.prompt_logprobs = req.prompt_logprobs
-                if resolved:
-                    live.first_token_time = now
-            live.sent_tokens, live.sent_text = resolved, end
-            if done:
-                delta.finished, delta.finish_reason, delta.stop_reason = True, req.finish_reason, req.stop_reason
-                delta.error = req.error
+            if delta.finished:
                 del self._live[rid]
             batch.append((live.group, live.index, delta))
             if self.metrics is not None:

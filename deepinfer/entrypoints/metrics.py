@@ -51,24 +51,43 @@ class ServerMetrics:
                 self.tpot.labels(**self._labels).observe((now - live.first_token_time) / (live.sent_tokens - 1))
 
     def update_engine(self, engine, num_waiting: int) -> None:
-        cache = engine.cache
-        free = len(cache.free_pages)
-        cached = len(cache.prefix.idle) if cache.prefix is not None else 0
-        stats = engine.stats()
-        self.snapshot = {
-            "running": len(engine.scheduler.running), "waiting": num_waiting,
-            "pages_total": cache.num_pages, "pages_free": free, "pages_cached": cached,
-            "pages_used": cache.num_pages - free - cached,
-            "slots_total": cache.max_seqs, "slots_free": cache.num_free_slots,
-            "preemptions": stats.get("num_preemptions", 0),
-            "prefix_query_tokens": stats.get("prefix_cache_query_tokens", 0),
-            "prefix_hit_tokens": stats.get("prefix_cache_hit_tokens", 0),
-            "prefix_hit_rate": stats.get("prefix_cache_hit_rate", 0.0),
-            "spec_verified": stats.get("spec_verified", 0), "spec_accepted": stats.get("spec_accepted", 0),
-        }
+        self.snapshot = engine_snapshot(engine, num_waiting)
+
+    def set_snapshot(self, snapshot: dict) -> None:
+        """Engine state taken elsewhere (the ranks of a data-parallel instance, summed)."""
+        self.snapshot = snapshot
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def engine_snapshot(engine, num_waiting: int) -> dict:
+    """The engine state the gauges show, read by the thread that steps `engine`."""
+    cache = engine.cache
+    free = len(cache.free_pages)
+    cached = len(cache.prefix.idle) if cache.prefix is not None else 0
+    stats = engine.stats()
+    return {
+        "running": len(engine.scheduler.running), "waiting": num_waiting,
+        "pages_total": cache.num_pages, "pages_free": free, "pages_cached": cached,
+        "pages_used": cache.num_pages - free - cached,
+        "slots_total": cache.max_seqs, "slots_free": cache.num_free_slots,
+        "preemptions": stats.get("num_preemptions", 0),
+        "prefix_query_tokens": stats.get("prefix_cache_query_tokens", 0),
+        "prefix_hit_tokens": stats.get("prefix_cache_hit_tokens", 0),
+        "prefix_hit_rate": stats.get("prefix_cache_hit_rate", 0.0),
+        "spec_verified": stats.get("spec_verified", 0), "spec_accepted": stats.get("spec_accepted", 0),
+    }
+
+
+def combine_snapshots(snapshots: list[dict]) -> dict:
+    """Several engines' snapshots as one: counts summed, the hit rate recomputed from the sums."""
+    if not snapshots:
+        return {}
+    total = {key: sum(s[key] for s in snapshots) for key in snapshots[0]}
+    queried = total["prefix_query_tokens"]
+    total["prefix_hit_rate"] = total["prefix_hit_tokens"] / queried if queried else 0.0
+    return total
 
 
 class _EngineCollector:

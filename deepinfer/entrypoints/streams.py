@@ -31,6 +31,31 @@ class Delta:
             self.error = later.error
 
 
+def next_delta(live, req, now: float) -> Delta | None:
+    """What engine request `req` produced since `live` (anything with sent_tokens, sent_text,
+    holdback and first_token_time) last sent, advancing `live`; None when nothing changed. Text is
+    the engine's incrementally detokenized text; with stop strings the last `holdback` characters
+    wait until they cannot turn into a stop. The first delta carries the prompt logprobs; `now`
+    (perf_counter seconds) becomes `live.first_token_time` once a token is out."""
+    resolved = len(req.output_token_ids) - req.pending
+    done = req.is_finished
+    if resolved == live.sent_tokens and not done:
+        return None
+    end = len(req.text) if done else max(live.sent_text, len(req.text) - live.holdback)
+    delta = Delta(text=req.text[live.sent_text:end], token_ids=req.output_token_ids[live.sent_tokens:resolved])
+    if req.output_logprobs is not None:
+        delta.logprobs = req.output_logprobs[live.sent_tokens:resolved]
+    if live.first_token_time is None:
+        delta.prompt_logprobs = req.prompt_logprobs
+        if resolved:
+            live.first_token_time = now
+    live.sent_tokens, live.sent_text = resolved, end
+    if done:
+        delta.finished, delta.finish_reason, delta.stop_reason = True, req.finish_reason, req.stop_reason
+        delta.error = req.error
+    return delta
+
+
 class RequestGroup:
     """The engine requests of one HTTP request (n choices, or several prompts), whose deltas
     arrive, tagged with their index, on one queue owned by the event loop."""

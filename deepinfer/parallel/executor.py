@@ -96,6 +96,11 @@ def _worker_main(conn, rank: int, world_size: int, init_method: str, args: Worke
     group.destroy_group()
 
 
+def how_it_ended(exitcode: int) -> str:
+    """'was killed by SIGKILL' / 'exited with code 1' for a process's exit status."""
+    return f"was killed by {signal.Signals(-exitcode).name}" if exitcode < 0 else f"exited with code {exitcode}"
+
+
 class SpawnedWorkers:
     """world_size worker processes on this machine (torch.multiprocessing, spawn)."""
 
@@ -168,11 +173,9 @@ class SpawnedWorkers:
         for r, proc in enumerate(self.procs):
             if proc.sentinel in exited:
                 proc.join()  # the sentinel closes a moment before the exit status is ready
-                code = proc.exitcode
-                if code == 0:
+                if proc.exitcode == 0:
                     continue
-                how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-                lines.append(f"worker rank {r} (pid {proc.pid}) {how}")
+                lines.append(f"worker rank {r} (pid {proc.pid}) {how_it_ended(proc.exitcode)}")
         return lines
 
     def _fail(self, message: str):

@@ -104,24 +104,29 @@ class RankWorker:
         return {i: req.to_output() for i, req in requests.items()}
 
     def _run_lockstep(self) -> None:
-        if self.ep is None and self.cp is None:  # pure data parallelism: ranks share no collective, run free
-            while self.engine.has_unfinished():
-                self.engine.step()
-                self.steps += 1
-            return
-        device = self.engine.accel.device
-        while True:
-            busy = self.engine.has_unfinished()
-            if not group.any_rank(busy, device):
-                return
-            before = self.engine.num_forwards
+        while self.step_once():
+            pass
+
+    def step_once(self) -> bool:
+        """One iteration of the lockstep loop; False when no rank had work (then nothing ran).
+        Pure data parallelism shares no collective: a rank steps only itself, and only when busy."""
+        busy = self.engine.has_unfinished()
+        if self.ep is None and self.cp is None:
             if busy:
                 self.engine.step()
-            if self.engine.num_forwards == before and self.ep is not None:
-                self.ep.idle_step()
-            self.steps += 1
-            if self.ep is not None:
-                self.ep.end_step(self.steps)
+                self.steps += 1
+            return busy
+        if not group.any_rank(busy, self.engine.accel.device):
+            return False
+        before = self.engine.num_forwards
+        if busy:
+            self.engine.step()
+        if self.engine.num_forwards == before and self.ep is not None:
+            self.ep.idle_step()
+        self.steps += 1
+        if self.ep is not None:
+            self.ep.end_step(self.steps)
+        return True
 
     # ------------------------------------------------------------ introspection
     def stats(self) -> dict:
