@@ -90,7 +90,12 @@ BAD = [
     (dict(extra_body={"so_args": {"schema_type": "regex", "schema": "(unclosed"}}), "so_args"),
     (dict(extra_body={"so_args": {"schema_type": "yaml", "schema": "x"}}), "so_args"),
     (dict(extra_body={"colour": "red"}), "colour"), (dict(suffix="x"), "suffix"), (dict(best_of=3), "best_of"),
-    (dict(frequency_penalty=0.5), "frequency_penalty"), (dict(logit_bias={"5": 1.0}), "logit_bias"),
+    (dict(frequency_penalty=2.5), "frequency_penalty"), (dict(presence_penalty=-3), "presence_penalty"),
+    (dict(logit_bias={"5": 101.0}), "logit_bias"), (dict(logit_bias={"10000000": 1.0}), "logit_bias"),  # past the vocab
+    (dict(n=129), "n"), (dict(extra_body={"repetition_penalty": 0}), "repetition_penalty"),
+    (dict(extra_body={"min_p": 1.5}), "min_p"), (dict(extra_body={"min_tokens": 9}), "min_tokens"),  # > max_tokens 4
+    (dict(extra_body={"allowed_token_ids": [10 ** 7]}), "allowed_token_ids"),
+    (dict(extra_body={"bad_words": [""]}), "bad_words"),
 ]
 
 
@@ -159,3 +164,22 @@ def test_a_grammar_that_compiles_too_slowly_is_a_400(authed):
             for _ in resp:  # a stream reports the error as an event
                 pass
         assert "DEEPINFER_XGRAMMAR_TIMEOUT" in str(err.value)
+
+
+def test_vllm_sampling_fields_and_n_streaming(authed):
+    """Penalties, bias and vLLM's extra fields are accepted on both routes; n streams with choice indexes,
+    each choice's text equal to the same request without streaming (seeded: choice i gets seed + i)."""
+    fields = dict(frequency_penalty=0.5, presence_penalty=0.3, logit_bias={"5": -100},
+                  extra_body={"repetition_penalty": 1.2, "min_p": 0.05, "min_tokens": 3, "top_k": 20,
+                              "bad_words": ["import"], "include_stop_str_in_output": True, "skip_special_tokens": True})
+    body = dict(model=SHIPPED, prompt="def f(x):", max_tokens=12, temperature=0.8, seed=7, n=2, **fields)
+    whole = authed.completions.create(**body)
+    assert sorted(c.index for c in whole.choices) == [0, 1]
+    texts = {0: "", 1: ""}
+    for chunk in authed.completions.create(**body, stream=True):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == {c.index: c.text for c in whole.choices}
+    chat = authed.chat.completions.create(model=SHIPPED, messages=[{"role": "user", "content": "hi"}], max_tokens=8,
+                                          temperature=0.0, n=2, **fields)
+    assert [c.index for c in chat.choices] == [0, 1] and chat.choices[0].message.content == chat.choices[1].message.content
