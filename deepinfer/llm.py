@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -65,6 +66,20 @@ def _prompt_entry(prompt, i: int) -> tuple[str | None, list[int] | None, dict | 
     if text is not None and (not isinstance(text, str) or not text):
         raise ValueError(f"prompts[{i}]['prompt'] must be a non-empty string")
     return text, None if ids is None else list(ids), prompt.get("multi_modal_data")
+
+
+def _merge_samples(outputs: list[RequestOutput], counts: list[int]) -> list[RequestOutput]:
+    """One RequestOutput per prompt: the n completions of a prompt (consecutive outputs) as its
+    `outputs`, indexed 0..n-1 (vLLM's shape)."""
+    if all(n == 1 for n in counts):
+        return outputs
+    merged, at = [], 0
+    for n in counts:
+        group, at = outputs[at:at + n], at + n
+        first = group[0]
+        completions = [dataclasses.replace(o.outputs[0], index=k) for k, o in enumerate(group)]
+        merged.append(dataclasses.replace(first, outputs=completions, finished=all(o.finished for o in group)))
+    return merged
 
 
 class LLM:
@@ -146,8 +161,13 @@ class LLM:
             for i, p in enumerate(params):
                 if not isinstance(p, SamplingParams):
                     raise TypeError(f"sampling_params[{i}] is {type(p).__name__}, expected SamplingParams")
+        counts = [p.n for p in params]
+        if any(n > 1 for n in counts):  # n completions of a prompt: n requests, each with its own seed
+            expand = lambda xs: [x for x, n in zip(xs, counts) for _ in range(n)]  # noqa: E731
+            params = [p.for_sample(k) for p, n in zip(params, counts) for k in range(n)]
+            token_lists, texts, mm_items = expand(token_lists), expand(texts), expand(mm_items)
         if self.parallel is not None:  # the ranks validate, schedule and run; outputs come back in order
-            return self.parallel.generate(token_lists, params, texts)
+            return _merge_samples(self.parallel.generate(token_lists, params, texts), counts)
         self._check_requests(token_lists, params, mm_items)
         if not self._seed_warned and any(p.seq_seed is not None for p in params):
             self._warn_if_not_deterministic()
@@ -161,7 +181,7 @@ class LLM:
             self.engine.pop_finished()
             raise
         self.engine.pop_finished()
-        return [req.to_output() for req in requests]
+        return _merge_samples([req.to_output() for req in requests], counts)
 
     def memory_report(self):
         """Where memory went (deepinfer.core.memory.MemoryReport): weights by storage kind against

@@ -3,6 +3,7 @@ with an error that names the field and says what would be accepted."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from dataclasses import dataclass, field
@@ -12,6 +13,10 @@ GREEDY_TEMPERATURE = 1e-5  # below this, sampling is argmax
 _UINT64 = 1 << 64
 SO_SCHEMA_TYPES = ("json", "regex", "ebnf")
 SO_KEYS = ("schema_type", "schema", "trigger_token_ids", "bound_token_id")
+MAX_N = 128  # completions per prompt (OpenAI's limit for `n`)
+MAX_LOGIT_BIAS = 100.0  # |bias| per token (OpenAI's range)
+PENALTY_RANGE = 2.0  # presence_penalty / frequency_penalty in [-2, 2] (OpenAI's and vLLM's range)
+MAX_REPETITION_PENALTY = 2.0  # repetition_penalty in (0, 2] (vLLM's range)
 
 
 def _is_int(value: Any) -> bool:
@@ -72,6 +77,18 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # positions up to a prefix-cache hit get None (not computed)
     seq_seed: int | None = None
     so_args: dict | None = None
+    # vLLM's names and meanings (core/logits.py applies them on the device)
+    n: int = 1  # completions of the prompt; with seq_seed, completion i samples with seq_seed + i
+    min_p: float = 0.0  # drop tokens whose probability (after temperature) is below min_p x the top one's
+    repetition_penalty: float = 1.0  # > 1 discourages tokens of the prompt and output (CTRL's rule)
+    presence_penalty: float = 0.0  # logit -= presence_penalty for each token the output holds
+    frequency_penalty: float = 0.0  # logit -= frequency_penalty x how often the output holds the token
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    min_tokens: int = 0  # EOS and stop_token_ids cannot end the output before this many tokens
+    bad_words: list[str] | None = None  # words never generated (each as its token sequence)
+    allowed_token_ids: list[int] | None = None  # only these tokens may be generated
+    include_stop_str_in_output: bool = False  # keep the stop string that ended the text
+    skip_special_tokens: bool = True  # leave special tokens out of the text
     _stop: tuple[str, ...] = field(default=(), init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -102,6 +119,71 @@ class SamplingParams:
             raise ValueError(f"seq_seed must be an int in [0, 2**64), got {self.seq_seed!r}")
         if self.so_args is not None:
             validate_so_args(self.so_args)
+        self._validate_vllm_fields()
+
+    def _validate_vllm_fields(self) -> None:
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be an int in [1, {MAX_N}] (completions per prompt), got {self.n!r}")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1] (0 disables it), got {self.min_p!r}")
+        if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ValueError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}] (1 disables it), "
+                             f"got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -PENALTY_RANGE <= value <= PENALTY_RANGE:
+                raise ValueError(f"{name} must be in [-{PENALTY_RANGE}, {PENALTY_RANGE}] (0 disables it), got {value!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a dict {{token id: bias}}, got {type(self.logit_bias).__name__}")
+            bias = {}
+            for token, value in self.logit_bias.items():
+                if isinstance(token, str) and token.strip().isdigit():  # JSON object keys are strings
+                    token = int(token)
+                if not _is_int(token) or token < 0:
+                    raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {token!r}")
+                if not _is_number(value) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                    raise ValueError(f"logit_bias[{token}] must be a number in [-{MAX_LOGIT_BIAS:g}, "
+                                     f"{MAX_LOGIT_BIAS:g}], got {value!r}")
+                bias[token] = float(value)
+            self.logit_bias = bias
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an int >= 0, got {self.min_tokens!r}")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens}): "
+                             "lower min_tokens or raise max_tokens")
+        if self.bad_words is not None and (not isinstance(self.bad_words, (list, tuple)) or
+                                           not all(isinstance(w, str) and w for w in self.bad_words)):
+            raise ValueError(f"bad_words must be a list of non-empty strings, got {self.bad_words!r}")
+        if self.allowed_token_ids is not None and (
+                not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids or
+                not all(_is_int(t) and t >= 0 for t in self.allowed_token_ids)):
+            raise ValueError(f"allowed_token_ids must be a non-empty list of token ids (ints >= 0), "
+                             f"got {self.allowed_token_ids!r}")
+        for name in ("include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+    def token_ids_to_check(self) -> dict[str, list[int]]:
+        """The fields that name token ids, for the engine's vocabulary check."""
+        return {"logit_bias": sorted(self.logit_bias or ()), "allowed_token_ids": list(self.allowed_token_ids or ())}
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether sampling needs the request's token counts (repetition, presence, frequency)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether any field changes the logits before sampling (core/logits.py); a request without
+        them samples exactly as before, at no cost."""
+        return (self.has_penalties or self.min_p > 0 or bool(self.logit_bias) or self.min_tokens > 0
+                or bool(self.bad_words) or self.allowed_token_ids is not None)
+
+    def for_sample(self, index: int) -> "SamplingParams":
+        """Completion `index` of n: the same parameters as one completion, its own seed."""
+        seed = None if self.seq_seed is None else (self.seq_seed + index) % _UINT64
+        return dataclasses.replace(self, n=1, seq_seed=seed)
 
     @property
     def greedy(self) -> bool:

@@ -385,6 +385,50 @@ class Accelerator(ABC):
         positions [B] int64. Noise is counter-based: row b draws from hash(seeds[b], positions[b])
         only, so a row's token never depends on other rows. -> [B] int64."""
 
+    # Logit adjustments of SamplingParams (core/logits.py composes them, only for the rows that ask:
+    # a batch without them calls none). Each returns a new [B, V] float32 tensor and reads row b only
+    # for row b (batch-invariant). The defaults (reference.py) are the definitions; a backend may
+    # override them with kernels (conformance: tests/conformance, tests/ascend; against transformers'
+    # logits processors: tests/unit/test_logits_ops.py).
+    def apply_penalties(self, logits: torch.Tensor, counts: torch.Tensor, prompt_mask: torch.Tensor,
+                        rows: torch.Tensor, repetition: torch.Tensor, frequency: torch.Tensor,
+                        presence: torch.Tensor) -> torch.Tensor:
+        """vLLM's penalties. logits [B, V] float32; counts [R, V] int32 (how often each token is in a
+        request's output) and prompt_mask [R, V] bool (in its prompt), pools of R request rows;
+        rows [B] int64, the pool row of logit row b (-1: row b passes through unchanged);
+        repetition, frequency, presence [B] float32. For row b with r = rows[b], c = counts[r]:
+        x = where(prompt_mask[r] | c > 0, where(x < 0, x * repetition, x / repetition), x) (CTRL's
+        repetition penalty, as transformers' RepetitionPenaltyLogitsProcessor), then
+        x = x - frequency * c - presence * (c > 0) (OpenAI's). -> [B, V] float32."""
+        from deepinfer.backends import reference
+
+        return reference.apply_penalties(logits, counts, prompt_mask, rows, repetition, frequency, presence)
+
+    def apply_min_p(self, logits: torch.Tensor, min_p: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+        """Min-p filtering before `sample`. logits [B, V] float32, min_p and temperature [B]. A row with
+        min_p > 0 and temperature >= 1e-5 gets -inf where exp(x / T - max(x / T)) < min_p, i.e. where
+        softmax(x / T) is below min_p times its largest value (transformers' MinPLogitsWarper on the
+        tempered logits); other rows pass through. The kept logits are not divided by T. -> [B, V]."""
+        from deepinfer.backends import reference
+
+        return reference.apply_min_p(logits, min_p, temperature)
+
+    def apply_logit_bias(self, logits: torch.Tensor, token_ids: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """Sparse additive bias (logit_bias, bad words and min_tokens' bans as -inf).
+        logits [B, V] float32; token_ids [B, K] int64 (-1 = no entry), bias [B, K] float32:
+        out[b, token_ids[b, k]] = logits[b, token_ids[b, k]] + bias[b, k], repeated ids summed.
+        -> [B, V] float32."""
+        from deepinfer.backends import reference
+
+        return reference.apply_logit_bias(logits, token_ids, bias)
+
+    def count_tokens(self, counts: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor) -> None:
+        """In place: counts[rows[i], tokens[i]] += 1 for every i with rows[i] >= 0 and tokens[i] >= 0,
+        repeated pairs counted each time. counts [R, V] int32, rows and tokens [N] int64."""
+        from deepinfer.backends import reference
+
+        reference.count_tokens(counts, rows, tokens)
+
     @abstractmethod
     def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
         """In place: logits[b, v] = -inf where bit v of bitmask[b] is 0. bitmask [B, ceil(V/32)]

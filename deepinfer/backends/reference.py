@@ -484,6 +484,47 @@ def sample(logits, temperature, top_k, top_p, seeds, positions, argmax=None):
     return tokens
 
 
+def apply_penalties(logits, counts, prompt_mask, rows, repetition, frequency, presence):
+    out = logits.float().clone()
+    sel = (rows >= 0).nonzero().squeeze(1)
+    if not len(sel):
+        return out
+    seen_out = counts[rows[sel]]
+    x = out[sel]
+    rep = repetition[sel].float().unsqueeze(1)
+    seen = prompt_mask[rows[sel]] | (seen_out > 0)
+    x = torch.where(seen, torch.where(x < 0, x * rep, x / rep), x)
+    x = x - frequency[sel].float().unsqueeze(1) * seen_out.float()
+    x = x - presence[sel].float().unsqueeze(1) * (seen_out > 0).float()
+    out[sel] = x
+    return out
+
+
+def apply_min_p(logits, min_p, temperature):
+    out = logits.float().clone()
+    sel = ((min_p > 0) & (temperature >= 1e-5)).nonzero().squeeze(1)
+    if not len(sel):
+        return out
+    scaled = out[sel] / temperature[sel].float().unsqueeze(1)
+    relative = torch.exp(scaled - scaled.max(dim=-1, keepdim=True).values)  # p(v) / p(top)
+    out[sel] = out[sel].masked_fill(relative < min_p[sel].float().unsqueeze(1), float("-inf"))
+    return out
+
+
+def apply_logit_bias(logits, token_ids, bias):
+    out = logits.float().clone()
+    valid = token_ids >= 0
+    rows = torch.arange(token_ids.shape[0], device=logits.device).unsqueeze(1).expand_as(token_ids)
+    out.index_put_((rows[valid], token_ids[valid]), bias[valid].float(), accumulate=True)
+    return out
+
+
+def count_tokens(counts, rows, tokens) -> None:
+    valid = (rows >= 0) & (tokens >= 0)
+    counts.index_put_((rows[valid], tokens[valid]), torch.ones_like(rows[valid], dtype=counts.dtype),
+                      accumulate=True)
+
+
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     vocab = logits.shape[-1]
     bits = torch.arange(32, dtype=torch.int32, device=logits.device)

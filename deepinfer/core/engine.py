@@ -91,6 +91,7 @@ class StepPlan:
     meta: object = None  # StepMeta: index tensors, read from the cache's block table at planning time
     logit_rows: list[int] = field(default_factory=list)
     sample_rows: list[int] = field(default_factory=list)
+    adjust: object = None  # SamplingParams' logit adjustments of the sampled rows (core/logits.py), None: none
     # per chunk: (start position, prompt-logprob rows, whether it samples), fixed at planning time
     prompt_rows: list[tuple[int, int, bool]] = field(default_factory=list)
     sampling: list[Request] = field(default_factory=list)
@@ -152,7 +153,7 @@ class LLMEngine:
             self.spec.start(self.cache, config.max_num_batched_tokens, graphs=self.graphs)
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens,
                                    BoundedReplay.from_env(self.model.replay_window, self.cache))
-        self.sampler = Sampler(accel)
+        self.sampler = Sampler(accel, cfg.vocab_size, cfg.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self.last_step = StepStats()
         self.structured = None  # structured outputs (core/structured.py), built on the first so_args request
@@ -246,6 +247,13 @@ class LLMEngine:
         if self.cache.pages_for(longest) > self.cache.num_pages:
             raise ValueError(f"a request of {longest} tokens needs {self.cache.pages_for(longest)} cache pages, "
                              f"the cache has {self.cache.num_pages}: raise cache_bytes or lower max_tokens")
+        for name, ids in params.token_ids_to_check().items():
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise ValueError(f"{name} has token ids outside [0, vocab_size={vocab}): {bad[:5]}")
+        if params.bad_words and self.tokenizer is None:
+            raise ValueError("bad_words needs the model's tokenizer (this model directory has none): pass "
+                             "tokenizer=..., or ban token ids with logit_bias {id: -100}")
         if params.so_args is not None:  # structured outputs: starts the compile, rejects what fails fast
             self._structured().check(params.so_args)
 
@@ -264,7 +272,10 @@ class LLMEngine:
         if req.request_id in self.requests:
             raise ValueError(f"request_id {req.request_id!r} is already in use")
         if self.tokenizer is not None:
-            req.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids)
+            req.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
+                                               skip_special_tokens=params.skip_special_tokens)
+        if params.bad_words:
+            req.bad_words_ids = self.tokenizer.bad_words_ids(params.bad_words)
         self.requests[req.request_id] = req
         if params.so_args is not None:  # structured outputs: reaches the scheduler once its grammar is ready
             self._structured().submit(req)
@@ -280,6 +291,7 @@ class LLMEngine:
             self.structured.discard(req)
         if self.spec is not None:
             self.spec.forget(req.request_id)
+        self.sampler.release(req)
         self.scheduler.finish(req)
         req.finish("abort")
 
@@ -363,7 +375,8 @@ class LLMEngine:
         for c in chunks:
             req = c.request
             if (c.num_tokens != 1 or not c.completes or req.num_computed < req.num_prompt_tokens or req.pending
-                    or req.params.temperature >= 1e-5 or req.params.top_logprobs or req.grammar is not None):
+                    or req.params.temperature >= 1e-5 or req.params.top_logprobs or req.grammar is not None
+                    or req.params.adjusts_logits):  # SamplingParams' adjustments run in single steps
                 return 1
             if req.window_floor and req.num_computed - req.window_floor < window:  # a replay's floor still masks keys
                 return 1
@@ -467,6 +480,7 @@ class LLMEngine:
             req.text += req.detok.flush()
         if self.spec is not None:
             self.spec.forget(req.request_id)
+        self.sampler.release(req)
         self.scheduler.finish(req)
 
     def _needs_sync(self) -> bool:
@@ -474,6 +488,9 @@ class LLMEngine:
         N+1's logits: any request under a grammar makes the step synchronous. So does drafting:
         the drafter's anchor and the next step's positions depend on how many drafts were accepted."""
         if self.spec is not None and self.spec.wants_to_draft(self.scheduler.running):
+            return True
+        # a multi-token bad word bans its last token after the others: the host must see each token
+        if any(len(w) > 1 for r in self.scheduler.running for w in r.bad_words_ids):
             return True
         if self.structured is None:
             return False
@@ -564,6 +581,7 @@ class LLMEngine:
             plan.inp.window_floor, plan.inp.num_restored = t(floors), t(restored)
         plan.meta = self.model.prepare(plan.inp, self.cache)
         plan.sampling_inputs = self.sampler.inputs(plan.sampling, positions)
+        plan.adjust = self.sampler.adjustments(plan.sampling, positions)
         plan.grammar = any(r.grammar is not None for r in plan.sampling)
         return plan
 
@@ -596,7 +614,7 @@ class LLMEngine:
                 sample_logits = logits if whole else logits[plan.sample_rows]
                 if plan.grammar:  # structured outputs: grammar bitmask before sampling (such steps are synchronous)
                     self.structured.apply_bitmask(sample_logits, plan.sampling)
-                tokens = self.sampler.sample(sample_logits, plan.sampling_inputs)
+                tokens = self.sampler.sample(sample_logits, plan.sampling_inputs, plan.adjust)
         return logits, tokens
 
     def _multimodal_rows(self, fed: list) -> list[tuple[int, torch.Tensor]]:
@@ -681,12 +699,12 @@ class LLMEngine:
             return req.finish("stop", token)
         if params.stop_token_ids and token in params.stop_token_ids:
             return req.finish("stop", token)
-        for stop in params.stop_strings:
+        resolved = len(req.output_token_ids) - req.pending
+        for stop in params.stop_strings if resolved >= params.min_tokens else ():  # none before min_tokens
             # only the tail can hold a new match: the last token added at most len(token text) chars
             at = req.text.find(stop, max(0, len(req.text) - len(stop) - 64))
             if at >= 0:
-                req.text = req.text[:at]
+                req.text = req.text[:at + len(stop)] if params.include_stop_str_in_output else req.text[:at]
                 return req.finish("stop", stop)
-        resolved = len(req.output_token_ids) - req.pending
         if resolved >= params.max_tokens or req.num_prompt_tokens + resolved >= self.max_model_len:
             return req.finish("length")

@@ -48,6 +48,7 @@ class Request:
         self.metrics = RequestMetrics(arrival_time=time.perf_counter())
         self.detok = None  # incremental detokenizer state, owned by the engine
         self.grammar = None  # structured-output state (core/structured.py RequestGrammar), owned by the engine
+        self.bad_words_ids: list[list[int]] = []  # params.bad_words as token sequences (the engine tokenizes them)
 
     @property
     def num_tokens(self) -> int:

@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from deepinfer.backends.base import Accelerator
+from deepinfer.core import logits as adjust
 from deepinfer.core.request import Request
 
 _UINT63 = 1 << 63
@@ -18,8 +19,10 @@ def _as_int64(seed: int) -> int:
 
 
 class Sampler:
-    def __init__(self, accel: Accelerator):
+    def __init__(self, accel: Accelerator, vocab: int = 0, eos_token_ids=()):
         self.accel = accel
+        self.vocab, self.eos_token_ids = vocab, tuple(eos_token_ids)
+        self.counts = adjust.TokenCounts(accel, vocab)  # pools allocated on the first penalized request
 
     def inputs(self, requests: list[Request], positions: list[int]) -> tuple[torch.Tensor, ...]:
         """Per-row sampling parameters, built on the CPU when the step is planned:
@@ -34,8 +37,38 @@ class Sampler:
         # via numpy: torch.tensor(list) costs ~5 us a call, five of them per step
         return tuple(torch.from_numpy(c).to(dev) for c in columns)
 
-    def sample(self, logits: torch.Tensor, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        return self.accel.sample(logits, *inputs)
+    def adjustments(self, requests: list[Request], positions: list[int]) -> adjust.Adjustments | None:
+        """SamplingParams' logit adjustments of a step's sampled rows (None: no request has any),
+        built with `inputs`; the history of a row is its output so far (resolved tokens)."""
+        rows = [(r, pos - r.num_prompt_tokens, r.output_token_ids[:pos - r.num_prompt_tokens] if r.bad_words_ids else [])
+                for r, pos in zip(requests, positions)]
+        return adjust.plan(rows, self.counts, self.vocab, self.eos_token_ids, self.accel.device)
+
+    def prepare(self, adj: adjust.Adjustments | None) -> None:
+        """Device work a step does before its adjustments apply (pool growth, new rows), once."""
+        if adj is not None and (adj.inits or adj.capacity):
+            self.counts.prepare(adj.capacity, adj.inits)
+            adj.inits = []
+
+    def adjust(self, logits: torch.Tensor, adj: adjust.Adjustments | None) -> torch.Tensor:
+        if adj is None:
+            return logits
+        self.prepare(adj)
+        return adjust.apply(self.accel, logits, adj, self.counts.counts, self.counts.prompt)
+
+    def count(self, adj: adjust.Adjustments | None, tokens: torch.Tensor) -> None:
+        """Add the sampled tokens to their penalized requests' counts (on the device)."""
+        if adj is not None and adj.penalty is not None:
+            self.accel.count_tokens(self.counts.counts, adj.penalty[0], tokens.to(adj.penalty[0].device))
+
+    def sample(self, logits: torch.Tensor, inputs: tuple[torch.Tensor, ...],
+               adj: adjust.Adjustments | None = None) -> torch.Tensor:
+        tokens = self.accel.sample(self.adjust(logits, adj), *inputs)
+        self.count(adj, tokens)
+        return tokens
+
+    def release(self, req: Request) -> None:
+        self.counts.release(req)
 
 
 def top_logprobs(logits: torch.Tensor, chosen: torch.Tensor, k: int) -> list[dict[int, float]]:

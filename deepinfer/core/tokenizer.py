@@ -53,24 +53,36 @@ class Tokenizer:
             ids = [self.bos_token_id] + ids
         return ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def bad_words_ids(self, words: list[str]) -> list[list[int]]:
+        """SamplingParams.bad_words as token sequences, as vLLM makes them: each word as written and
+        with a leading space (how it is spelled after another word), without special tokens."""
+        out: list[list[int]] = []
+        for word in words:
+            for spelling in (word, " " + word.lstrip(" ")):
+                ids = self._tok.encode(spelling, add_special_tokens=False).ids
+                if ids and ids not in out:
+                    out.append(ids)
+        return out
 
 
 class IncrementalDetokenizer:
     """Text grows token by token without re-decoding everything: decode a short window
     of recent tokens and emit what it adds, holding back incomplete UTF-8 ("\ufffd")."""
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int]):
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.ids = list(prompt_ids[-6:])  # context so merges at the boundary decode correctly
         self.prefix = 0
         self.read = len(self.ids)
 
     def step(self, token_id: int) -> str:
         self.ids.append(token_id)
-        before = self.tokenizer.decode(self.ids[self.prefix:self.read])
-        after = self.tokenizer.decode(self.ids[self.prefix:])
+        before = self.tokenizer.decode(self.ids[self.prefix:self.read], self.skip_special_tokens)
+        after = self.tokenizer.decode(self.ids[self.prefix:], self.skip_special_tokens)
         if len(after) > len(before) and not after.endswith("\ufffd"):
             self.prefix, self.read = self.read, len(self.ids)
             return after[len(before):]
@@ -78,7 +90,7 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """Whatever is held back (an incomplete character at the end of generation)."""
-        before = self.tokenizer.decode(self.ids[self.prefix:self.read])
-        after = self.tokenizer.decode(self.ids[self.prefix:])
+        before = self.tokenizer.decode(self.ids[self.prefix:self.read], self.skip_special_tokens)
+        after = self.tokenizer.decode(self.ids[self.prefix:], self.skip_special_tokens)
         self.prefix = self.read = len(self.ids)
         return after[len(before):]

@@ -43,10 +43,18 @@ class _Sampling(_Request):
     so_args: dict | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    # refused unless left at their neutral values (deepinfer has no penalties or biases)
+    # OpenAI's penalties and bias, and vLLM's extra sampling fields (SamplingParams' names and meanings;
+    # SamplingParams validates them, a bad value is a 400 naming the field)
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     # accepted and ignored: they steer OpenAI's service, not the model
     user: str | None = None
     store: bool | None = None

@@ -44,13 +44,9 @@ class ServerState:
                            "model", "model_not_found")
 
 
-def refuse_unsupported(body) -> None:
-    """Fields deepinfer does not implement, when set to anything but their neutral value."""
-    if body.frequency_penalty or body.presence_penalty:
-        param = "frequency_penalty" if body.frequency_penalty else "presence_penalty"
-        raise APIError(400, f"{param} is not supported (only 0)", param, "unsupported_parameter")
-    if body.logit_bias:
-        raise APIError(400, "logit_bias is not supported", "logit_bias", "unsupported_parameter")
+# request fields passed to SamplingParams as they are (protocol._Sampling)
+VLLM_FIELDS = ("frequency_penalty", "presence_penalty", "logit_bias", "repetition_penalty", "min_p", "min_tokens",
+               "bad_words", "allowed_token_ids", "include_stop_str_in_output", "skip_special_tokens")
 
 
 def make_params(body, n: int, *, max_tokens: int, max_tokens_field: str, top_logprobs: int = 0,
@@ -70,7 +66,8 @@ def make_params(body, n: int, *, max_tokens: int, max_tokens_field: str, top_log
             out.append(SamplingParams(
                 temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, max_tokens=max_tokens,
                 ignore_eos=body.ignore_eos, stop=body.stop, stop_token_ids=body.stop_token_ids,
-                top_logprobs=top_logprobs, prompt_logprobs=prompt_logprobs, seq_seed=seed, so_args=so_args))
+                top_logprobs=top_logprobs, prompt_logprobs=prompt_logprobs, seq_seed=seed, so_args=so_args,
+                **{name: getattr(body, name) for name in VLLM_FIELDS}))
         except (ValueError, TypeError) as exc:
             name = str(exc).split(" ", 1)[0].split("[", 1)[0]
             param = fields.get(name, name)
@@ -87,7 +84,9 @@ async def submit(state: ServerState, items: list[tuple], prompt_field: str, arri
         return await state.engine.add(items, arrival, ids)
     except InvalidRequest as exc:
         text = str(exc)
-        param = max_tokens_field if "max_tokens" in text else so_field if "so_args" in text else prompt_field
+        first = text.split(" ", 1)[0]
+        param = first if first in VLLM_FIELDS else max_tokens_field if "max_tokens" in text else \
+            so_field if "so_args" in text else prompt_field
         raise APIError(400, text, param) from None
     except QueueFull as exc:
         raise APIError(503, str(exc), None, "queue_full", "server_error") from None

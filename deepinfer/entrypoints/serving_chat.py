@@ -18,7 +18,7 @@ from deepinfer.entrypoints.protocol import AssistantMessage, ChatChoice, ChatChu
     ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, DeltaMessage, FunctionCall, TokenLogprob, \
     ToolCallDelta, ToolCallOut, TopLogprob, UsageInfo, random_id
 from deepinfer.entrypoints.serving import APIError, EventStream, ServerState, collect, event_stream, make_params, \
-    refuse_unsupported, sse, sse_error, submit, unless_disconnected
+    sse, sse_error, submit, unless_disconnected
 
 
 def _so_args(body: ChatCompletionRequest) -> tuple[dict | None, str]:
@@ -76,7 +76,6 @@ def _finish_reason(reason: str | None, has_calls: bool) -> str | None:
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, state: ServerState):
     arrival = time.perf_counter()
     state.check_model(body.model)
-    refuse_unsupported(body)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     fmt, tokenizer = state.chat_format, state.engine.tokenizer

@@ -12,7 +12,7 @@ from deepinfer.core.tokenizer import Tokenizer
 from deepinfer.entrypoints.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, \
     CompletionResponse, UsageInfo, random_id
 from deepinfer.entrypoints.serving import APIError, EventStream, ServerState, collect, event_stream, make_params, \
-    refuse_unsupported, sse, sse_error, submit, unless_disconnected
+    sse, sse_error, submit, unless_disconnected
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 
@@ -62,7 +62,6 @@ class LogprobWriter:
 async def create_completion(body: CompletionRequest, request: Request, state: ServerState):
     arrival = time.perf_counter()
     state.check_model(body.model)
-    refuse_unsupported(body)
     if body.suffix:
         raise APIError(400, "suffix is not supported", "suffix", "unsupported_parameter")
     if body.best_of not in (None, body.n):

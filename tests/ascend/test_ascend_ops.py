@@ -22,6 +22,8 @@ Tolerance: max |ascend - cpu| <= TOL[op] * max |cpu|; 0.0 = bit-identical; ids/t
 | route_grouped_topk  | Triton + torch.topk                     | 1e-5, ids equal | 2.7e-7                 |
 | indexer_topk        | Triton + torch stable sort              | ids equal       | equal                  |
 | apply_token_bitmask | Triton                                  | 0               | 0                      |
+| apply_penalties     | Triton                                  | 1e-6            | 0                      |
+| apply_min_p, apply_logit_bias, count_tokens | Triton          | 0               | 0 (+ tests/logits_checks.py) |
 | fp8_qdq, fp4_qdq    | Triton (integer rounding)               | 0 (bits)        | 0                      |
 | hc_mixes, hc_collapse, indexer_scores | Triton                | op_checks.V41_OPS |                      |
 | hc_pre_norm, hc_post_pre_norm, rms_norm_rope, swiglu_mlp, compress_entries | base.py composites of the above | 1e-5 | 2.7e-7, 2.5e-7, 0, 6.4e-8, 1.7e-7 |
@@ -48,6 +50,7 @@ from deepinfer.backends.base import WeightRole  # noqa: E402
 from deepinfer.backends.quant import QuantizedWeight, quantize_fp4  # noqa: E402
 from deepinfer.backends import reference as ref  # noqa: E402
 from quant_checks import assert_within, dot_bound, weight_kinds, widened  # noqa: E402
+from logits_checks import cases as logit_cases, check_case, check_op_conformance  # noqa: E402
 from op_checks import (FUSED_OPS, GROUPED_ROUTINGS, MOE_BF16_KINDS, V41_OPS, assert_close, check_attention_without_sink,  # noqa: E402
                        check_fused, check_moe_experts_bf16, check_route_grouped_topk, check_unclamped_experts,
                        check_v41_op,
@@ -307,3 +310,20 @@ def test_unclamped_experts(asc, t):
 def test_v41_ops(asc, t, op):
     """DeepSeek-V4.1's ops: the shared Triton kernels on this backend (op_checks.V41_OPS: tolerances)."""
     check_v41_op(asc, op, t)
+
+
+# ------------------------------------------------------------------ SamplingParams' logit ops
+
+
+def test_logit_ops_against_reference(asc):
+    """apply_penalties (1e-6 relative), apply_min_p, apply_logit_bias, count_tokens (exact) with pass-through
+    rows, repeated ids and -inf entries (tests/logits_checks.py)."""
+    check_op_conformance(asc)
+
+
+@pytest.mark.parametrize("case", range(len(logit_cases())), ids=[c[0] for c in logit_cases()])
+def test_logit_ops_against_transformers(asc, case):
+    """The same adjusted logits, greedy token and sampled distribution (chi-square) as transformers'
+    logits processors (RepetitionPenalty, MinP, NoBadWords, SequenceBias, MinNewTokensLength)."""
+    name, temperature, ours, theirs = logit_cases()[case]
+    check_case(asc, name, temperature, ours, theirs, seed=100 + case)

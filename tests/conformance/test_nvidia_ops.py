@@ -29,6 +29,8 @@ Exact ops (0.0) must match bit for bit; integer outputs (ids, tokens) must be eq
 | moe_experts         | 1e-5   | 3.4e-7                            |
 | sample              | tokens | equal (greedy and sampled rows)   |
 | apply_token_bitmask | 0      | 0                                 |
+| apply_penalties     | 1e-6   | 0 interp (x - f*c - p may fuse on a GPU) |
+| apply_min_p, apply_logit_bias, count_tokens | 0 | 0 (and vs transformers' processors: tests/logits_checks.py) |
 | hc_pre_norm         | 1e-5   | 2.7e-7 (composites of the above)  |
 | hc_post_pre_norm    | 1e-5   | 2.5e-7                            |
 | rms_norm_rope       | 1e-5   | 1.4e-7                            |
@@ -55,6 +57,7 @@ pytest.importorskip("triton", reason="triton is not installed: the nvidia backen
 
 from deepinfer.backends import AcceleratorUnavailable, cuda_usable, get_accelerator  # noqa: E402
 from deepinfer.backends import reference as ref  # noqa: E402
+from logits_checks import cases as logit_cases, check_case, check_op_conformance  # noqa: E402
 from op_checks import (FUSED_OPS, GROUPED_ROUTINGS, V41_OPS, assert_close, check_attention_without_sink,  # noqa: E402
                        check_fused, check_route_grouped_topk, check_unclamped_experts, check_v41_op,
                        grouped_routing_id, indices, poisoned, randn, run, seeded)
@@ -367,3 +370,20 @@ def test_unclamped_experts(nv, t):
 def test_v41_ops(nv, t, op):
     """DeepSeek-V4.1's ops (tests/op_checks.py: V41_OPS has the tolerances)."""
     check_v41_op(nv, op, t)
+
+
+# ------------------------------------------------------------------ SamplingParams' logit ops
+
+
+def test_logit_ops_against_reference(nv):
+    """apply_penalties (1e-6 relative), apply_min_p, apply_logit_bias, count_tokens (exact) with pass-through
+    rows, repeated ids and -inf entries (tests/logits_checks.py)."""
+    check_op_conformance(nv)
+
+
+@pytest.mark.parametrize("case", range(len(logit_cases())), ids=[c[0] for c in logit_cases()])
+def test_logit_ops_against_transformers(nv, case):
+    """The same adjusted logits, greedy token and sampled distribution (chi-square) as transformers'
+    logits processors (RepetitionPenalty, MinP, NoBadWords, SequenceBias, MinNewTokensLength)."""
+    name, temperature, ours, theirs = logit_cases()[case]
+    check_case(nv, name, temperature, ours, theirs, seed=100 + case)

@@ -104,3 +104,22 @@ def test_stream_usage_comes_last(client):
                                             **GREEDY))
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 40
     assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_vllm_sampling_fields_and_n_streaming(client):
+    """Penalties, bias and vLLM's extra fields are accepted on both routes; n streams with choice indexes,
+    each choice's text equal to the same request without streaming (seeded: choice i gets seed + i)."""
+    fields = dict(frequency_penalty=0.5, presence_penalty=0.3, logit_bias={"5": -100},
+                  extra_body={"repetition_penalty": 1.2, "min_p": 0.05, "min_tokens": 3, "top_k": 20,
+                              "bad_words": ["import"], "include_stop_str_in_output": True, "skip_special_tokens": True})
+    body = dict(model=SHIPPED, prompt="def f(x):", max_tokens=12, temperature=0.8, seed=7, n=2, **fields)
+    whole = client.completions.create(**body)
+    assert sorted(c.index for c in whole.choices) == [0, 1]
+    texts = {0: "", 1: ""}
+    for chunk in client.completions.create(**body, stream=True):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == {c.index: c.text for c in whole.choices}
+    chat = client.chat.completions.create(model=SHIPPED, messages=[{"role": "user", "content": "hi"}], max_tokens=8,
+                                          temperature=0.0, n=2, **fields)
+    assert [c.index for c in chat.choices] == [0, 1] and chat.choices[0].message.content == chat.choices[1].message.content

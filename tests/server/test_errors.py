@@ -90,7 +90,12 @@ BAD = [
     (dict(extra_body={"so_args": {"schema_type": "regex", "schema": "(unclosed"}}), "so_args"),
     (dict(extra_body={"so_args": {"schema_type": "yaml", "schema": "x"}}), "so_args"),
     (dict(extra_body={"colour": "red"}), "colour"), (dict(suffix="x"), "suffix"), (dict(best_of=3), "best_of"),
-    (dict(frequency_penalty=0.5), "frequency_penalty"), (dict(logit_bias={"5": 1.0}), "logit_bias"),
+    (dict(frequency_penalty=2.5), "frequency_penalty"), (dict(presence_penalty=-3), "presence_penalty"),
+    (dict(logit_bias={"5": 101.0}), "logit_bias"), (dict(logit_bias={"10000000": 1.0}), "logit_bias"),  # past the vocab
+    (dict(n=129), "n"), (dict(extra_body={"repetition_penalty": 0}), "repetition_penalty"),
+    (dict(extra_body={"min_p": 1.5}), "min_p"), (dict(extra_body={"min_tokens": 9}), "min_tokens"),  # > max_tokens 4
+    (dict(extra_body={"allowed_token_ids": [10 ** 7]}), "allowed_token_ids"),
+    (dict(extra_body={"bad_words": [""]}), "bad_words"),
 ]
 
 
@@ -159,3 +164,4 @@ def test_a_grammar_that_compiles_too_slowly_is_a_400(authed):
             for _ in resp:  # a stream reports the error as an event
                 pass
         assert "DEEPINFER_XGRAMMAR_TIMEOUT" in str(err.value)
+

@@ -28,6 +28,7 @@ Op mapping (a torch_npu operator is used only where its documented semantics equ
 | route_grouped_topk  | Triton scores + torch.topk                                          [h]  |
 | route_hash          | Triton scores                                                       [a]  |
 | apply_token_bitmask | Triton (shared kernel)                                              [a]  |
+| apply_penalties, apply_min_p, apply_logit_bias, count_tokens | Triton (shared kernels)     [a]  |
 | linear, grouped_linear, embedding | reference: plain torch (aclnn matmul / gather on the NPU)  |
 | FP8 / FP4 weights   | widened per call (row chunks; only the experts a call hits)         [g]  |
 | sample              | reference: plain torch                                              [f]  |
@@ -139,6 +140,10 @@ class AscendAccelerator(Accelerator):
     route_grouped_topk = _kernel("sampling", "route_grouped_topk")
     route_hash = _kernel("sampling", "route_hash")
     apply_token_bitmask = _kernel("sampling", "apply_token_bitmask")
+    apply_penalties = _kernel("sampling", "apply_penalties")
+    apply_min_p = _kernel("sampling", "apply_min_p")
+    apply_logit_bias = _kernel("sampling", "apply_logit_bias")
+    count_tokens = _kernel("sampling", "count_tokens")
     # the reference's plain torch (aclnn matmul / gather / sort on the NPU)
     linear = staticmethod(reference.linear)
     grouped_linear = staticmethod(reference.grouped_linear)

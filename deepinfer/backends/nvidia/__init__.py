@@ -106,6 +106,10 @@ class NvidiaAccelerator(Accelerator):
     route_hash = staticmethod(sampling.route_hash)
     sample = staticmethod(sampling.sample)
     apply_token_bitmask = staticmethod(sampling.apply_token_bitmask)
+    apply_penalties = staticmethod(sampling.apply_penalties)
+    apply_min_p = staticmethod(sampling.apply_min_p)
+    apply_logit_bias = staticmethod(sampling.apply_logit_bias)
+    count_tokens = staticmethod(sampling.count_tokens)
 
     def compile_step(self, recording, step_fn):
         if self.device.type != "cuda" or step_fn is None:

@@ -181,3 +181,108 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
                                                              target.stride(0), BLOCK=_VOCAB_BLOCK)
     if target is not logits:
         logits.copy_(target)
+
+
+# ------------------------------------------------------------------ logit adjustments (SamplingParams)
+
+
+@triton.jit
+def _penalties_kernel(x_ptr, out_ptr, counts_ptr, prompt_ptr, rows_ptr, rep_ptr, freq_ptr, pres_ptr, V, stride,
+                      BLOCK: tl.constexpr):
+    b, pid = tl.program_id(0), tl.program_id(1)
+    v = pid * BLOCK + tl.arange(0, BLOCK)
+    inb = v < V
+    x = tl.load(x_ptr + b * stride + v, mask=inb, other=0.0).to(tl.float32)
+    r = tl.load(rows_ptr + b)
+    if r >= 0:
+        c = tl.load(counts_ptr + r * V + v, mask=inb, other=0)
+        in_prompt = tl.load(prompt_ptr + r * V + v, mask=inb, other=0) != 0
+        rep = tl.load(rep_ptr + b)
+        freq = tl.load(freq_ptr + b)
+        pres = tl.load(pres_ptr + b)
+        penalized = tl.where(x < 0, x * rep, tl.math.div_rn(x, rep))  # correctly rounded, as torch's
+        x = tl.where(in_prompt | (c > 0), penalized, x)
+        x = x - freq * c.to(tl.float32)
+        x = x - pres * tl.where(c > 0, 1.0, 0.0)
+    tl.store(out_ptr + b * V + v, x, mask=inb)
+
+
+def apply_penalties(logits, counts, prompt_mask, rows, repetition, frequency, presence):
+    batch, vocab = logits.shape
+    out = alloc.empty(batch, vocab, device=logits.device)
+    if batch and vocab:
+        logits = logits.float()
+        logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+        _penalties_kernel[(batch, triton.cdiv(vocab, _VOCAB_BLOCK))](
+            logits, out, counts.contiguous(), prompt_mask.contiguous().view(torch.uint8), rows.contiguous(),
+            repetition.float().contiguous(), frequency.float().contiguous(), presence.float().contiguous(),
+            vocab, logits.stride(0), BLOCK=_VOCAB_BLOCK)
+    return out
+
+
+@triton.jit
+def _min_p_kernel(x_ptr, out_ptr, min_p_ptr, temp_ptr, V, stride, BLOCK: tl.constexpr):
+    b = tl.program_id(0)
+    min_p = tl.load(min_p_ptr + b)
+    temp = tl.load(temp_ptr + b)
+    active = (min_p > 0) & (temp >= 1e-5)
+    best = float("-inf")
+    if active:
+        for v0 in range(0, V, BLOCK):
+            v = v0 + tl.arange(0, BLOCK)
+            x = tl.load(x_ptr + b * stride + v, mask=v < V, other=float("-inf"))
+            best = tl.maximum(best, tl.max(tl.math.div_rn(x, temp), axis=0))
+    for v0 in range(0, V, BLOCK):
+        v = v0 + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + b * stride + v, mask=v < V, other=0.0)
+        if active:
+            relative = tl.exp(tl.math.div_rn(x, temp) - best)
+            x = tl.where(relative < min_p, float("-inf"), x)
+        tl.store(out_ptr + b * V + v, x, mask=v < V)
+
+
+def apply_min_p(logits, min_p, temperature):
+    batch, vocab = logits.shape
+    out = alloc.empty(batch, vocab, device=logits.device)
+    if batch and vocab:
+        logits = logits.float()
+        logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+        _min_p_kernel[(batch,)](logits, out, min_p.float().contiguous(), temperature.float().contiguous(), vocab,
+                                logits.stride(0), BLOCK=_VOCAB_BLOCK)
+    return out
+
+
+@triton.jit
+def _scatter_add_kernel(out_ptr, ids_ptr, values_ptr, K, stride, BLOCK: tl.constexpr):
+    b = tl.program_id(0)
+    for k0 in range(0, K, BLOCK):
+        k = k0 + tl.arange(0, BLOCK)
+        ids = tl.load(ids_ptr + b * K + k, mask=k < K, other=-1)
+        values = tl.load(values_ptr + b * K + k, mask=k < K, other=0.0)
+        tl.atomic_add(out_ptr + b * stride + ids, values, mask=ids >= 0)  # repeated ids sum
+
+
+def apply_logit_bias(logits, token_ids, bias):
+    out = logits.float().contiguous().clone()
+    batch, k = token_ids.shape
+    if batch and k:
+        _scatter_add_kernel[(batch,)](out, token_ids.contiguous(), bias.float().contiguous(), k, out.stride(0),
+                                      BLOCK=triton.next_power_of_2(min(k, 1024)))
+    return out
+
+
+@triton.jit
+def _count_kernel(counts_ptr, rows_ptr, tokens_ptr, N, V, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    rows = tl.load(rows_ptr + i, mask=i < N, other=-1)
+    tokens = tl.load(tokens_ptr + i, mask=i < N, other=-1)
+    valid = (i < N) & (rows >= 0) & (tokens >= 0)
+    tl.atomic_add(counts_ptr + rows * V + tokens, tl.full((BLOCK,), 1, tl.int32), mask=valid)
+
+
+def count_tokens(counts, rows, tokens) -> None:
+    n = rows.shape[0]
+    if n:
+        assert counts.is_contiguous() and counts.dtype == torch.int32, "count_tokens: counts must be contiguous int32"
+        _count_kernel[(triton.cdiv(n, 256),)](counts, rows.contiguous(), tokens.contiguous(), n, counts.shape[1],
+                                              BLOCK=256)

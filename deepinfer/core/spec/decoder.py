@@ -17,6 +17,7 @@ import torch
 
 from deepinfer import envs
 from deepinfer.backends.base import Accelerator
+from deepinfer.core import logits as adjust
 from deepinfer.core.graphs import step_inputs, with_step_tensors
 from deepinfer.core.spec.accept import GREEDY_BELOW, DRAFT_SALT, Block, accept, draw, salted, target_logprobs
 from deepinfer.core.spec.planner import VerifyLengthPlanner, cached_step_cost, profile_grid, time_call
@@ -262,6 +263,7 @@ class SpecDecoder:
         the others through the ordinary sampler (one row each)."""
         temp, top_k, top_p, seeds, positions = plan.sampling_inputs
         out: list[list[int]] = [[] for _ in plan.sampling]
+        sampler.prepare(plan.adjust)
         plain = [i for i, dr in enumerate(plan.drafts) if dr is None]
         if plain:
             rows = logits[[plan.sample_rows[i] for i in plain]]
@@ -269,7 +271,8 @@ class SpecDecoder:
             if structured is not None and any(r.grammar is not None for r in reqs):
                 structured.apply_bitmask(rows, reqs)
             idx = torch.tensor(plain, device=temp.device)
-            tokens = sampler.sample(rows, (temp[idx], top_k[idx], top_p[idx], seeds[idx], positions[idx]))
+            tokens = sampler.sample(rows, (temp[idx], top_k[idx], top_p[idx], seeds[idx], positions[idx]),
+                                    None if plan.adjust is None else plan.adjust.select(idx))
             for i, tok in zip(plain, tokens.tolist()):
                 out[i] = [tok]
         blocks, where = [], []
@@ -284,17 +287,38 @@ class SpecDecoder:
                 req.grammar.fill_bitmask_rows(dr.tokens, bitmask)
                 self.accel.apply_token_bitmask(target, bitmask.to(target.device))
             p = req.params
+            if p.adjusts_logits:  # verify against the distribution a plain step would sample from
+                target = self._adjusted_target(target, req, dr.tokens, int(positions[i]), sampler)
             blocks.append(Block(target, dr.tokens, dr.logprobs, p.temperature, p.top_k, p.top_p, seeds[i],
                                 int(positions[i]) - 1))
             where.append(i)
         for i, tokens, b in zip(where, accept(self.accel, blocks), blocks):
             out[i] = tokens
+            row = sampler.counts.rows.get(plan.sampling[i].request_id)
+            if row is not None:  # the accepted tokens join the request's penalty counts
+                dev = sampler.counts.counts.device
+                self.accel.count_tokens(sampler.counts.counts, torch.full((len(tokens),), row, device=dev),
+                                        torch.tensor(tokens, dtype=torch.int64, device=dev))
             self.stats["verified"] += len(b.drafts)
             self.stats["accepted"] += len(tokens) - 1
             survival = self.planner.lagged.get(plan.sampling[i].request_id)
             if survival is not None:
                 self.planner.observe_acceptance(sum(survival[:len(b.drafts)]), len(tokens) - 1)
         return out
+
+    def _adjusted_target(self, target: torch.Tensor, req, drafts: list[int], position: int, sampler) -> torch.Tensor:
+        """SamplingParams' adjustments of a drafted request's target rows: row j as a plain step would
+        adjust it after drafts[:j] were accepted (its bans, min_tokens and penalty counts)."""
+        n_out = position - req.num_prompt_tokens
+        history = req.output_token_ids[:n_out] if req.bad_words_ids else []
+        rows = [(req, n_out + j, history + drafts[:j]) for j in range(len(drafts) + 1)]
+        adj = adjust.plan(rows, None, sampler.vocab, sampler.eos_token_ids, target.device)
+        counts = prompt = None
+        if adj.penalty is not None:
+            row = sampler.counts.rows[req.request_id]
+            counts, prompt = adjust.draft_pools(sampler.counts.counts[row], sampler.counts.prompt[row], drafts,
+                                                self.accel)
+        return adjust.apply(self.accel, target, adj, counts, prompt)
 
     def observe_step(self, plan, seconds: float) -> None:
         """A finished synchronous step's wall time, for the planner's online cost correction
