@@ -229,13 +229,17 @@ class AsyncLLM:
                 self._call_soon(command[4].set_exception, exc)
 
     def _call_soon(self, fn, *args) -> None:
-        loop = self._loop
-        if loop is None:
-            return
-        try:
-            loop.call_soon_threadsafe(_safely, fn, *args)
-        except RuntimeError:  # the event loop is closed: nobody is listening any more
-            pass
+        call_soon(self._loop, fn, *args)
+
+
+def call_soon(loop, fn, *args) -> None:
+    """Run fn(*args) on the server's event loop from an engine thread (both engine clients use it)."""
+    if loop is None:
+        return
+    try:
+        loop.call_soon_threadsafe(_safely, fn, *args)
+    except RuntimeError:  # the event loop is closed: nobody is listening any more
+        pass
 
 
 def _safely(fn, *args) -> None:

@@ -22,7 +22,6 @@ import inspect
 import itertools
 import logging
 import os
-import shutil
 import tempfile
 import threading
 import time
@@ -32,7 +31,7 @@ from multiprocessing.connection import Pipe, wait
 
 import torch
 
-from deepinfer.entrypoints.async_llm import EngineDead, InvalidRequest, QueueFull, _deliver, _safely
+from deepinfer.entrypoints.async_llm import EngineDead, InvalidRequest, QueueFull, _deliver, call_soon
 from deepinfer.entrypoints.dp_balancer import LeastWorkBalancer
 from deepinfer.entrypoints.metrics import combine_snapshots
 from deepinfer.entrypoints.streams import RequestGroup
@@ -434,10 +433,4 @@ class DataParallelClient:
             self._call_soon(group.queue.put_nowait, error)
 
     def _call_soon(self, fn, *args) -> None:
-        loop = self._loop
-        if loop is None:
-            return
-        try:
-            loop.call_soon_threadsafe(_safely, fn, *args)
-        except RuntimeError:  # the event loop is closed: nobody is listening any more
-            pass
+        call_soon(self._loop, fn, *args)

@@ -60,15 +60,22 @@ def _watch_parent(parent_pid: int, store_dir: str) -> None:
             os._exit(1)
 
 
-def _worker_main(conn, rank: int, world_size: int, init_method: str, args: WorkerArgs) -> None:
+def join_group(rank: int, world_size: int, init_method: str, args: WorkerArgs) -> RankWorker:
+    """A spawned rank's start: watch the parent (exit when it is gone), bind the device, join the
+    group and build the rank's worker. Used by the generate workers and the serving ranks."""
     store_dir = os.path.dirname(init_method.removeprefix("file://"))
     threading.Thread(target=_watch_parent, args=(os.getppid(), store_dir), daemon=True).start()
-    try:
-        bind_device(rank)
-        from deepinfer.backends import get_accelerator
+    bind_device(rank)
+    from deepinfer.backends import get_accelerator
 
-        me = group.init_group(get_accelerator(args.accelerator).dist_backend, rank, world_size, init_method)
-        worker = RankWorker(args, me)
+    me = group.init_group(get_accelerator(args.accelerator).dist_backend, rank, world_size, init_method)
+    return RankWorker(args, me)
+
+
+def _worker_main(conn, rank: int, world_size: int, init_method: str, args: WorkerArgs) -> None:
+    store_dir = os.path.dirname(init_method.removeprefix("file://"))
+    try:
+        worker = join_group(rank, world_size, init_method, args)
         conn.send(("ok", None))
     except BaseException:
         conn.send(("fatal", traceback.format_exc()))

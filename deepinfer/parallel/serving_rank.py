@@ -19,7 +19,6 @@ they poll for commands every IDLE_POLL_S seconds between those agreements.
 from __future__ import annotations
 
 import os
-import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -28,8 +27,8 @@ from deepinfer.core.request import Request, Status
 from deepinfer.entrypoints.metrics import engine_snapshot
 from deepinfer.entrypoints.streams import next_delta
 from deepinfer.parallel import group
-from deepinfer.parallel.executor import _driver_lost, _watch_parent
-from deepinfer.parallel.worker import RankWorker, WorkerArgs, bind_device
+from deepinfer.parallel.executor import _driver_lost, join_group
+from deepinfer.parallel.worker import RankWorker, WorkerArgs
 
 IDLE_POLL_S = 0.01  # lockstep ranks with no work anywhere: how long each waits for commands between agreements
 
@@ -167,13 +166,8 @@ class RankLoop:
 def serve_rank(conn, dp_rank: int, world_size: int, init_method: str, args: WorkerArgs) -> None:
     """The rank process's main function (spawned by DataParallelClient)."""
     store_dir = os.path.dirname(init_method.removeprefix("file://"))
-    threading.Thread(target=_watch_parent, args=(os.getppid(), store_dir), daemon=True).start()
     try:
-        bind_device(dp_rank)
-        from deepinfer.backends import get_accelerator
-
-        me = group.init_group(get_accelerator(args.accelerator).dist_backend, dp_rank, world_size, init_method)
-        loop = RankLoop(conn, RankWorker(args, me), dp_rank)
+        loop = RankLoop(conn, join_group(dp_rank, world_size, init_method, args), dp_rank)
         conn.send(("ready", loop.info()))
         loop.run()
     except _DriverGone:
