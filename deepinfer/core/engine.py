@@ -182,6 +182,8 @@ class LLMEngine:
         if self.cache.prefix is None:
             raise ValueError("kv_events_config: this model keeps no paged decode state, so it has no prefix cache "
                              "whose pages could be reported; leave kv_events_config out")
+        if self.kv_events is not None:
+            raise RuntimeError("KV events are already published by this engine")
         self.kv_events = KVEventPublisher(config)
         self.cache.prefix.record_events(medium_of(self.cache.device))
 

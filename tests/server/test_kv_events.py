@@ -171,3 +171,18 @@ async def _run(client, ids, rank: int) -> None:
                              [f"kv-{time.monotonic_ns()}"], data_parallel_rank=rank)
     async for _, delta in group.deltas():
         assert delta.error is None
+
+
+def test_chat_takes_the_sglang_fields_vllm_router_adds_only_at_deepinfers_meaning():
+    from pydantic import ValidationError
+
+    from deepinfer.entrypoints.protocol import ChatCompletionRequest
+
+    base = {"model": SHIPPED, "messages": [{"role": "user", "content": "hi"}]}
+    added = {"no_stop_trim": False, "ignore_eos": False, "continue_final_message": False, "skip_special_tokens": True,
+             "separate_reasoning": True, "stream_reasoning": True, "return_hidden_states": False,
+             "include_reasoning": True, "logprobs": False}  # what vllm-router 0.1.17 writes into a chat body
+    ChatCompletionRequest.model_validate({**base, **added})
+    for name, value in [("no_stop_trim", True), ("return_hidden_states", True), ("include_reasoning", False)]:
+        with pytest.raises(ValidationError, match=name):
+            ChatCompletionRequest.model_validate({**base, name: value})

@@ -69,6 +69,11 @@ def test_a_prompts_pages_are_stored_chained_evicted_and_replayed():
         client.poll(lambda live: last + 1 in live)  # closing ends with AllBlocksCleared, then the sockets go
         assert client.live[last + 1][1] == [{"type": "AllBlocksCleared"}]
         assert not _publisher_threads() and llm.engine.kv_events is None
+        for endpoint in (config["endpoint"], config["replay_endpoint"]):  # nothing listens on the ports any more
+            with socket.socket() as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # closed connections may linger in TIME_WAIT
+                s.bind(("127.0.0.1", int(endpoint.rsplit(":", 1)[1])))
+                s.listen()
     finally:
         llm.close()
         client.close()
