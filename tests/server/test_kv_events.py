@@ -9,7 +9,6 @@ import asyncio
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -18,7 +17,7 @@ from contextlib import ExitStack, contextmanager
 
 import pytest
 
-from conftest import SHIPPED, free_port, http, running_server, wait_until
+from conftest import SHIPPED, free_port, http, running_server, stop, wait_until
 from deepinfer import SamplingParams
 from deepinfer.llm import default_model
 from kv_event_client import EventClient, events
@@ -58,12 +57,7 @@ def _router(workers: list[tuple[str, int, int]]):
         wait_until(lambda: _up(f"http://127.0.0.1:{port}"), 60, "vllm-router to answer /health", interval=0.2)
         yield f"http://127.0.0.1:{port}", text
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop(proc, grace=10)
         log.close()
         os.unlink(log.name)
 
