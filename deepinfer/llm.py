@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 
 from deepinfer.backends import get_accelerator
 from deepinfer.core.engine import EngineConfig, LLMEngine
+from deepinfer.core.kv_events import KVEventsConfig
 from deepinfer.outputs import RequestOutput
 from deepinfer.sampling_params import SamplingParams
 
@@ -89,7 +90,7 @@ class LLM:
                  num_cache_pages: int | None = None,
                  seed: int = 0, accelerator: str | None = None, expert_parallel_size: int = 1,
                  data_parallel_size: int = 1, context_parallel_size: int = 1, num_redundant_experts: int = 0,
-                 eplb_window_size: int = 0, eplb_step_interval: int = 0):
+                 eplb_window_size: int = 0, eplb_step_interval: int = 0, kv_events_config: str | dict | None = None):
         """Parallel layouts (deepinfer/parallel): expert_parallel_size shards the routed experts
         over ranks; data_parallel_size gives each rank its own requests and cache;
         context_parallel_size splits each step's tokens (long prefills in balanced chunks) over
@@ -105,7 +106,11 @@ class LLM:
         routing and sampling are float32. gpu_memory_utilization: the share of (memory free once
         the weights are loaded + the weights) the engine may fill; the cache gets what is left after
         an activation headroom (core/memory.py). On cpu the memory is the available RAM.
-        cache_bytes / num_cache_pages set the cache size instead."""
+        cache_bytes / num_cache_pages set the cache size instead.
+
+        kv_events_config: vLLM's KV events configuration (a JSON string or a dict, e.g.
+        {"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}):
+        the prefix cache's pages are published over ZMQ for KV-aware routers (docs/kv-events.md)."""
         model = os.fspath(model) if model is not None else default_model()
         self.accel = get_accelerator(accelerator)
         self.parallel = None  # deepinfer.parallel.ParallelExecutor when any parallel size exceeds 1
@@ -121,11 +126,15 @@ class LLM:
         config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                               max_model_len=max_model_len, cache_bytes=cache_bytes,
                               gpu_memory_utilization=gpu_memory_utilization,
-                              num_cache_pages=num_cache_pages, dtype=dtype, seed=seed)
+                              num_cache_pages=num_cache_pages, dtype=dtype, seed=seed,
+                              kv_events=KVEventsConfig.parse(kv_events_config))
         from deepinfer.parallel import ParallelConfig, start_parallel
 
         parallel = ParallelConfig(expert_parallel_size, data_parallel_size, context_parallel_size,
                                   num_redundant_experts, eplb_window_size, eplb_step_interval)
+        if parallel.enabled and config.kv_events is not None:
+            raise ValueError("kv_events_config is published by one engine, or per rank by `deepinfer serve "
+                             "--data-parallel-size N`; an offline LLM with parallel ranks does not publish them")
         if parallel.enabled:  # one process per rank; this one drives them (or is one, under torchrun)
             self.engine = None
             self.parallel, self.tokenizer = start_parallel(model, tokenizer, config, parallel, self.accel)

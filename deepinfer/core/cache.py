@@ -177,13 +177,13 @@ class StateCache:
             self.block_table[slot, len(pages)] = page
             pages.append(page)
 
-    def release(self, slot: int, page_keys: list[bytes] = ()) -> None:
+    def release(self, slot: int, page_keys: list[bytes] = (), seq=None) -> None:
         """Return the slot and its pages. The pages `page_keys` name (the slot's full, computed
         pages) go to the prefix cache; the rest are freed. Slot rows need no clearing: a new
-        sequence only reads positions it has written."""
+        sequence only reads positions it has written. `seq`: the slot's sequence, for KV events."""
         pages = self.slot_pages.pop(slot)
         if self.prefix is not None:
-            self.prefix.insert(page_keys, pages)
+            self.prefix.insert(page_keys, pages, seq)
         # last page first: it becomes the least recently used, so a prefix is evicted from its tail
         for page in reversed(pages):
             if self.prefix is None or not self.prefix.drop(page):

@@ -17,6 +17,7 @@ from deepinfer.backends.base import Accelerator
 from deepinfer.core import memory
 from deepinfer.core.cache import StateCache
 from deepinfer.core.graphs import StepGraphs, step_inputs, with_step_tensors
+from deepinfer.core.kv_events import KVEventsConfig, medium_of
 from deepinfer.core.loader import load_checkpoint
 from deepinfer.core.replay import BoundedReplay
 from deepinfer.core.request import Request
@@ -53,6 +54,8 @@ class EngineConfig:
     available_memory: int | None = None
     # engine processes sharing this machine's cores (parallel ranks): each uses its share
     processes_per_host: int = 1
+    # publish the prefix cache's KV events for routers (core/kv_events.py); None: off
+    kv_events: KVEventsConfig | None = None
 
     def validate(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
@@ -67,6 +70,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16', got {self.dtype!r}")
         if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.kv_events is not None and not isinstance(self.kv_events, KVEventsConfig):
+            raise ValueError(f"kv_events must be a KVEventsConfig (KVEventsConfig.parse), got {self.kv_events!r}")
 
     def compute_dtype(self, accel: Accelerator) -> torch.dtype:
         return accel.preferred_dtype if self.dtype == "auto" else getattr(torch, self.dtype)
@@ -166,6 +171,25 @@ class LLMEngine:
         self.num_forwards = 0  # model calls (parallel ranks keep their collectives in lockstep by it)
         self.num_encoded_items = 0  # multimodal items (images) run through the model's encoder
         self.timeline: collections.defaultdict[str, float] = collections.defaultdict(float)  # seconds per phase
+        self.kv_events = None  # core/kv_event_publisher.py's KVEventPublisher while KV events are published
+        if config.kv_events is not None:
+            self.start_kv_events(config.kv_events)
+
+    def start_kv_events(self, config: KVEventsConfig) -> None:
+        """Publish the prefix cache's KV events as `config` says, one batch per step (core/kv_events.py)."""
+        from deepinfer.core.kv_event_publisher import KVEventPublisher
+
+        if self.cache.prefix is None:
+            raise ValueError("kv_events_config: this model keeps no paged decode state, so it has no prefix cache "
+                             "whose pages could be reported; leave kv_events_config out")
+        if self.kv_events is not None:
+            raise RuntimeError("KV events are already published by this engine")
+        self.kv_events = KVEventPublisher(config)
+        self.cache.prefix.record_events(medium_of(self.cache.device))
+
+    def _publish_kv_events(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.publish(self.cache.prefix.take_events())
 
     def _make_cache(self, dtype: torch.dtype, weight_bytes: int) -> tuple[StateCache, memory.CachePlan]:
         """The cache, as many pages as core/memory.py's plan allows (at most every slot at max length)."""
@@ -294,14 +318,19 @@ class LLMEngine:
         self.sampler.release(req)
         self.scheduler.finish(req)
         req.finish("abort")
+        self._publish_kv_events()  # its pages entered the cache: the engine may be idle until the next step
 
     def close(self) -> None:
-        """Finish the step in flight and stop the worker thread."""
+        """Finish the step in flight and stop the worker thread and the KV event publisher."""
         if self.in_flight is not None:
             self._drain()
         if self.worker is not None:
             self.worker.shutdown(wait=True)
             self.worker = None
+        if self.kv_events is not None:
+            self._publish_kv_events()
+            self.kv_events.close()
+            self.kv_events = None
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or self.in_flight is not None or (self.structured is not None and self.structured.has_pending())
@@ -324,6 +353,13 @@ class LLMEngine:
 
     # ------------------------------------------------------------ step
     def step(self) -> list[Request]:
+        """Run one step (_step); returns the requests that finished in it. The step's KV events
+        go out as one batch."""
+        finished = self._step()
+        self._publish_kv_events()
+        return finished
+
+    def _step(self) -> list[Request]:
         """Run one step; returns the requests that finished in it.
 
         With zero-overhead scheduling the model runs on a worker thread: this call plans step

@@ -7,6 +7,9 @@ of its parent page's key and its own token ids. A cached page is reference-count
 sequences hold it; one that nobody holds is idle, and idle pages are evicted least recently
 used first when a sequence needs a page and none is free.
 
+With KV events on (record_events), every page that enters the cache and every eviction is
+recorded for routers (core/kv_events.py); the engine takes the records once per step.
+
 Only compressed state is cached. The window state at the end of a cached prefix (sliding-window
 rings, the compressors' raw projections of the last tokens) is rebuilt by replay: core/replay.py.
 """
@@ -18,6 +21,8 @@ from array import array
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from typing import Sequence
+
+from deepinfer.core import kv_events
 
 
 @dataclass(slots=True)
@@ -55,6 +60,16 @@ class PrefixCache:
         self.refs: dict[int, int] = {}  # cached page -> sequences holding it
         self.idle: OrderedDict[int, None] = OrderedDict()  # cached pages nobody holds, least recently used first
         self.stats = PrefixCacheStats()
+        self.events: list | None = None  # KV events since take_events(); None: not recorded
+        self.medium = ""  # where the pages live, as KV events name it
+
+    def record_events(self, medium: str) -> None:
+        """Record KV events from now on (the cache is empty: pages cached before are not told)."""
+        self.events, self.medium = [], medium
+
+    def take_events(self) -> list:
+        events, self.events = self.events, []
+        return events
 
     def keys(self, known: list[bytes], tokens: Sequence[int],
              spans: Sequence[tuple[int, int, bytes]] = ()) -> list[bytes]:
@@ -86,12 +101,17 @@ class PrefixCache:
             self.refs[page] += 1
             self.idle.pop(page, None)
 
-    def insert(self, keys: Sequence[bytes], pages: Sequence[int]) -> None:
+    def insert(self, keys: Sequence[bytes], pages: Sequence[int], seq=None) -> None:
         """Cache a sequence's full pages (pages[i] holds the positions keyed by keys[i]); the
-        sequence still holds them. A prefix already cached under another page keeps that page."""
-        for key, page in zip(keys, pages):
+        sequence still holds them. A prefix already cached under another page keeps that page.
+        `seq`: the sequence (its tokens and multimodal spans), read only to record KV events."""
+        new = []
+        for i, (key, page) in enumerate(zip(keys, pages)):
             if page not in self.key_of and key not in self.page_of:
                 self.page_of[key], self.key_of[page], self.refs[page] = page, key, 1
+                new.append(i)
+        if self.events is not None and new:
+            self.events += kv_events.stored(keys, new, seq, self.page_tokens, self.medium)
 
     def drop(self, page: int) -> bool:
         """A sequence lets go of `page`; False when the page is not cached (the caller frees it)."""
@@ -105,8 +125,11 @@ class PrefixCache:
     def evict(self) -> int:
         """Forget the least recently used idle page and hand it out for reuse."""
         page, _ = self.idle.popitem(last=False)
-        del self.page_of[self.key_of.pop(page)], self.refs[page]
+        key = self.key_of.pop(page)
+        del self.page_of[key], self.refs[page]
         self.stats.evicted_pages += 1
+        if self.events is not None:
+            kv_events.removed(self.events, key, self.medium)
         return page
 
     def num_idle_among(self, pages: Sequence[int]) -> int:

@@ -92,7 +92,7 @@ class Scheduler:
 
     def _release(self, req: Request) -> None:
         if req.slot is not None:
-            self.cache.release(req.slot, self.replay.computed_page_keys(req))
+            self.cache.release(req.slot, self.replay.computed_page_keys(req), req)
             req.slot = None
 
     def finish(self, req: Request) -> None:

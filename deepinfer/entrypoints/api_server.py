@@ -38,6 +38,7 @@ from deepinfer.entrypoints.serving import APIError, ServerState
 from deepinfer.entrypoints.serving_chat import create_chat_completion
 from deepinfer.entrypoints.serving_completion import create_completion
 from deepinfer.entrypoints.serving_messages import count_tokens, create_message
+from deepinfer.entrypoints.serving_render import add_render_routes
 from deepinfer.entrypoints.serving_responses import create_response
 
 logger = logging.getLogger("deepinfer.server")
@@ -179,6 +180,7 @@ def build_app(state: ServerState, metrics: ServerMetrics, api_key: str | None = 
     async def messages_count_tokens(body: CountTokensRequest):
         return await count_tokens(body, state)
 
+    add_render_routes(app, state)  # vLLM's prompt renderers, read by KV-aware routers
     return Guard(app, api_key, max_body_bytes)
 
 

@@ -89,6 +89,7 @@ def _engine_configs(**engine_args):
     builds its engine from: (EngineConfig, ParallelConfig, accelerator name)."""
     from deepinfer.backends import get_accelerator
     from deepinfer.core.engine import EngineConfig
+    from deepinfer.core.kv_events import KVEventsConfig
     from deepinfer.llm import LLM
     from deepinfer.parallel import ParallelConfig
 
@@ -98,7 +99,8 @@ def _engine_configs(**engine_args):
     engine = EngineConfig(max_num_seqs=a["max_num_seqs"], max_num_batched_tokens=a["max_num_batched_tokens"],
                           max_model_len=a["max_model_len"], cache_bytes=a["cache_bytes"],
                           gpu_memory_utilization=a["gpu_memory_utilization"],
-                          num_cache_pages=a["num_cache_pages"], dtype=a["dtype"], seed=a["seed"])
+                          num_cache_pages=a["num_cache_pages"], dtype=a["dtype"], seed=a["seed"],
+                          kv_events=KVEventsConfig.parse(a["kv_events_config"]))
     parallel = ParallelConfig(a["expert_parallel_size"], a["data_parallel_size"], a["context_parallel_size"],
                               a["num_redundant_experts"], a["eplb_window_size"], a["eplb_step_interval"])
     return engine, parallel, get_accelerator(a["accelerator"]).name

@@ -152,6 +152,14 @@ class ChatCompletionRequest(_Sampling):
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: str | None = None
+    # SGLang's chat fields, which vllm-router writes into every chat body it forwards: accepted at the
+    # values that mean what deepinfer does (stop strings trimmed, reasoning parsed out and streamed)
+    no_stop_trim: Literal[False] = False
+    continue_final_message: Literal[False] = False
+    separate_reasoning: Literal[True] = True
+    stream_reasoning: Literal[True] = True
+    include_reasoning: Literal[True] = True
+    return_hidden_states: Literal[False] = False
 
 
 # ------------------------------------------------------------------ responses

@@ -73,6 +73,29 @@ def _finish_reason(reason: str | None, has_calls: bool) -> str | None:
     return "tool_calls" if has_calls and reason == "stop" else reason
 
 
+async def render_chat(body: ChatCompletionRequest, state: ServerState) -> tuple[str, list[int], list | None]:
+    """The conversation through the chat format: (prompt text, token ids, multimodal items)."""
+    fmt, engine = state.chat_format, state.engine.engine
+    tools, _, _ = _tools(body)
+    options = dict(body.chat_template_kwargs or {})
+    if body.reasoning_effort is not None:
+        options["reasoning_effort"] = body.reasoning_effort
+    placeholders = engine.multimodal_placeholders
+    messages, images = place_images([m.as_dict() for m in body.messages], next(iter(placeholders), None))
+    try:
+        prompt = fmt.render(messages, tools, options)
+    except ChatFormatError as exc:
+        raise APIError(400, str(exc), exc.param) from None
+    ids = fmt.tokenize(state.engine.tokenizer, prompt, placeholders if images else None)
+    mm_items = None
+    if images:  # decoded and laid out off the event loop
+        try:
+            ids, mm_items = await asyncio.to_thread(engine.process_multimodal, ids, {"image": images}, "messages")
+        except ValueError as exc:
+            raise APIError(400, str(exc), "messages") from None
+    return prompt, ids, mm_items
+
+
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, state: ServerState):
     arrival = time.perf_counter()
     state.check_model(body.model)
@@ -80,23 +103,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     fmt, tokenizer = state.chat_format, state.engine.tokenizer
     tools, forced, forced_name = _tools(body)
-    options = dict(body.chat_template_kwargs or {})
-    if body.reasoning_effort is not None:
-        options["reasoning_effort"] = body.reasoning_effort
     engine = state.engine.engine
-    placeholders = engine.multimodal_placeholders
-    messages, images = place_images([m.as_dict() for m in body.messages], next(iter(placeholders), None))
-    try:
-        prompt = fmt.render(messages, tools, options)
-    except ChatFormatError as exc:
-        raise APIError(400, str(exc), exc.param) from None
-    ids = fmt.tokenize(tokenizer, prompt, placeholders if images else None)
-    mm_items = None
-    if images:  # decoded and laid out off the event loop
-        try:
-            ids, mm_items = await asyncio.to_thread(engine.process_multimodal, ids, {"image": images}, "messages")
-        except ValueError as exc:
-            raise APIError(400, str(exc), "messages") from None
+    prompt, ids, mm_items = await render_chat(body, state)
     so_args, so_field = _so_args(body)
     if forced:  # the reply must be a tool call: the format's grammar of its calls
         if so_args is not None:

@@ -76,6 +76,7 @@ class RankLoop:
         for rid in list(self.live):  # stopped: the front is not listening any more
             self.engine.abort_request(rid)
         self.engine.pop_finished()
+        self.engine.close()  # the KV event publisher, if any
 
     def _wait_s(self, ran: bool) -> float | None:
         """How long to wait for a command before the next step: not at all while there is work,
@@ -168,6 +169,8 @@ def serve_rank(conn, dp_rank: int, world_size: int, init_method: str, args: Work
     store_dir = os.path.dirname(init_method.removeprefix("file://"))
     try:
         loop = RankLoop(conn, join_group(dp_rank, world_size, init_method, args), dp_rank)
+        if args.engine.kv_events is not None:  # each rank its own publisher, on the ports + dp_rank (as vLLM)
+            loop.engine.start_kv_events(args.engine.kv_events.for_rank(dp_rank))
         conn.send(("ready", loop.info()))
         loop.run()
     except _DriverGone:

@@ -66,9 +66,10 @@ class RankWorker:
             if self.parallel.context_parallel_size > 1 else None
         # no DSpark on parallel ranks yet: ranks that share requests must pick identical verify
         # lengths, and the dynamic policy's step-cost table is timed on each rank. Synchronous
-        # scheduling (see the module doc). Caches planned from the memory every rank has.
+        # scheduling (see the module doc). Caches planned from the memory every rank has. KV events:
+        # a serving rank publishes its own (parallel/serving_rank.py), on sockets of its rank.
         engine_config = dataclasses.replace(args.engine, speculative=False, available_memory=_agreed_free_memory(accel),
-                                            processes_per_host=rank.local_world_size)
+                                            processes_per_host=rank.local_world_size, kv_events=None)
         self.engine = LLMEngine(args.model, accel, engine_config, args.tokenizer,
                                 ParallelContext(expert_parallel=self.ep, context_parallel=self.cp))
         self.engine.close()

@@ -115,15 +115,20 @@ def running_server(*args: str, env: dict | None = None, startup_timeout: float =
         wait_until(up, startup_timeout, "the server to answer /health", interval=0.2)
         yield server
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop(proc)
         log.close()
         os.unlink(log.name)
+
+
+def stop(proc: subprocess.Popen, grace: float = 30) -> None:
+    """SIGTERM, then after `grace` seconds SIGKILL to its whole session (started with start_new_session)."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 @pytest.fixture(scope="session")
