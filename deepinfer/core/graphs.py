@@ -43,7 +43,6 @@ with the tape below):
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import hashlib
 import warnings
@@ -252,68 +251,6 @@ def record(fn: Callable[[], Any], inputs: list[torch.Tensor]) -> tuple[Recording
     return (None if failure else rec), failure, result
 
 
-# ---------------------------------------------------------------- the tensors of a step's metadata
-def step_inputs(meta) -> tuple[list[torch.Tensor], tuple]:
-    """What of a step's metadata changes from step to step: every tensor it holds, in a fixed order
-    (its attributes' tensors and those in dicts, lists and tuples among them), and the Python
-    numbers and strings held the same way (sizes the planning reads: they are part of the step's
-    bucket). Other objects (e.g. the model's view of the cache) are fixed for the engine's life and
-    not walked."""
-    tensors: list[torch.Tensor] = []
-    scalars: list = []
-
-    def walk(v):
-        if isinstance(v, torch.Tensor):
-            tensors.append(v)
-        elif isinstance(v, (int, float, str, bool)) or v is None:
-            scalars.append(v)
-        elif isinstance(v, dict):
-            for k, x in v.items():
-                scalars.append(k if isinstance(k, (int, str, tuple)) else None)
-                walk(x)
-        elif isinstance(v, (list, tuple)):
-            scalars.append(len(v))
-            for x in v:
-                walk(x)
-
-    for value in _attributes(meta):
-        walk(value)
-    return tensors, tuple(scalars)
-
-
-def with_step_tensors(meta, tensors: list[torch.Tensor]):
-    """A shallow copy of `meta` holding `tensors` (in step_tensors' order) instead of its own."""
-    it = iter(tensors)
-
-    def swap(v):
-        if isinstance(v, torch.Tensor):
-            return next(it)
-        if isinstance(v, dict):
-            return {k: swap(x) for k, x in v.items()}
-        if isinstance(v, (list, tuple)):
-            return type(v)(swap(x) for x in v)
-        return v
-
-    new = {name: swap(getattr(meta, name)) for name in _attribute_names(meta)}
-    if dataclasses.is_dataclass(meta):
-        return dataclasses.replace(meta, **new)
-    out = copy.copy(meta)  # a new metadata object: its attributes, with the tensors swapped
-    vars(out).update(new)
-    return out
-
-
-def _attribute_names(obj) -> list[str]:
-    if hasattr(obj, "__dict__"):
-        return list(vars(obj))
-    return [n for cls in type(obj).__mro__ for n in getattr(cls, "__slots__", ())]
-
-
-def _attributes(obj):
-    if hasattr(obj, "__dict__"):
-        return vars(obj).values()
-    return [getattr(obj, n) for n in _attribute_names(obj)]
-
-
 def signature(tensors: list[torch.Tensor]) -> tuple:
     """A step's bucket: the shapes and dtypes of its tensors (and which of them are one tensor)."""
     key = tuple((t.shape, t.dtype) for t in tensors)
@@ -334,16 +271,6 @@ def _first_step_signature(per_step: list[torch.Tensor], shared: list[torch.Tenso
 
 
 # ---------------------------------------------------------------- buckets
-def size_bucket(n: int, minimum: int = 0, linear_from: int = 64) -> int:
-    """A size that varies from step to step (a model's longest context, its candidate entries)
-    rounded up for its planner, so decode steps fall into few shape buckets: at least `minimum`
-    (0 stays 0 without one), a power of two up to `linear_from`, then multiples of `linear_from`."""
-    n = max(n, minimum)
-    if n <= 0:
-        return 0
-    return 1 << (n - 1).bit_length() if n <= linear_from else -(-n // linear_from) * linear_from
-
-
 @dataclasses.dataclass(slots=True)
 class _Bucket:
     recording: Recording | None = None

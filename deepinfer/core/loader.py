@@ -329,7 +329,7 @@ def _check_shape(name: str, found: tuple[int, ...], want: tuple[int, ...]) -> No
 
 
 def _check_complete(expected, weights, source, names) -> None:
-    describe = getattr(names, "checkpoint_source", lambda name, part=None: None)
+    describe = names.checkpoint_source if names is not None else lambda name, part=None: None
     for hf, spec in expected.items():
         if hf not in weights:
             up = describe(hf)

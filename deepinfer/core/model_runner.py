@@ -17,8 +17,9 @@ import torch
 from deepinfer.backends.base import Accelerator
 from deepinfer.core import memory
 from deepinfer.core.cache import StateCache
-from deepinfer.core.graphs import StepGraphs, step_inputs, with_step_tensors
-from deepinfer.models.base import ParallelContext, StepInput
+from deepinfer.core.graphs import StepGraphs
+from deepinfer.models.base import step_inputs, with_step_tensors
+from deepinfer.models.base import FeaturesRequest, ParallelContext, StepInput
 
 PAGE_TOKENS = 128  # positions per page: a multiple of every pool's stride (DeepSeek-V4's compress rates)
 
@@ -154,7 +155,7 @@ class ModelRunner:
             if tap is None:
                 return model.forward(inp, cache, logit_rows, meta)
             rows, slots, positions = tapped
-            logits, features = model.forward(inp, cache, logit_rows, meta, tap.layers, rows)
+            logits, features = model.forward(inp, cache, logit_rows, meta, FeaturesRequest(tap.layers, rows))
             tap.sink(features, slots, positions)
             return logits
 

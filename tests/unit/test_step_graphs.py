@@ -25,7 +25,8 @@ import v41_models
 
 from deepinfer.backends.base import Const, Instruction
 from deepinfer.backends.cpu import kernels, replay
-from deepinfer.core.graphs import StepGraphs, record, signature, step_inputs
+from deepinfer.core.graphs import StepGraphs, record, signature
+from deepinfer.models.base import step_inputs
 from deepinfer.models.base import StepInput
 from deepinfer.models.deepseek_v41.step import StepMeta as V41StepMeta
 

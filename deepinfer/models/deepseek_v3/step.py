@@ -8,9 +8,7 @@ import functools
 import numpy as np
 import torch
 
-from deepinfer.core.cache import CacheSpec, PoolSpec, StateCache
-from deepinfer.core.graphs import size_bucket
-from deepinfer.models.base import StepInput, to_device
+from deepinfer.models.base import CacheSpec, DecodeCache, PoolSpec, StepInput, size_bucket, to_device
 from deepinfer.models.deepseek_v3.config import DeepseekV3Config
 
 
@@ -54,7 +52,7 @@ class StepMeta:
     decode steps at once (multi-step decoding: sequence b at position starts[b] + s in step s):
     every tensor gets a leading dimension of `steps`, `ids` of which only the first row is known."""
 
-    def __init__(self, inp: StepInput, cache: StateCache, config: DeepseekV3Config, split=None,
+    def __init__(self, inp: StepInput, cache: DecodeCache, config: DeepseekV3Config, split=None,
                  steps: int | None = None):
         self.inp, self.cache, self.config = inp, cache, config
         starts, slots, lens = inp.starts.numpy(), inp.slots.numpy(), inp.lens.numpy()

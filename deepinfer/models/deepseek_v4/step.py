@@ -9,9 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from deepinfer.core.cache import CacheSpec, Pool, PoolSpec, StateCache
-from deepinfer.core.graphs import size_bucket
-from deepinfer.models.base import StepInput, to_device
+from deepinfer.models.base import CacheSpec, DecodeCache, Pool, PoolSpec, StepInput, size_bucket, to_device
 from deepinfer.models.deepseek_v4.config import CSA, DeepseekV4Config
 
 
@@ -63,12 +61,12 @@ class LayerState:
 
 
 class CacheView:
-    """The generic StateCache as DeepSeek-V4's layers see it: one window ring size for every layer,
+    """The generic DecodeCache as DeepSeek-V4's layers see it: one window ring size for every layer,
     compressed entries at the same rows of a slot's pages in every paged pool of a layer."""
 
-    def __init__(self, cache: StateCache, config: DeepseekV4Config):
+    def __init__(self, cache: DecodeCache, config: DeepseekV4Config):
         self.cache = cache
-        # ring slots: the sequence slots and the trash slot (StateCache), each `ring` rows
+        # ring slots: the sequence slots and the trash slot (DecodeCache), each `ring` rows
         self.ring_slots, self.max_step_tokens = cache.ring_slots, cache.max_step_tokens
         self.page_tokens, self.block_table = cache.page_tokens, cache.block_table
         self.dtype, self.device = cache.dtype, cache.device
@@ -97,7 +95,7 @@ class CacheView:
         return self.cache.page_rows(layer.kv_pool, slots, entries)
 
     def trash_row(self, layer: LayerState) -> int:
-        """A row of the cache's trash page (StateCache.trash_page) in the layer's paged pools."""
+        """A row of the cache's trash page (DecodeCache.trash_page) in the layer's paged pools."""
         return self.cache.trash_page * layer.kv_pool.page_rows
 
     def entry_base(self) -> int:

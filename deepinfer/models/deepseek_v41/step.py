@@ -18,9 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from deepinfer.core.cache import CacheSpec, Pool, PoolSpec, StateCache
-from deepinfer.core.graphs import size_bucket, step_inputs, with_step_tensors
-from deepinfer.models.base import StepInput, to_device
+from deepinfer.models.base import (CacheSpec, DecodeCache, Pool, PoolSpec, StepInput, size_bucket, step_inputs,
+                                   to_device, with_step_tensors)
 from deepinfer.models.deepseek_v41.config import DeepseekV41Config
 
 
@@ -73,9 +72,9 @@ class LayerView:
 
 
 class CacheView:
-    """The generic StateCache as DeepSeek-V4.1's layers see it."""
+    """The generic DecodeCache as DeepSeek-V4.1's layers see it."""
 
-    def __init__(self, cache: StateCache, config: DeepseekV41Config):
+    def __init__(self, cache: DecodeCache, config: DeepseekV41Config):
         self.cache, self.config = cache, config
         self.ring_slots, self.max_step_tokens = cache.ring_slots, cache.max_step_tokens  # + the padding slot
         self.dtype, self.device = cache.dtype, cache.device
