@@ -8,106 +8,27 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 
 import torch
 
 from deepinfer import envs
 from deepinfer.backends.base import Accelerator
 from deepinfer.core import memory
+from deepinfer.core.config import EngineConfig
 from deepinfer.core.loader import load_checkpoint
 from deepinfer.core.model_runner import ModelRunner
 from deepinfer.core.postprocess import PostProcessor
-from deepinfer.core.replay import BoundedReplay
+from deepinfer.core.prefix_replay import BoundedReplay
 from deepinfer.core.request import Request, validate_request
 from deepinfer.core.sampler import Sampler
 from deepinfer.core.scheduler import ScheduledChunk, Scheduler
-from deepinfer.core.spec.decoder import SpecDecoder
+from deepinfer.core.speculative.decoder import SpecDecoder
+from deepinfer.core.step_plan import Done, StepPlan, StepStats
 from deepinfer.core.tokenizer import IncrementalDetokenizer, Tokenizer
-from deepinfer.models.base import ParallelContext, StepInput
+from deepinfer.models.base import ParallelContext
 from deepinfer.models.registry import load_config
 
 logger = logging.getLogger("deepinfer")
-
-
-@dataclass(slots=True)
-class EngineConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None  # default: min(max_position_embeddings, 8192)
-    cache_bytes: int | None = None  # budget for the decode state (slots + pages); overrides the next
-    gpu_memory_utilization: float = 0.9  # share of (free after weights + weights) the engine fills (core/memory.py)
-    num_cache_pages: int | None = None  # or an explicit page count
-    # compute dtype: the inputs of weight ops and the decode state; weights keep their stored format.
-    # auto = the accelerator's preferred_dtype (float32 on cpu, bfloat16 on nvidia and ascend)
-    dtype: str = "auto"
-    seed: int = 0
-    # DSpark drafting when the checkpoint has a drafter and DEEPINFER_USE_NEXTN_DECODE > 0; parallel
-    # ranks turn it off (their verify lengths come from per-rank timings and would diverge)
-    speculative: bool = True
-    # bytes free before the weights were loaded, to plan the cache from; None: what the accelerator
-    # reports free once they are (parallel ranks that must plan identical caches pass the smallest
-    # value any of them sees)
-    available_memory: int | None = None
-    # engine processes sharing this machine's cores (parallel ranks): each uses its share
-    processes_per_host: int = 1
-
-    def validate(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        for name in ("max_model_len", "cache_bytes", "num_cache_pages"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be None or an int >= 1, got {value!r}")
-        if self.dtype not in ("auto", "float32", "bfloat16"):
-            raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16', got {self.dtype!r}")
-        if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
-
-    def compute_dtype(self, accel: Accelerator) -> torch.dtype:
-        return accel.preferred_dtype if self.dtype == "auto" else getattr(torch, self.dtype)
-
-
-class _Done:
-    """A finished future (synchronous steps)."""
-
-    def __init__(self, value):
-        self.value = value
-
-    def result(self):
-        return self.value
-
-
-@dataclass(slots=True)
-class StepPlan:
-    """One step as planned on the CPU, executed on the device, post-processed on the CPU."""
-
-    chunks: list[ScheduledChunk]
-    inp: StepInput | None = None
-    meta: object = None  # StepMeta: index tensors, read from the cache's block table at planning time
-    logit_rows: list[int] = field(default_factory=list)
-    sample_rows: list[int] = field(default_factory=list)
-    adjust: object = None  # SamplingParams' logit adjustments of the sampled rows (core/logits.py), None: none
-    # per chunk: (start position, prompt-logprob rows, whether it samples), fixed at planning time
-    prompt_rows: list[tuple[int, int, bool]] = field(default_factory=list)
-    sampling: list[Request] = field(default_factory=list)
-    sampling_inputs: tuple = ()
-    drafts: list = field(default_factory=list)  # per sampling row: its spec Draft, or None
-    grammar: bool = False
-    # multimodal rows of the step: (first flat row, item, first and end span position fed), embedded by _execute
-    mm: list = field(default_factory=list)
-    prefill_tokens: int = 0
-    decode_tokens: int = 0
-    future: object = None
-
-
-@dataclass(slots=True)
-class StepStats:
-    prefill_tokens: int = 0
-    decode_tokens: int = 0
-    seconds: float = 0.0
 
 
 class LLMEngine:
@@ -280,7 +201,7 @@ class LLMEngine:
             plan = self._plan(chunks, draft=not overlap) if chunks else None
         finished = list(grammar_failed)
         if plan is not None and not overlap:
-            plan.future = _Done(self._execute(plan, None))
+            plan.future = Done(self._execute(plan, None))
             finished += self._finish(plan)
         else:
             if plan is not None:

@@ -12,7 +12,7 @@ different operators (a compressed window finishing or not, another batch size) n
 
 How a step is recorded: at the dispatcher, under a TorchDispatchMode (`record`). Every operator
 call that reaches it (aten ops, the cpu backend's fused kernels, any op a backend registers) is
-kept with its arguments, its tensor arguments named as slots (the step's inputs and what earlier
+kept with its arguments, its tensor arguments named as vars (the step's inputs and what earlier
 calls returned) or constants (weights, pools, and views of them, taken once here). Calls that
 change nothing are dropped (`.to()` of a tensor already there). A TorchFunctionMode watches for
 what a replay could not repeat: a read of tensor data into Python (`.item()`, `.tolist()`, `if
@@ -55,7 +55,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from deepinfer import envs
-from deepinfer.backends.base import Const, Instruction, ReplayError, Slot
+from deepinfer.backends.base import Const, Instruction, ReplayError, Var
 
 
 # Tensor methods and functions that move tensor data into Python values (or back): a replay would
@@ -103,8 +103,8 @@ class Recording:
         # how each constant came about, for comparing recordings: ("tensor", id) for one that
         # existed before the step, ("view", op, args) for a view of constants taken during it
         self.constant_keys: list[tuple] = []
-        self.num_slots = len(inputs)
-        self.outputs: list[Slot] = []
+        self.num_vars = len(inputs)
+        self.outputs: list[Var] = []
         self.structure = None  # how the step's result nests its tensors (tensor, or tuple)
 
     def same_as(self, other: "Recording") -> bool:
@@ -136,13 +136,13 @@ class _Recorder(TorchDispatchMode):
     def __init__(self, recording: Recording, inputs: list[torch.Tensor]):
         super().__init__()
         self.rec = recording
-        self.refs: dict[int, Slot | Const] = {}  # id(tensor) -> its name while the tensor lives
+        self.refs: dict[int, Var | Const] = {}  # id(tensor) -> its name while the tensor lives
         self.alive: list[weakref.finalize] = []
         for i, t in enumerate(inputs):
-            self.refs.setdefault(id(t), Slot(i))
+            self.refs.setdefault(id(t), Var(i))
         self.failure: str | None = None
 
-    def _name(self, t: torch.Tensor) -> Slot | Const:
+    def _name(self, t: torch.Tensor) -> Var | Const:
         ref = self.refs.get(id(t))
         if ref is None:  # existed before the step: a weight, a pool, a table
             ref = self._constant(t, ("tensor", id(t)))
@@ -156,9 +156,9 @@ class _Recorder(TorchDispatchMode):
         self.refs[id(t)] = ref
         return ref
 
-    def _new_slot(self, t: torch.Tensor) -> Slot:
-        ref = Slot(self.rec.num_slots)
-        self.rec.num_slots += 1
+    def _new_var(self, t: torch.Tensor) -> Var:
+        ref = Var(self.rec.num_vars)
+        self.rec.num_vars += 1
         self.refs[id(t)] = ref
         # forget the id when the tensor dies: Python may give a later tensor the same id
         self.alive.append(weakref.finalize(t, self.refs.pop, id(t), None))
@@ -193,7 +193,7 @@ class _Recorder(TorchDispatchMode):
         if any(not isinstance(r, torch.Tensor) for r in results if r is not None):
             self.failure = f"{func} returned a Python value"
             return
-        tensor_args = [a for a in _flatten(list(cargs) + list(ckwargs.values())) if isinstance(a, (Slot, Const))]
+        tensor_args = [a for a in _flatten(list(cargs) + list(ckwargs.values())) if isinstance(a, (Var, Const))]
         if _is_view(func):
             if all(isinstance(a, Const) for a in tensor_args):
                 for r in results:  # a view of constants is a constant: taken once, here
@@ -210,7 +210,7 @@ class _Recorder(TorchDispatchMode):
             if r is None or id(r) in self.refs:  # returned an argument (in place, or a no-op)
                 outs.append(-1)
             else:
-                outs.append(self._new_slot(r).index)
+                outs.append(self._new_var(r).index)
         if not func._schema.is_mutable and all(o < 0 for o in outs):
             return  # changed nothing, made nothing
         self.rec.instructions.append(Instruction(func, cargs, ckwargs, outs))
@@ -242,7 +242,7 @@ def record(fn: Callable[[], Any], inputs: list[torch.Tensor]) -> tuple[Recording
         rec.structure = "tensor" if isinstance(result, torch.Tensor) else len(results)
         for r in results:
             ref = recorder.refs.get(id(r)) if isinstance(r, torch.Tensor) else None
-            if not isinstance(ref, Slot):
+            if not isinstance(ref, Var):
                 failure = "the step's result is not a tensor it computed"
                 break
             rec.outputs.append(ref)

@@ -8,7 +8,7 @@ sequences hold it; one that nobody holds is idle, and idle pages are evicted lea
 used first when a sequence needs a page and none is free.
 
 Only compressed state is cached. The window state at the end of a cached prefix (sliding-window
-rings, the compressors' raw projections of the last tokens) is rebuilt by replay: core/replay.py.
+rings, the compressors' raw projections of the last tokens) is rebuilt by replay: core/prefix_replay.py.
 """
 
 from __future__ import annotations

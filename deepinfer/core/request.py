@@ -35,7 +35,7 @@ class Request:
         self.status = Status.WAITING
         self.slot: int | None = None
         self.num_computed = 0  # positions whose decode state is in the cache
-        # after a prefix-cache hit (core/replay.py): window keys below window_floor are missing,
+        # after a prefix-cache hit (core/prefix_replay.py): window keys below window_floor are missing,
         # and the compressed state of the first num_restored positions came from the cache
         self.window_floor = 0
         self.num_restored = 0

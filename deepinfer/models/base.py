@@ -106,7 +106,7 @@ class StepInput:
     slots: torch.Tensor  # [B] cache slot of each sequence
     starts: torch.Tensor  # [B] position of each sequence's first new token
     lens: torch.Tensor  # [B] new tokens per sequence (>= 1)
-    # after a prefix-cache hit (core/replay.py); None = zeros
+    # after a prefix-cache hit (core/prefix_replay.py); None = zeros
     window_floor: torch.Tensor | None = None  # [B] tokens from here on read no window key below it
     num_restored: torch.Tensor | None = None  # [B] paged state of positions below it is cached: not rewritten
     # multimodal input: (first flat row of `ids`, rows [n, hidden] float32 on the device) that replace the
@@ -245,12 +245,12 @@ class TensorSpec:
 # A checkpoint name's destination: (model name, None) for a whole tensor, (model name, (expert,
 # half)) for a slice of a fused expert stack, half 0/1 for the gate/up rows of a gate_up stack and
 # None for a down stack.
-Slot = tuple[str, "tuple[int, int | None] | None"]
+Destination = tuple[str, "tuple[int, int | None] | None"]
 
 
 def expert_slice_source(stack: str, part: tuple[int, int | None], pattern: str,
                         parts: dict[str, tuple[str, int | None]]) -> tuple[re.Match, str] | None:
-    """The inverse of a Slot into a fused expert stack (for error messages): `pattern` matches the
+    """The inverse of a Destination into a fused expert stack (for error messages): `pattern` matches the
     stack's model name, its last group the stack's kind; `parts` maps each per-expert tensor's
     checkpoint part name to (stack kind, half). Returns (the match, the part name that fills
     `part`'s half), or None when `stack` is no fused stack."""
@@ -282,7 +282,7 @@ class CausalLM(ABC):
     config: object
     accel: "Accelerator"
     # Positions of per-sequence state that a prefix-cache hit does not restore (sliding-window
-    # rings): replayed from the cached prefix's tail (core/replay.py). 0: paged state is the whole
+    # rings): replayed from the cached prefix's tail (core/prefix_replay.py). 0: paged state is the whole
     # decode state, so a hit is exact and nothing is replayed.
     replay_window: int = 0
     # Whether `prepare(steps=k)` plans k greedy decode steps at once (multi-step decoding, see
@@ -295,7 +295,7 @@ class CausalLM(ABC):
         """Every tensor the model reads, by the model's own names."""
 
     @staticmethod
-    def checkpoint_name(name: str) -> Slot | None:
+    def checkpoint_name(name: str) -> Destination | None:
         """Where a checkpoint tensor named otherwise (upstream names, per-expert tensors) goes; None:
         no counterpart. Names `checkpoint_tensors` lists map to themselves without asking."""
         return None
@@ -381,7 +381,7 @@ class DraftSettings(Protocol):
 
 
 class Drafter(Protocol):
-    """A speculative drafter as the speculative decoder (core/spec) drives it: it keeps its own context
+    """A speculative drafter as the speculative decoder (core/speculative) drives it: it keeps its own context
     rings, fed from every target step's features, and drafts a block per sequence."""
 
     dcfg: DraftSettings

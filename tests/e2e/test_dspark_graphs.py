@@ -1,4 +1,4 @@
-"""DSpark's drafting and verify steps recorded and replayed like decode steps (core/spec/decoder.py
+"""DSpark's drafting and verify steps recorded and replayed like decode steps (core/speculative/decoder.py
 through core/graphs.py): every replayed drafter block (drafts and survival) and every replayed
 verify forward (logits, every cache pool and the drafter's context rings) equals the same step run
 eagerly from the same state, bit for bit; a changed argument in a recorded drafting step is caught

@@ -194,7 +194,7 @@ class DeepseekV41Model(CausalLM):
         cfg, ops, w = self.config, self.accel, self.w
         meta = meta if meta is not None else self.prepare(inp, cache)
         if meta.decoder is meta.encoder and cfg.first_decoder_layer < cfg.num_hidden_layers:
-            meta.split_decoder(logit_rows, envs.get("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE"),
+            meta.split_decoder(logit_rows, envs.ced_prefill_mode(),
                                envs.get("DEEPINFER_YOCO_PREFILL_KEEP_TOKENS"))
         (rows, decoder), state = meta.bind(), StepState()  # the tensors of this meta (a replay swaps them)
         x = bf16(ops.embedding(meta.ids, w["embed.weight"]))

@@ -19,8 +19,8 @@ from deepinfer import envs
 from deepinfer.backends.base import Accelerator
 from deepinfer.core import logits as adjust
 from deepinfer.core.model_runner import FeatureTap
-from deepinfer.core.spec.accept import GREEDY_BELOW, DRAFT_SALT, Block, accept, draw, salted, target_logprobs
-from deepinfer.core.spec.planner import VerifyLengthPlanner, cached_step_cost, profile_grid, time_call
+from deepinfer.core.speculative.accept import GREEDY_BELOW, DRAFT_SALT, Block, accept, draw, salted, target_logprobs
+from deepinfer.core.speculative.planner import VerifyLengthPlanner, cached_step_cost, profile_grid, time_call
 
 
 @dataclass(slots=True)
