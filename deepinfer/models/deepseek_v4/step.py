@@ -11,6 +11,8 @@ import torch
 
 from deepinfer.models.base import CacheSpec, DecodeCache, Pool, PoolSpec, StepInput, size_bucket, to_device
 from deepinfer.models.deepseek_v4.config import CSA, DeepseekV4Config
+from deepinfer.models.planning import (OwnedRows, arange_within, commit_rows, decode_tokens, first_step_ids,
+                                      per_step, ring_rows)
 
 
 def cache_spec(cfg: DeepseekV4Config, margin: int) -> CacheSpec:
@@ -115,14 +117,7 @@ def _wrapped_window(ring: int, window: int) -> np.ndarray:
     return table
 
 
-def _arange_within(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """For groups of sizes `counts`: (group index of each element, index within its group)."""
-    group = np.repeat(np.arange(len(counts)), counts)
-    first = np.cumsum(counts) - counts
-    return group, np.arange(len(group)) - first[group]
-
-
-class StepMeta:
+class StepMeta(OwnedRows):
     """Index tensors of one step, shared by every layer of the same kind.
 
     Built on the host from host tensors (StepInput and the cache's block table live on the CPU:
@@ -154,19 +149,15 @@ class StepMeta:
         # Rows this process computes the token-wise work for (queries, MoE, residual streams):
         # all of them, unless context parallelism (deepinfer/parallel) split the step over ranks;
         # keys and compressed inputs are then completed from the other ranks by all_tokens.
-        self.split = split
-        self.own: slice | torch.Tensor = slice(None) if split is None else split.own
+        self.set_split(split)
         self.decode = self.num_tokens == len(lens) and inp.window_floor is None and inp.num_restored is None
         if steps is not None and not self.decode:
             raise ValueError("several steps are planned at once only for decode steps")
         self._plan(steps or 1)
         move = functools.partial(to_device, device=cache.device)
         if steps is not None:  # [steps, ...]: step s is row s of every tensor
-            batch = len(lens)
-            ids = np.zeros((steps, batch), dtype=np.int64)
-            ids[0] = inp.ids.numpy()
-            self.ids = move(ids)
-            self._map(lambda a: move(a.reshape(steps, batch, *a.shape[1:])))
+            self.ids = move(first_step_ids(inp.ids, steps))
+            self._map(lambda a: move(per_step(a, steps)))
         else:
             self.ids = move(inp.ids)
             self._map(move)
@@ -177,15 +168,15 @@ class StepMeta:
         inp, cache, config = self.inp, self.cache, self.config
         if self.decode:
             batch = len(self.starts)
-            seq = np.broadcast_to(np.arange(batch), (steps, batch)).ravel()
-            self.positions = (self.starts + np.arange(steps)[:, None]).ravel()
+            seq, step = decode_tokens(batch, steps)
+            self.positions = self.starts[seq] + step
             # per token: its step's first position of the sequence, the flat index of the sequence's
             # first token in its step, its slot, the end of its sequence's tokens in its step
             self.tok = (self.positions, seq, self.slots[seq], self.positions + 1)
         else:
             lens = inp.lens.numpy()
             first = np.cumsum(lens) - lens
-            seq, within = _arange_within(lens)
+            seq, within = arange_within(lens)
             self.positions = self.starts[seq] + within
             self.tok = (self.starts[seq], first[seq], self.slots[seq], (self.starts + lens)[seq])
         self.seq = seq  # per token: its sequence
@@ -201,7 +192,7 @@ class StepMeta:
                 floor = np.where(self.positions >= floor, floor, 0)
                 key_pos = np.where(key_pos >= floor[:, None], key_pos, -1)
             start, first_tok, slot, _ = (t[:, None] for t in self.tok)
-            self.window_rows = self.rows(key_pos, start, first_tok, slot, cache.ring)
+            self.window_rows = ring_rows(key_pos, start, first_tok, slot, cache.ring, cache.ring_slots)
         self.window_commit = self._commit(cache.ring)
         # Read the block table now: with overlapped scheduling the CPU may hand a freed slot or
         # page to another request while this step is still queued on the device.
@@ -216,20 +207,6 @@ class StepMeta:
         for info in self._by_rate.values():
             for k, v in info.items():
                 info[k] = tuple(map(f, v)) if isinstance(v, tuple) else f(v)
-
-    def all_tokens(self, own_rows: torch.Tensor) -> torch.Tensor:
-        """Rows of every token of the step, from the rows of the tokens this process owns."""
-        return own_rows if self.split is None else self.split.gather(own_rows)
-
-    def rows(self, pos: np.ndarray, start: np.ndarray, first: np.ndarray, slot: np.ndarray, ring: int) -> np.ndarray:
-        """Row of position `pos` of the sequence whose tokens in this step start at position `start`,
-        at flat token `first`, in `slot` (all broadcast against pos), in a [ring rows | scratch]
-        tensor whose scratch starts at ring_slots*ring: the step's own tokens are read from the scratch,
-        older ones from the ring; negative positions give -1."""
-        scratch = self.cache.ring_slots * ring + first + (pos - start)
-        ringed = slot * ring + pos % ring  # numpy's % is floor-mod, as torch.remainder
-        rows = np.where(pos >= start, scratch, ringed)
-        return np.where(pos >= 0, rows, -1)
 
     def _decode_rows(self, positions: np.ndarray, seq: np.ndarray, slot: np.ndarray, window: int,
                      ring: int) -> np.ndarray:
@@ -250,9 +227,7 @@ class StepMeta:
         pos = self.positions
         if self.decode:  # a decode step keeps its one token per sequence, at its first scratch row
             return self.cache.ring_slots * ring + first, slot * ring + pos % ring
-        tokens = np.flatnonzero(pos >= end - ring)
-        pos, start, first, slot = pos[tokens], start[tokens], first[tokens], slot[tokens]
-        return self.cache.ring_slots * ring + first + (pos - start), slot * ring + pos % ring
+        return commit_rows(pos, end, first + (pos - start), slot, ring, self.cache.ring_slots)
 
     def compressed(self, layer: LayerState) -> dict:
         """Windows finished in this step and the entries each token may see, for a layer kind."""
@@ -272,7 +247,7 @@ class StepMeta:
             lo = self.starts if inp.num_restored is None else np.maximum(self.starts, inp.num_restored.numpy())
             lens = inp.lens.numpy()
             w_lo = lo // rate
-            win_seq, within = _arange_within(np.maximum((self.starts + lens) // rate - w_lo, 0))
+            win_seq, within = arange_within(np.maximum((self.starts + lens) // rate - w_lo, 0))
             win = w_lo[win_seq] + within
             seq_first = np.cumsum(lens) - lens
             w_start, w_first, w_slot, finished = self.starts[win_seq], seq_first[win_seq], self.slots[win_seq], None
@@ -280,7 +255,7 @@ class StepMeta:
         span = 2 * rate if layer.kind == CSA else rate
         if finished is None:
             tok_pos = (win[:, None] + 1) * rate - span + np.arange(span)
-            tok_rows = self.rows(tok_pos, w_start[:, None], w_first[:, None], w_slot[:, None], ring)
+            tok_rows = ring_rows(tok_pos, w_start[:, None], w_first[:, None], w_slot[:, None], ring, cache.ring_slots)
             out_rows = cache.entry_rows(layer, w_slot, win)
         else:  # an unfinished window: no tokens, its entry to the trash page (rows of finished ones only)
             done = np.flatnonzero(finished)
