@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -134,9 +135,30 @@ def size_bucket(n: int, minimum: int = 0, linear_from: int = 64) -> int:
 
 
 # ---------------------------------------------------------------- the tensors of a step's metadata
+class StepData:
+    """Base of the records (dataclasses whose fields are all init fields) a family's step metadata
+    holds its index tensors in: `step_inputs` and `with_step_tensors` walk their fields as they walk
+    a dict's entries."""
+
+    __slots__ = ()
+
+    def values(self) -> list:
+        return [getattr(self, name) for name in _field_names(type(self))]
+
+    def mapped(self, f):
+        """A copy with f(array) for each array field (each item of a tuple field; None stays None)."""
+        return type(self)(*[v if v is None else tuple(map(f, v)) if isinstance(v, tuple) else f(v)
+                            for v in self.values()])
+
+
+@functools.cache
+def _field_names(cls) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
 def step_inputs(meta) -> tuple[list[torch.Tensor], tuple]:
     """What of a step's metadata changes from step to step: every tensor it holds, in a fixed order
-    (its attributes' tensors and those in dicts, lists and tuples among them), and the Python
+    (its attributes' tensors and those in StepData records, dicts, lists and tuples among them), and the Python
     numbers and strings held the same way (sizes the planning reads: they are part of the step's
     bucket). Other objects (e.g. the model's view of the cache) are fixed for the engine's life and
     not walked."""
@@ -156,6 +178,10 @@ def step_inputs(meta) -> tuple[list[torch.Tensor], tuple]:
             scalars.append(len(v))
             for x in v:
                 walk(x)
+        elif isinstance(v, StepData):
+            scalars.append(type(v).__name__)
+            for x in v.values():
+                walk(x)
 
     for value in _attributes(meta):
         walk(value)
@@ -173,6 +199,8 @@ def with_step_tensors(meta, tensors: list[torch.Tensor]):
             return {k: swap(x) for k, x in v.items()}
         if isinstance(v, (list, tuple)):
             return type(v)(swap(x) for x in v)
+        if isinstance(v, StepData):
+            return type(v)(*[swap(x) for x in v.values()])
         return v
 
     new = {name: swap(getattr(meta, name)) for name in _attribute_names(meta)}

@@ -24,7 +24,7 @@ from deepinfer.models.base import (CacheSpec, CausalLM, DecodeCache, FeaturesReq
                                    TensorSpec, ViewCache)
 from deepinfer.models.deepseek_v4 import fused, weights as checkpoint
 from deepinfer.models.deepseek_v4.config import CSA, SLIDING, DeepseekV4Config
-from deepinfer.models.deepseek_v4.step import CacheView, LayerState, StepMeta, cache_spec
+from deepinfer.models.deepseek_v4.step import CacheView, CompressedRows, LayerState, StepMeta, cache_spec
 
 
 class DeepseekV4Model(CausalLM):
@@ -203,7 +203,7 @@ class DeepseekV4Model(CausalLM):
         cfg, ops, w = self.config, self.accel, self.w
         p = f"model.layers.{i}.self_attn."
         layer = cache.layers[i]
-        cos, sin = meta.rope["main" if layer.kind == SLIDING else "compress"]
+        cos, sin = meta.rope.main if layer.kind == SLIDING else meta.rope.compress
         own = meta.own
         num_tokens, heads, head_dim = h.shape[0], cfg.num_attention_heads, cfg.head_dim
 
@@ -232,16 +232,16 @@ class DeepseekV4Model(CausalLM):
             self._compress(layer, cols("compressor.kv_proj", "compressor.gate_proj"), info, p + "compressor.",
                            layer.kv[base:], layer.comp_ring, cache)
             if layer.kind != CSA:  # HCA: window keys + every visible entry, planned with the step
-                indices = info["attention_rows"][own]
+                indices = info.attention_rows[own]
             else:
                 ip = p + "compressor.indexer."
                 self._compress(layer, cols("compressor.indexer.kv_proj", "compressor.indexer.gate_proj"), info,
                                ip, layer.index_keys, layer.index_ring, cache)
-                ccos, csin = meta.rope["compress"]
+                ccos, csin = meta.rope.compress
                 q_idx = ops.linear(q_in, w[ip + "q_b_proj.weight"]).view(num_tokens, cfg.index_n_heads, -1)
                 q_idx = ops.rope(q_idx, ccos[own], csin[own])
                 weights = cols("compressor.indexer.scorer.weights_proj")  # 1/sqrt(heads) folded in
-                picked = ops.indexer_topk(q_idx, weights, layer.index_keys, info["candidates"][own], cfg.index_topk,
+                picked = ops.indexer_topk(q_idx, weights, layer.index_keys, info.candidates[own], cfg.index_topk,
                                           cfg.index_head_dim ** -0.5)
                 picked = torch.where(picked >= 0, picked + base, picked)
                 indices = torch.cat([indices, picked], dim=1)
@@ -252,7 +252,7 @@ class DeepseekV4Model(CausalLM):
         out = ops.grouped_linear(self._gemm_input(out.reshape(num_tokens, cfg.o_groups, -1)), w[p + "o_a_proj.weight"])
         return ops.linear(self._gemm_input(out.flatten(1)), w[p + "o_b_proj.weight"])
 
-    def _compress(self, layer: LayerState, kv_gate: torch.Tensor, info: dict, p: str,
+    def _compress(self, layer: LayerState, kv_gate: torch.Tensor, info: CompressedRows, p: str,
                   entries_out: torch.Tensor, ring: torch.Tensor, cache: CacheView) -> None:
         """Stage this step's [kv | gate] projections, turn every finished window into an entry
         (softmax-gated sum, RMSNorm, RoPE at the window's first position) and write it to its page."""
@@ -260,12 +260,12 @@ class DeepseekV4Model(CausalLM):
         num_tokens = kv_gate.shape[0]
         scratch = cache.ring_slots * layer.comp_ring_size
         ring[scratch:scratch + num_tokens].copy_(kv_gate)
-        rows = info["tok_rows"]
+        rows = info.tok_rows
         if rows.shape[0]:
             entry = fused.compress_entries(ops, ring, rows, w[p + "position_bias"], layer.kind == CSA,
-                                           w[p + "kv_norm.weight"], cfg.rms_norm_eps, *info["cos_sin"])
-            entries_out.index_copy_(0, info["out_rows"], entry.to(entries_out.dtype))
-        ops.copy_rows(ring, *info["commit"])
+                                           w[p + "kv_norm.weight"], cfg.rms_norm_eps, *info.cos_sin)
+            entries_out.index_copy_(0, info.out_rows, entry.to(entries_out.dtype))
+        ops.copy_rows(ring, *info.commit)
 
     # ------------------------------------------------------------ MoE
     def _moe(self, i: int, h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

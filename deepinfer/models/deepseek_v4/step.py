@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from deepinfer.models.base import CacheSpec, DecodeCache, Pool, PoolSpec, StepInput, size_bucket, to_device
+from deepinfer.models.base import (CacheSpec, DecodeCache, Pool, PoolSpec, StepData, StepInput, size_bucket,
+                                   to_device)
 from deepinfer.models.deepseek_v4.config import CSA, DeepseekV4Config
 from deepinfer.models.planning import (OwnedRows, arange_within, commit_rows, decode_tokens, first_step_ids,
                                       per_step, ring_rows)
@@ -117,6 +118,26 @@ def _wrapped_window(ring: int, window: int) -> np.ndarray:
     return table
 
 
+@dataclass(slots=True)
+class RopeTables(StepData):
+    """cos/sin of every token's position, for the window's RoPE and the compressed entries'."""
+
+    main: tuple[np.ndarray, np.ndarray]
+    compress: tuple[np.ndarray, np.ndarray]
+
+
+@dataclass(slots=True)
+class CompressedRows(StepData):
+    """One layer kind's compressed entries in a step (StepMeta.compressed)."""
+
+    tok_rows: np.ndarray  # [W, span] ring rows of each window finished in the step (-1: absent)
+    out_rows: np.ndarray  # [W] page row each finished window's entry goes to (unfinished: the trash page)
+    cos_sin: tuple[np.ndarray, np.ndarray]  # RoPE at each entry's position
+    candidates: np.ndarray  # [T, E] the entry rows each token may see (-1 beyond)
+    commit: tuple[np.ndarray, np.ndarray]  # (scratch rows, ring rows) the compressor ring keeps
+    attention_rows: np.ndarray | None = None  # [T, window + E] every row a token attends (not CSA: no indexer)
+
+
 class StepMeta(OwnedRows):
     """Index tensors of one step, shared by every layer of the same kind.
 
@@ -145,7 +166,7 @@ class StepMeta(OwnedRows):
         self.num_tokens = int(lens.sum())
         if self.num_tokens > cache.max_step_tokens:
             raise ValueError(f"step has {self.num_tokens} tokens, cache scratch holds {cache.max_step_tokens}")
-        self._by_rate: dict[tuple[str, int], dict] = {}
+        self._by_rate: dict[tuple[str, int], CompressedRows] = {}
         # Rows this process computes the token-wise work for (queries, MoE, residual streams):
         # all of them, unless context parallelism (deepinfer/parallel) split the step over ranks;
         # keys and compressed inputs are then completed from the other ranks by all_tokens.
@@ -180,8 +201,7 @@ class StepMeta(OwnedRows):
             self.positions = self.starts[seq] + within
             self.tok = (self.starts[seq], first[seq], self.slots[seq], (self.starts + lens)[seq])
         self.seq = seq  # per token: its sequence
-        self.rope = {"main": config.rope_main.cos_sin(self.positions),
-                     "compress": config.rope_compress.cos_sin(self.positions)}
+        self.rope = RopeTables(config.rope_main.cos_sin(self.positions), config.rope_compress.cos_sin(self.positions))
         window = config.sliding_window
         if self.decode:
             self.window_rows = self._decode_rows(self.positions, seq, self.tok[2], window, cache.ring)
@@ -203,10 +223,8 @@ class StepMeta(OwnedRows):
         """Replace every planned array by f(array)."""
         self.window_rows = f(self.window_rows)
         self.window_commit = tuple(map(f, self.window_commit))
-        self.rope = {k: tuple(map(f, v)) for k, v in self.rope.items()}
-        for info in self._by_rate.values():
-            for k, v in info.items():
-                info[k] = tuple(map(f, v)) if isinstance(v, tuple) else f(v)
+        self.rope = self.rope.mapped(f)
+        self._by_rate = {key: info.mapped(f) for key, info in self._by_rate.items()}
 
     def _decode_rows(self, positions: np.ndarray, seq: np.ndarray, slot: np.ndarray, window: int,
                      ring: int) -> np.ndarray:
@@ -229,11 +247,11 @@ class StepMeta(OwnedRows):
             return self.cache.ring_slots * ring + first, slot * ring + pos % ring
         return commit_rows(pos, end, first + (pos - start), slot, ring, self.cache.ring_slots)
 
-    def compressed(self, layer: LayerState) -> dict:
+    def compressed(self, layer: LayerState) -> CompressedRows:
         """Windows finished in this step and the entries each token may see, for a layer kind."""
         return self._by_rate[layer.kind, layer.rate]
 
-    def _compressed(self, layer: LayerState) -> dict:
+    def _compressed(self, layer: LayerState) -> CompressedRows:
         rate, ring, cache, inp = layer.rate, layer.comp_ring_size, self.cache, self.inp
         start, first, slot, end = self.tok
         # entries visible to token at p: w < (p + 1) // rate (a decode token's end is its p + 1)
@@ -273,12 +291,11 @@ class StepMeta(OwnedRows):
         seen = entries < visible[:, None]
         per_seq = cache.entry_rows(layer, self.slots[:, None], entries)
         cand = np.where(seen, per_seq[self.seq], -1)
-        info = dict(tok_rows=tok_rows, out_rows=out_rows, cos_sin=entry_cos_sin, candidates=cand,
-                    commit=self._commit(ring))
+        info = CompressedRows(tok_rows, out_rows, entry_cos_sin, cand, self._commit(ring))
         if layer.kind != CSA:  # every visible entry is attended: the whole index list is known now
             rows = np.full((len(cand), self.window_rows.shape[1] + width), -1, dtype=np.int64)
             window, entries_part = rows[:, :self.window_rows.shape[1]], rows[:, self.window_rows.shape[1]:]
             window[...] = self.window_rows
             np.copyto(entries_part, (per_seq + cache.entry_base())[self.seq], where=seen)
-            info["attention_rows"] = rows
+            info.attention_rows = rows
         return info
