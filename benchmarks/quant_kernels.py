@@ -41,7 +41,7 @@ def crossover(repeats: int) -> dict:
     from deepinfer.backends.cpu import kernels
     from deepinfer.backends.cpu import quant_kernels as qk
     from deepinfer.backends.quant import quantize_fp4, quantize_fp8
-    from deepinfer.core.spec.planner import time_call  # median after a warm-up call, as the planner times
+    from deepinfer.core.speculative.planner import time_call  # median after a warm-up call, as the planner times
 
     kernels.load()
     gen = torch.Generator().manual_seed(0)
@@ -84,7 +84,7 @@ def experts_crossover(repeats: int) -> list[dict]:
     from deepinfer.backends.base import Accelerator
     from deepinfer.backends.cpu import CpuKernelAccelerator, kernels
     from deepinfer.backends.quant import quantize_fp4
-    from deepinfer.core.spec.planner import time_call
+    from deepinfer.core.speculative.planner import time_call
 
     kernels.load()
     acc = CpuKernelAccelerator()
@@ -127,7 +127,7 @@ def fp8_qdq_timing(repeats: int) -> list[dict]:
     ranks 1024, expert intermediate 2048) at batch 1 and 32."""
     from deepinfer.backends import reference as ref
     from deepinfer.backends.cpu import kernels
-    from deepinfer.core.spec.planner import time_call
+    from deepinfer.core.speculative.planner import time_call
 
     kernels.load()
     gen = torch.Generator().manual_seed(0)

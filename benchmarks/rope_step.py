@@ -68,7 +68,7 @@ def bits(n: int) -> dict:
 
 def median_us(fn, reps: int) -> float:
     """The median of `reps` calls in microseconds, after 20 warm-up calls (the planner's time_call)."""
-    from deepinfer.core.spec.planner import time_call
+    from deepinfer.core.speculative.planner import time_call
 
     for _ in range(19):
         fn()

@@ -132,7 +132,7 @@ def profile(model: str, batch: int, prompt_len: int, steps: int) -> dict:
 
     def decode_steps(n: int, multi_step: int) -> dict:
         engine.multi_step, done = multi_step, 0
-        graphs = getattr(engine, "graphs", None)
+        graphs = getattr(getattr(engine, "runner", engine), "graphs", None)  # builds before issue 37: the engine's
         # calls of this kind, not timed, until one records nothing (a bucket is recorded on its first
         # two steps, and its first replay chooses its threads)
         for _ in range(4):
@@ -155,8 +155,8 @@ def profile(model: str, batch: int, prompt_len: int, steps: int) -> dict:
               f"up to {default} steps per call": decode_steps(steps, default)}
     untime()
     engine.multi_step = 1
-    if getattr(engine, "graphs", None) is not None:
-        engine.graphs = None  # op by op: the model's Python graph (the build before: replaced ops turn its program off)
+    if getattr(getattr(engine, "runner", engine), "graphs", None) is not None:
+        getattr(engine, "runner", engine).graphs = None  # op by op: the model's Python graph (the build before: replaced ops turn its program off)
     w = engine.model.w
     seconds, calls = timed_ops(llm.accel, w["lm_head.weight"] if "lm_head.weight" in w else w["head.weight"])  # V4.1: head
     engine.timeline.clear()

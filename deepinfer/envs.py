@@ -86,8 +86,12 @@ _VARS = [
     EnvVar("DEEPINFER_DECODE_PERF_CACHE_DIR", "", _str,
            "where the verify-length planner keeps its step-cost profile"),
     EnvVar("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE", "compact", _choice("off", "mask", "compact"),
-           "window-state rebuild after a prefix-cache hit or preemption (core/replay.py): "
+           "window-state rebuild after a prefix-cache hit or preemption (core/prefix_replay.py): "
            "off (exact), mask (slow check), compact (bounded replay)"),
+    EnvVar("DEEPINFER_CED_PREFILL_MODE", None, _choice("off", "mask", "compact"),
+           "DeepSeek-V4.1's CED split of a long prefill chunk: compact (decoder layers run on the chunk's last "
+           "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS rows), mask (every row, the same masking: a check), off (exact); "
+           "unset = the value of DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE"),
     EnvVar("DEEPINFER_YOCO_PREFILL_KEEP_TOKENS", 140, _int,
            "replayed suffix; must be >= sliding window + max backtracking (checked at start-up)"),
     EnvVar("DEEPINFER_XGRAMMAR_TIMEOUT", 30.0, _float, "grammar compile timeout in seconds"),
@@ -142,6 +146,13 @@ def nextn_decode(default: int = 5) -> int:
     if value < 0:
         raise EnvError(f"DEEPINFER_USE_NEXTN_DECODE={value} must be >= 0 (0 disables drafting)")
     return value
+
+
+def ced_prefill_mode() -> str:
+    """DEEPINFER_CED_PREFILL_MODE when set, else the prefix-cache replay's mode (the two are the same
+    bounded-tail approximation, and before the CED split had its own variable it followed that one)."""
+    value = get("DEEPINFER_CED_PREFILL_MODE")
+    return get("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE") if value is None else value
 
 
 def mtp_varlen() -> bool:

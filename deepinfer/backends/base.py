@@ -33,7 +33,7 @@ class WeightRole(enum.Enum):
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Slot:
+class Var:
     """In a recorded step (core/graphs.py): a tensor of the step, an input (0 .. num_inputs-1) or
     what an earlier instruction returned."""
 
@@ -53,7 +53,7 @@ class Instruction:
     """One operator call of a recorded step."""
 
     op: torch._ops.OpOverload
-    args: tuple  # tensors replaced by Slot / Const, nested in lists and tuples as the call had them
+    args: tuple  # tensors replaced by Var / Const, nested in lists and tuples as the call had them
     kwargs: dict
     outs: list[int]  # slot of each returned tensor (tensor lists flattened), -1: an argument returned
 
@@ -73,8 +73,8 @@ class Instruction:
             else:
                 continue  # left at its default (an out= not given)
             values = value if isinstance(value, (list, tuple)) else [value]
-            if any(isinstance(v, Const) or (isinstance(v, Slot) and v.index < num_inputs)
-                   or not isinstance(v, (Slot, Const, type(None))) for v in values):
+            if any(isinstance(v, Const) or (isinstance(v, Var) and v.index < num_inputs)
+                   or not isinstance(v, (Var, Const, type(None))) for v in values):
                 return True
         return False
 
@@ -435,18 +435,37 @@ class Accelerator(ABC):
         int32, little-endian bits within each word (xgrammar's layout)."""
 
     # -------------------------------------------------------------- fused sequences
-    def kernel(self, name: str):
-        """This backend's single kernel for a model's fused op sequence `name` (e.g. DeepSeek-V4's
-        hc_pre_norm, defined as a composite in models/deepseek_v4/fused.py), or None: the model
-        then runs its composite. A kernel takes the composite's arguments and returns its result,
-        or None for an input it does not take. Only a backend that has such kernels overrides this."""
+    # Sequences of the ops above that a model defines as composites (DeepSeek-V4's, in
+    # models/deepseek_v4/fused.py, where each argument is described) and a backend may run as one
+    # kernel: each takes the composite's arguments and returns its result, or None (no kernel here,
+    # or an input the kernel does not take): the model then runs the composite. Only a backend that
+    # has such kernels overrides these (cpu: its C++ kernels).
+    def fused_hc_pre_norm(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+                          norm_eps: float, hc_eps: float, sinkhorn_iters: int, norm_weight: torch.Tensor):
+        """hc_pre, then rms_norm of the collapsed input -> (input [T, D], post [T, N], comb [T, N, N]), or None."""
+        return None
+
+    def fused_hc_post_pre_norm(self, block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
+                               comb: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+                               norm_eps: float, hc_eps: float, sinkhorn_iters: int, norm_weight: torch.Tensor):
+        """hc_post, then fused_hc_pre_norm with the next block's weights -> (streams, input, post, comb), or None."""
+        return None
+
+    def fused_rms_norm_rope(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor,
+                            sin: torch.Tensor):
+        """rope(rms_norm(x, weight, eps), cos, sin), or None."""
+        return None
+
+    def fused_compress_entries(self, ring: torch.Tensor, rows: torch.Tensor, bias: torch.Tensor, overlap: bool,
+                               norm_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor):
+        """A compressor's entries [W, dim] for finished windows from its staged ring rows, or None."""
         return None
 
     # -------------------------------------------------------------- step graphs
     def compile_step(self, recording, step_fn):
         """A replay of a recorded step (core/graphs.py), or None. `recording`: the operators one step
-        called, in order (`instructions`: Instruction), its tensors as Slot (`num_inputs` inputs,
-        shaped `input_specs` [(shape, stride, dtype)], then instruction results, `num_slots` in all)
+        called, in order (`instructions`: Instruction), its tensors as Var (`num_inputs` inputs,
+        shaped `input_specs` [(shape, stride, dtype)], then instruction results, `num_vars` in all)
         and Const (`constants`), and the slots it returned (`outputs`). `step_fn(inputs) -> outputs`
         runs the same step eagerly on other input tensors of the same shapes. The replay is a callable
         `inputs -> outputs` with the eager step's results and in-place writes; a backend may replay the

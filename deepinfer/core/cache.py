@@ -20,61 +20,16 @@ their page is needed: a free page is one on the free list or an idle cached one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from deepinfer.core.prefix_cache import PrefixCache
+from deepinfer.models.base import CacheSpec, Pool
 
 
 class CacheFull(RuntimeError):
     """Not enough free pages or slots; the scheduler should preempt or wait."""
-
-
-@dataclass(frozen=True, slots=True)
-class PoolSpec:
-    """One pool of per-sequence state (see the module doc). `kind` and `layer` are the model's own
-    labels (e.g. a layer type); the cache does not read them."""
-
-    name: str
-    width: int
-    ring: int = 0  # rows per sequence slot
-    scratch: bool = False  # one row per token of the step, after the slot rows
-    stride: int = 0  # paged: one row per `stride` positions (0: not paged)
-    kind: str = ""
-    layer: int = -1
-    dtype: torch.dtype | None = None  # None: the cache's dtype (an integer pool, e.g. token history, sets its own)
-
-    def element_size(self, default: int) -> int:
-        return default if self.dtype is None else torch.empty(0, dtype=self.dtype).element_size()
-
-
-@dataclass(frozen=True, slots=True)
-class CacheSpec:
-    pools: tuple[PoolSpec, ...]
-
-    @property
-    def paged(self) -> bool:
-        return any(p.stride for p in self.pools)
-
-    def bytes_per_page(self, page_tokens: int, element_size: int) -> int:
-        return sum(page_tokens // p.stride * p.width * p.element_size(element_size) for p in self.pools if p.stride)
-
-    def bytes_per_slot(self, element_size: int) -> int:
-        return sum(p.ring * p.width * p.element_size(element_size) for p in self.pools)
-
-    def bytes_scratch(self, step_tokens: int, element_size: int) -> int:
-        return sum(p.width for p in self.pools if p.scratch) * step_tokens * element_size
-
-
-@dataclass(slots=True)
-class Pool:
-    spec: PoolSpec
-    data: torch.Tensor  # [slot rows | scratch rows | page rows, width]
-    scratch_base: int  # first scratch row (= max_seqs * ring)
-    page_base: int  # first page row
-    page_rows: int  # rows per page (page_tokens // stride), 0 if not paged
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -12,7 +12,7 @@ different operators (a compressed window finishing or not, another batch size) n
 
 How a step is recorded: at the dispatcher, under a TorchDispatchMode (`record`). Every operator
 call that reaches it (aten ops, the cpu backend's fused kernels, any op a backend registers) is
-kept with its arguments, its tensor arguments named as slots (the step's inputs and what earlier
+kept with its arguments, its tensor arguments named as vars (the step's inputs and what earlier
 calls returned) or constants (weights, pools, and views of them, taken once here). Calls that
 change nothing are dropped (`.to()` of a tensor already there). A TorchFunctionMode watches for
 what a replay could not repeat: a read of tensor data into Python (`.item()`, `.tolist()`, `if
@@ -43,7 +43,6 @@ with the tape below):
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import hashlib
 import warnings
@@ -56,7 +55,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from deepinfer import envs
-from deepinfer.backends.base import Const, Instruction, ReplayError, Slot
+from deepinfer.backends.base import Const, Instruction, ReplayError, Var
 
 
 # Tensor methods and functions that move tensor data into Python values (or back): a replay would
@@ -104,8 +103,8 @@ class Recording:
         # how each constant came about, for comparing recordings: ("tensor", id) for one that
         # existed before the step, ("view", op, args) for a view of constants taken during it
         self.constant_keys: list[tuple] = []
-        self.num_slots = len(inputs)
-        self.outputs: list[Slot] = []
+        self.num_vars = len(inputs)
+        self.outputs: list[Var] = []
         self.structure = None  # how the step's result nests its tensors (tensor, or tuple)
 
     def same_as(self, other: "Recording") -> bool:
@@ -137,13 +136,13 @@ class _Recorder(TorchDispatchMode):
     def __init__(self, recording: Recording, inputs: list[torch.Tensor]):
         super().__init__()
         self.rec = recording
-        self.refs: dict[int, Slot | Const] = {}  # id(tensor) -> its name while the tensor lives
+        self.refs: dict[int, Var | Const] = {}  # id(tensor) -> its name while the tensor lives
         self.alive: list[weakref.finalize] = []
         for i, t in enumerate(inputs):
-            self.refs.setdefault(id(t), Slot(i))
+            self.refs.setdefault(id(t), Var(i))
         self.failure: str | None = None
 
-    def _name(self, t: torch.Tensor) -> Slot | Const:
+    def _name(self, t: torch.Tensor) -> Var | Const:
         ref = self.refs.get(id(t))
         if ref is None:  # existed before the step: a weight, a pool, a table
             ref = self._constant(t, ("tensor", id(t)))
@@ -157,9 +156,9 @@ class _Recorder(TorchDispatchMode):
         self.refs[id(t)] = ref
         return ref
 
-    def _new_slot(self, t: torch.Tensor) -> Slot:
-        ref = Slot(self.rec.num_slots)
-        self.rec.num_slots += 1
+    def _new_var(self, t: torch.Tensor) -> Var:
+        ref = Var(self.rec.num_vars)
+        self.rec.num_vars += 1
         self.refs[id(t)] = ref
         # forget the id when the tensor dies: Python may give a later tensor the same id
         self.alive.append(weakref.finalize(t, self.refs.pop, id(t), None))
@@ -194,7 +193,7 @@ class _Recorder(TorchDispatchMode):
         if any(not isinstance(r, torch.Tensor) for r in results if r is not None):
             self.failure = f"{func} returned a Python value"
             return
-        tensor_args = [a for a in _flatten(list(cargs) + list(ckwargs.values())) if isinstance(a, (Slot, Const))]
+        tensor_args = [a for a in _flatten(list(cargs) + list(ckwargs.values())) if isinstance(a, (Var, Const))]
         if _is_view(func):
             if all(isinstance(a, Const) for a in tensor_args):
                 for r in results:  # a view of constants is a constant: taken once, here
@@ -211,7 +210,7 @@ class _Recorder(TorchDispatchMode):
             if r is None or id(r) in self.refs:  # returned an argument (in place, or a no-op)
                 outs.append(-1)
             else:
-                outs.append(self._new_slot(r).index)
+                outs.append(self._new_var(r).index)
         if not func._schema.is_mutable and all(o < 0 for o in outs):
             return  # changed nothing, made nothing
         self.rec.instructions.append(Instruction(func, cargs, ckwargs, outs))
@@ -243,75 +242,13 @@ def record(fn: Callable[[], Any], inputs: list[torch.Tensor]) -> tuple[Recording
         rec.structure = "tensor" if isinstance(result, torch.Tensor) else len(results)
         for r in results:
             ref = recorder.refs.get(id(r)) if isinstance(r, torch.Tensor) else None
-            if not isinstance(ref, Slot):
+            if not isinstance(ref, Var):
                 failure = "the step's result is not a tensor it computed"
                 break
             rec.outputs.append(ref)
     for f in recorder.alive:
         f.detach()
     return (None if failure else rec), failure, result
-
-
-# ---------------------------------------------------------------- the tensors of a step's metadata
-def step_inputs(meta) -> tuple[list[torch.Tensor], tuple]:
-    """What of a step's metadata changes from step to step: every tensor it holds, in a fixed order
-    (its attributes' tensors and those in dicts, lists and tuples among them), and the Python
-    numbers and strings held the same way (sizes the planning reads: they are part of the step's
-    bucket). Other objects (e.g. the model's view of the cache) are fixed for the engine's life and
-    not walked."""
-    tensors: list[torch.Tensor] = []
-    scalars: list = []
-
-    def walk(v):
-        if isinstance(v, torch.Tensor):
-            tensors.append(v)
-        elif isinstance(v, (int, float, str, bool)) or v is None:
-            scalars.append(v)
-        elif isinstance(v, dict):
-            for k, x in v.items():
-                scalars.append(k if isinstance(k, (int, str, tuple)) else None)
-                walk(x)
-        elif isinstance(v, (list, tuple)):
-            scalars.append(len(v))
-            for x in v:
-                walk(x)
-
-    for value in _attributes(meta):
-        walk(value)
-    return tensors, tuple(scalars)
-
-
-def with_step_tensors(meta, tensors: list[torch.Tensor]):
-    """A shallow copy of `meta` holding `tensors` (in step_tensors' order) instead of its own."""
-    it = iter(tensors)
-
-    def swap(v):
-        if isinstance(v, torch.Tensor):
-            return next(it)
-        if isinstance(v, dict):
-            return {k: swap(x) for k, x in v.items()}
-        if isinstance(v, (list, tuple)):
-            return type(v)(swap(x) for x in v)
-        return v
-
-    new = {name: swap(getattr(meta, name)) for name in _attribute_names(meta)}
-    if dataclasses.is_dataclass(meta):
-        return dataclasses.replace(meta, **new)
-    out = copy.copy(meta)  # a new metadata object: its attributes, with the tensors swapped
-    vars(out).update(new)
-    return out
-
-
-def _attribute_names(obj) -> list[str]:
-    if hasattr(obj, "__dict__"):
-        return list(vars(obj))
-    return [n for cls in type(obj).__mro__ for n in getattr(cls, "__slots__", ())]
-
-
-def _attributes(obj):
-    if hasattr(obj, "__dict__"):
-        return vars(obj).values()
-    return [getattr(obj, n) for n in _attribute_names(obj)]
 
 
 def signature(tensors: list[torch.Tensor]) -> tuple:
@@ -334,16 +271,6 @@ def _first_step_signature(per_step: list[torch.Tensor], shared: list[torch.Tenso
 
 
 # ---------------------------------------------------------------- buckets
-def size_bucket(n: int, minimum: int = 0, linear_from: int = 64) -> int:
-    """A size that varies from step to step (a model's longest context, its candidate entries)
-    rounded up for its planner, so decode steps fall into few shape buckets: at least `minimum`
-    (0 stays 0 without one), a power of two up to `linear_from`, then multiples of `linear_from`."""
-    n = max(n, minimum)
-    if n <= 0:
-        return 0
-    return 1 << (n - 1).bit_length() if n <= linear_from else -(-n // linear_from) * linear_from
-
-
 @dataclasses.dataclass(slots=True)
 class _Bucket:
     recording: Recording | None = None

@@ -34,7 +34,7 @@ import torch
 from safetensors import safe_open
 
 from deepinfer.backends.quant import FP4, FP4_GROUP, FP8, QuantizedWeight
-from deepinfer.models.base import Slot, TensorSpec
+from deepinfer.models.base import Destination, TensorSpec
 
 __all__ = ["CheckpointError", "load_checkpoint"]
 
@@ -219,7 +219,7 @@ def _block_size(model_dir: Path) -> tuple[int, int]:
     return int(b0), int(b1)
 
 
-def _resolve(name: str, expected, names) -> Slot | None:
+def _resolve(name: str, expected, names) -> Destination | None:
     if name in expected:
         return name, None
     return names.checkpoint_name(name) if names is not None else None
@@ -249,7 +249,7 @@ def load_checkpoint(model_dir: str | os.PathLike, expected: dict[str, TensorSpec
     """Returns (weights, extra). `weights` has exactly the keys of `expected` (the model's names),
     each with the expected shape, in the format the module doc describes; fused expert stacks
     [E, N, K] are assembled from per-expert tensors where the checkpoint has those. `names` (the
-    model class) resolves other spellings: `checkpoint_name(name) -> Slot | None` and, for error
+    model class) resolves other spellings: `checkpoint_name(name) -> Destination | None` and, for error
     messages, `checkpoint_source(name, part) -> str | None`. `extra` holds the tensors whose names
     start with one of keep_prefixes (e.g. upstream `mtp.*` drafter stages), unrenamed: quantized
     weights as they are, matrices in their stored dtype, vectors float32, integer tables int64.
@@ -329,7 +329,7 @@ def _check_shape(name: str, found: tuple[int, ...], want: tuple[int, ...]) -> No
 
 
 def _check_complete(expected, weights, source, names) -> None:
-    describe = getattr(names, "checkpoint_source", lambda name, part=None: None)
+    describe = names.checkpoint_source if names is not None else lambda name, part=None: None
     for hf, spec in expected.items():
         if hf not in weights:
             up = describe(hf)

@@ -11,7 +11,7 @@ With KV events on (record_events), every page that enters the cache and every ev
 recorded for routers (core/kv_events.py); the engine takes the records once per step.
 
 Only compressed state is cached. The window state at the end of a cached prefix (sliding-window
-rings, the compressors' raw projections of the last tokens) is rebuilt by replay: core/replay.py.
+rings, the compressors' raw projections of the last tokens) is rebuilt by replay: core/prefix_replay.py.
 """
 
 from __future__ import annotations

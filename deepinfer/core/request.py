@@ -35,7 +35,7 @@ class Request:
         self.status = Status.WAITING
         self.slot: int | None = None
         self.num_computed = 0  # positions whose decode state is in the cache
-        # after a prefix-cache hit (core/replay.py): window keys below window_floor are missing,
+        # after a prefix-cache hit (core/prefix_replay.py): window keys below window_floor are missing,
         # and the compressed state of the first num_restored positions came from the cache
         self.window_floor = 0
         self.num_restored = 0
@@ -95,3 +95,38 @@ class Request:
                                       self.finish_reason, self.stop_reason, self.error)
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, self.prompt_logprobs,
                              [completion], self.is_finished, self.metrics)
+
+
+def validate_request(prompt_token_ids: list[int], params: SamplingParams, *, vocab_size: int, max_model_len: int,
+                     cache, placeholders: dict[str, int], has_tokenizer: bool, what: str = "prompt",
+                     mm_items=()) -> None:
+    """Raise a clear ValueError for a request an engine with this model and `cache` could never serve."""
+    if not prompt_token_ids:
+        raise ValueError(f"{what} is empty: give at least one token (or non-empty text)")
+    vocab = vocab_size
+    bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"{what} has token ids outside [0, vocab_size={vocab}): {bad[:5]}")
+    marks = set(placeholders.values())
+    if marks and not mm_items and not marks.isdisjoint(prompt_token_ids):  # a span with nothing to fill it
+        raise ValueError(f"{what} holds the model's multimodal placeholder token(s) "
+                         f"{sorted(marks.intersection(prompt_token_ids))} but no multi_modal_data: give one image "
+                         "per placeholder in multi_modal_data, or remove the placeholders")
+    if len(prompt_token_ids) >= max_model_len:
+        of_which, fewer = "", ""
+        if mm_items:  # an image's span is fixed by the model's token budget: fewer images, or a longer context
+            of_which = f" ({sum(i.length for i in mm_items)} of them for its {len(mm_items)} multimodal item(s))"
+            fewer = ", send fewer images"
+        raise ValueError(f"{what} has {len(prompt_token_ids)} tokens{of_which}; max_model_len={max_model_len} "
+                         f"leaves no room to generate: shorten the prompt{fewer} or raise max_model_len")
+    longest = min(len(prompt_token_ids) + params.max_tokens, max_model_len)
+    if cache.pages_for(longest) > cache.num_pages:
+        raise ValueError(f"a request of {longest} tokens needs {cache.pages_for(longest)} cache pages, "
+                         f"the cache has {cache.num_pages}: raise cache_bytes or lower max_tokens")
+    for name, ids in params.token_ids_to_check().items():
+        bad = [t for t in ids if t >= vocab]
+        if bad:
+            raise ValueError(f"{name} has token ids outside [0, vocab_size={vocab}): {bad[:5]}")
+    if params.bad_words and not has_tokenizer:
+        raise ValueError("bad_words needs the model's tokenizer (this model directory has none): pass "
+                         "tokenizer=..., or ban token ids with logit_bias {id: -100}")

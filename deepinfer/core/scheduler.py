@@ -1,6 +1,6 @@
 """Continuous batching: chunked prefill under a token budget mixed with decodes,
 admission by free slots and pages, preemption by recompute, oldest first.
-A request starts after the longest prefix the cache holds (core/replay.py); a preempted one
+A request starts after the longest prefix the cache holds (core/prefix_replay.py); a preempted one
 leaves its full pages in that cache, so it usually comes back by a bounded replay."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from deepinfer.core.cache import StateCache
-from deepinfer.core.replay import OFF, BoundedReplay
+from deepinfer.core.prefix_replay import OFF, BoundedReplay
 from deepinfer.core.request import Request, Status
 
 

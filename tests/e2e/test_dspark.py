@@ -12,7 +12,7 @@ import torch
 from scipy.stats import chisquare
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.core.spec.decoder import SpecDecoder
+from deepinfer.core.speculative.decoder import SpecDecoder
 from tiny_models import CONFIGS, add_random_drafter
 
 MODES = {"off": ("0", "0"), "fixed": ("5", "0"), "dynamic": ("5", "1")}
@@ -41,7 +41,7 @@ def _llm(path, monkeypatch, mode: str, **kw) -> LLM:
     if mode == "dynamic":
         # the step-cost table timed at start-up depends on the machine's load (shared cores in CI):
         # tests plan with a fixed one where a verify token costs 1/128 of a step, so drafting pays
-        from deepinfer.core.spec.planner import StepCost
+        from deepinfer.core.speculative.planner import StepCost
 
         llm.engine.spec.planner.cost = StepCost([1, 65], [1.0, 1.5])
     return llm
@@ -111,7 +111,7 @@ def test_dynamic_steps_that_skip_drafting_overlap(spec_model_dir, monkeypatch):
     """With a cost table where only near-certain drafts pay, dynamic mode drafts for new requests
     (survival 1.0), then stops: those steps skip the drafter and go back to zero-overhead
     (overlapped) scheduling; outputs stay the no-drafting ones throughout."""
-    from deepinfer.core.spec.planner import StepCost
+    from deepinfer.core.speculative.planner import StepCost
 
     monkeypatch.setenv("DEEPINFER_ZERO_OVERHEAD_SCHEDULING", "1")  # the cpu backend's default is off
     prompts, params = _mixed_batch(seed=6)

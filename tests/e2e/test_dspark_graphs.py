@@ -1,4 +1,4 @@
-"""DSpark's drafting and verify steps recorded and replayed like decode steps (core/spec/decoder.py
+"""DSpark's drafting and verify steps recorded and replayed like decode steps (core/speculative/decoder.py
 through core/graphs.py): every replayed drafter block (drafts and survival) and every replayed
 verify forward (logits, every cache pool and the drafter's context rings) equals the same step run
 eagerly from the same state, bit for bit; a changed argument in a recorded drafting step is caught
@@ -89,7 +89,7 @@ def test_replayed_drafting_and_verify_steps_equal_eager_steps_and_the_eager_engi
     monkeypatch.setenv("DEEPINFER_ENFORCE_EAGER", "1")
     llm = LLM(model, max_num_seqs=8)
     eager, eager_stats = _generate(llm), dict(llm.engine.spec.stats)
-    assert llm.engine.graphs is None
+    assert llm.engine.runner.graphs is None
     del llm
 
     monkeypatch.setenv("DEEPINFER_ENFORCE_EAGER", "0")
@@ -102,7 +102,7 @@ def test_replayed_drafting_and_verify_steps_equal_eager_steps_and_the_eager_engi
     assert len(verdicts.get("draft", [])) >= 5 and len(verdicts.get("verify", [])) >= 5, \
         {k: len(v) for k, v in verdicts.items()}
     assert all(verdicts["draft"]) and all(verdicts["verify"]), verdicts
-    eager_buckets = {b.eager for k, b in llm.engine.graphs.buckets.items() if k[0] in ("draft", "verify") and b.eager}
+    eager_buckets = {b.eager for k, b in llm.engine.runner.graphs.buckets.items() if k[0] in ("draft", "verify") and b.eager}
     assert eager_buckets <= {"__bool__: the step reads tensor data into Python"}, eager_buckets
 
 

@@ -132,8 +132,8 @@ def test_random_workload_with_aborts_frees_everything(family_model_dir, temperat
     llm = LLM(path, max_num_seqs=max_num_seqs, max_num_batched_tokens=256, num_cache_pages=12)
     engine = llm.engine
     calls = []  # multi-step calls that ran (greedy rows, nobody waiting)
-    decode_steps = engine._decode_steps
-    engine._decode_steps = lambda *a, **kw: calls.append(1) or decode_steps(*a, **kw)
+    decode_steps = engine.runner.decode_steps
+    engine.runner.decode_steps = lambda *a, **kw: calls.append(1) or decode_steps(*a, **kw)
     rng = random.Random(7)
     reqs = []
     for i in range(requests):

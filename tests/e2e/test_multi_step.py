@@ -28,14 +28,14 @@ def _llm(path, monkeypatch, steps: int, **kw) -> LLM:
 def _count_calls(llm: LLM) -> list[int]:
     """Counts the engine's multi-step calls (steps per call)."""
     engine, calls = llm.engine, []
-    decode_steps = engine._decode_steps
+    decode_steps = engine.runner.decode_steps
 
     def counted(*a, **kw):
         out = decode_steps(*a, **kw)
         calls.append(out.shape[0])
         return out
 
-    engine._decode_steps = counted
+    engine.runner.decode_steps = counted
     return calls
 
 
@@ -156,8 +156,8 @@ def test_a_waiting_request_is_not_held_back_by_a_call(tiny_model_dir, monkeypatc
     multi = _llm(path, monkeypatch, 8, max_num_seqs=2)
     engine = multi.engine
     waiting_at_calls = []
-    decode_steps = engine._decode_steps
-    engine._decode_steps = lambda *a, **kw: waiting_at_calls.append(len(engine.scheduler.waiting)) or decode_steps(*a, **kw)
+    decode_steps = engine.runner.decode_steps
+    engine.runner.decode_steps = lambda *a, **kw: waiting_at_calls.append(len(engine.scheduler.waiting)) or decode_steps(*a, **kw)
     prompts = _prompts([30, 30, 30], seed=5)
     reqs = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True))
             for p, m in zip(prompts, (3, 40, 10))]
@@ -229,7 +229,7 @@ def _replayed_equals_eager(path, monkeypatch, invariant: bool) -> None:
         llm = _llm(path, monkeypatch, 8)
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
         llm.generate(prompt_token_ids=prompts[:3], sampling_params=params[:3], use_tqdm=False)  # all greedy: multi-step
-        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], llm.engine.graphs
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], llm.engine.runner.graphs
 
     eager, none = run("1")
     replayed, graphs = run("0")
@@ -243,7 +243,7 @@ def test_calls_after_the_first_replay_all_their_steps_at_once(tiny_model_dir, mo
     it and replays its k steps in one call of the tape, not k lookups of single steps."""
     path, _ = tiny_model_dir
     multi = _llm(path, monkeypatch, 8)
-    graphs = multi.engine.graphs
+    graphs = multi.engine.runner.graphs
     if graphs is None:
         pytest.skip("steps are not captured on this build (no C++ replay)")
     single, run = [], graphs.run

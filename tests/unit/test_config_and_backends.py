@@ -227,3 +227,18 @@ def test_v3_configs_in_every_spelling_parse_alike():
     assert DeepseekV3Config.from_dict({**args, "q_lora_rank": 0, "rope_factor": 1}).q_lora_rank is None
     with pytest.raises(ConfigError, match="score_func"):
         DeepseekV3Config.from_dict({**args, "score_func": "softmax"})
+
+
+def test_the_ced_split_has_its_own_variable(monkeypatch):
+    """DEEPINFER_CED_PREFILL_MODE sets V4.1's CED split; unset, it follows the prefix-cache replay's
+    DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE (what the split read before it had its own variable)."""
+    from deepinfer import envs
+
+    monkeypatch.delenv("DEEPINFER_CED_PREFILL_MODE", raising=False)
+    monkeypatch.setenv("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE", "off")
+    assert envs.ced_prefill_mode() == "off"
+    monkeypatch.setenv("DEEPINFER_CED_PREFILL_MODE", "compact")
+    assert envs.ced_prefill_mode() == "compact" and envs.get("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE") == "off"
+    monkeypatch.setenv("DEEPINFER_CED_PREFILL_MODE", "fast")
+    with pytest.raises(envs.EnvError, match="DEEPINFER_CED_PREFILL_MODE"):
+        envs.ced_prefill_mode()

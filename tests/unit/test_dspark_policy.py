@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from deepinfer.backends.cpu import CpuAccelerator
-from deepinfer.core.spec.accept import Block, accept
-from deepinfer.core.spec.planner import StepCost, VerifyLengthPlanner
+from deepinfer.core.speculative.accept import Block, accept
+from deepinfer.core.speculative.planner import StepCost, VerifyLengthPlanner
 
 
 def test_step_cost_interpolates_between_profiled_points():

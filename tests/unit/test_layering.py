@@ -59,6 +59,40 @@ def test_the_engine_knows_models_and_backends_only_by_their_interfaces():
     assert not bad, bad
 
 
+def test_models_import_no_core_module():
+    """A family reads the model contract (models/base.py: cache spec, step inputs, bucket sizes) and the
+    accelerator interface (backends/base.py and its quantized weights), never the engine's modules:
+    everything it needs of the engine is declared in models/base.py."""
+    bad = [(str(path), module) for path in _files("models") for module in _imports(path)
+           if module.startswith(("deepinfer.core", "deepinfer.parallel", "deepinfer.entrypoints", "deepinfer.llm"))
+           or module.startswith("deepinfer.backends.") and not module.startswith(SHARED[:2])]
+    assert not bad, bad
+
+
+def test_core_reaches_model_packages_only_through_the_registry():
+    """core/ names no family: the registry (models/registry.py) maps a checkpoint to its family's
+    classes, and only the engine asks it."""
+    bad, asks = [], []
+    for path in _files("core"):
+        for module in _imports(path):
+            if module.startswith("deepinfer.models") and module.split(".")[:3] not in (
+                    ["deepinfer", "models", "base"], ["deepinfer", "models", "registry"]):
+                bad.append((str(path), module))
+            if module.startswith("deepinfer.models.registry"):
+                asks.append(path.relative_to(PACKAGE).as_posix())
+    assert not bad, bad
+    assert set(asks) == {"core/engine.py"}, asks
+
+
+def test_only_the_model_runner_touches_step_graphs():
+    """The model runner (core/model_runner.py) is the one place that chooses eager, record or replay:
+    the engine loop, the speculative decoder and everything else in the package never import the
+    step graphs (backends compile what core/graphs.py recorded through their own modules)."""
+    bad = [(str(path), module) for path in sorted(PACKAGE.rglob("*.py")) for module in _imports(path)
+           if module.startswith("deepinfer.core.graphs") and path != PACKAGE / "core" / "model_runner.py"]
+    assert not bad, bad
+
+
 def test_no_method_is_replaced_on_a_live_object():
     """No `obj.method = ...` of a function or lambda on anything but self, and no setattr except on
     a class defined in the same module (ops assigned to backend classes)."""

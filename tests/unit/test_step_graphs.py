@@ -25,7 +25,8 @@ import v41_models
 
 from deepinfer.backends.base import Const, Instruction
 from deepinfer.backends.cpu import kernels, replay
-from deepinfer.core.graphs import StepGraphs, record, signature, step_inputs
+from deepinfer.core.graphs import StepGraphs, record, signature
+from deepinfer.models.base import step_inputs
 from deepinfer.models.base import StepInput
 from deepinfer.models.deepseek_v41.step import StepMeta as V41StepMeta
 
@@ -441,9 +442,9 @@ def test_padded_decode_batches_and_static_buffers_give_the_unpadded_tokens(tmp_p
     lengths = [40, 70, 33, 90, 12]  # batches of 5, 4, 3, 2, 1 as the requests finish
     want = _greedy_tokens(_engine(tmp_path, CpuInvariantKernelAccelerator()), lengths)
     engine = _engine(tmp_path, StaticBuffers())
-    assert [engine.graphs.padded_batch(b) for b in range(1, 9)] == [1, 2, 4, 4, 8, 8, 8, 8]
+    assert [engine.runner.graphs.padded_batch(b) for b in range(1, 9)] == [1, 2, 4, 4, 8, 8, 8, 8]
     assert _greedy_tokens(engine, lengths) == want
-    graphs = engine.graphs
+    graphs = engine.runner.graphs
     batches = {key[2][0][0] for key, b in graphs.buckets.items() if b.step is not None}  # the ids' length
     assert batches <= {1, 2, 4, 8} and graphs.stats["replayed"] > 5, (batches, graphs.stats)
 
@@ -494,7 +495,7 @@ def test_a_bucket_whose_capture_fails_runs_eagerly_with_one_warning_and_the_engi
     lengths = [40, 70, 33, 90, 12]  # decode batches of 5, 4, 3, 2, 1 as the requests finish
     monkeypatch.setenv("DEEPINFER_ENFORCE_EAGER", "1")
     eager = _engine(tmp_path, CpuInvariantKernelAccelerator())
-    assert eager.graphs is None
+    assert eager.runner.graphs is None
     want = [_greedy_tokens(eager, lengths), _greedy_tokens(eager, lengths)]
     monkeypatch.delenv("DEEPINFER_ENFORCE_EAGER")
     engine = _engine(tmp_path, _FailsOnce(how))
@@ -502,7 +503,7 @@ def test_a_bucket_whose_capture_fails_runs_eagerly_with_one_warning_and_the_engi
         warnings_module.simplefilter("always")
         got = [_greedy_tokens(engine, lengths)]
         got.append(_greedy_tokens(engine, lengths))  # the failed bucket comes back: eager, no new warning
-    graphs = engine.graphs
+    graphs = engine.runner.graphs
     assert got == want
     assert len(graphs.failed) == 1, graphs.failed
     [failed] = graphs.failed

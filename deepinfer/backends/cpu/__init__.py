@@ -139,8 +139,11 @@ class _Kernels:
                                         reference=super().moe_experts_bf16,
                                         gemm_from_rows=self._expert_gemm_from_rows)
 
-    def kernel(self, name: str):
-        return kernels.FUSED.get(name)
+    # the fused sequences (Accelerator.fused_*)
+    fused_compress_entries = staticmethod(kernels.compress_entries)
+    fused_hc_pre_norm = staticmethod(kernels.hc_pre_norm)
+    fused_hc_post_pre_norm = staticmethod(kernels.hc_post_pre_norm)
+    fused_rms_norm_rope = staticmethod(kernels.rms_norm_rope)
 
     def kernel_signature(self) -> str:
         return f"{super().kernel_signature()} fused {kernels.build_digest()}"

@@ -299,7 +299,7 @@ def sample(logits, temperature, top_k, top_p, seeds, positions, *, reference=ops
     return reference(logits, temperature, top_k, top_p, seeds, positions, argmax=argmax)
 
 
-# The fused sequences of models/deepseek_v4/fused.py, served through Accelerator.kernel: None
+# The fused sequences of models/deepseek_v4/fused.py (Accelerator.fused_*): None
 # declines an input (not float32) and the model runs the composite instead.
 def compress_entries(ring, rows, bias, overlap, norm_weight, eps, cos, sin):
     if ring.dtype != _F32 or bias.dtype != _F32 or norm_weight.dtype != _F32 or ring.stride(-1) != 1:
@@ -324,10 +324,6 @@ def rms_norm_rope(x, weight, eps, cos, sin):
     if x.dtype != _F32 or x.dim() not in (2, 3) or (weight is not None and weight.dtype != _F32):
         return None
     return torch.ops.deepinfer_cpu.rms_norm_rope(x, weight, eps, cos, sin)
-
-
-FUSED = {"compress_entries": compress_entries, "hc_pre_norm": hc_pre_norm, "hc_post_pre_norm": hc_post_pre_norm,
-         "rms_norm_rope": rms_norm_rope}
 
 
 OPS = ("hc_pre", "hc_mixes", "hc_collapse", "hc_post", "hc_head", "rms_norm", "rope", "sparse_attention",

@@ -34,7 +34,7 @@ import warnings
 
 import torch
 
-from deepinfer.backends.base import Const, Instruction, ReplayError, Slot
+from deepinfer.backends.base import Const, Instruction, ReplayError, Var
 from deepinfer.backends.cpu import kernels
 
 _HERE = os.path.dirname(__file__)
@@ -154,7 +154,7 @@ def compile_recording(recording, thread_options: list[int] = (), fuse: bool = Fa
     module = load()
     if module is None:
         return None
-    from_slot = [torch.empty(0) for _ in range(recording.num_slots)]  # stand-ins, matched by identity
+    from_var = [torch.empty(0) for _ in range(recording.num_vars)]  # stand-ins, matched by identity
     constants = recording.constants
     instructions = fuse_calls(recording.instructions, {o.index for o in recording.outputs}) if fuse \
         else list(recording.instructions)
@@ -171,13 +171,13 @@ def compile_recording(recording, thread_options: list[int] = (), fuse: bool = Fa
     for s, k in last_read.items():
         if s not in keep:
             frees[k].append(s)
-    tape = module.Tape(recording.num_slots, list(range(recording.num_inputs)), [o.index for o in recording.outputs])
+    tape = module.Tape(recording.num_vars, list(range(recording.num_inputs)), [o.index for o in recording.outputs])
     for shape, stride, dtype in recording.input_specs:
         tape.expect_input(torch.empty_strided(shape, stride, dtype=dtype, device="meta"))
 
     def value(a):
-        if isinstance(a, Slot):
-            return from_slot[a.index]
+        if isinstance(a, Var):
+            return from_var[a.index]
         if isinstance(a, Const):
             return constants[a.index]
         if isinstance(a, (list, tuple)):
@@ -188,7 +188,7 @@ def compile_recording(recording, thread_options: list[int] = (), fuse: bool = Fa
         used = sorted(set(_slots_in((ins.args, ins.kwargs))))
         schema = ins.op._schema
         tape.add(schema.name, schema.overload_name, value(ins.args), {n: value(v) for n, v in ins.kwargs.items()},
-                 [from_slot[s] for s in used], used, ins.outs, frees[k])
+                 [from_var[s] for s in used], used, ins.outs, frees[k])
     first_write = next((k for k, ins in enumerate(instructions) if ins.writes_state(recording.num_inputs)), None)
     return TapeStep(tape, list(thread_options), first_write)
 
@@ -223,7 +223,7 @@ def fuse_calls(instructions: list[Instruction], outputs: set[int]) -> list[Instr
         if len(reads) != 1 or out[reads[0]] is None:
             continue
         second = instructions[reads[0]]
-        if second.args[:1] != (Slot(ins.outs[0]),) or ins.outs[0] in set(_slots_in((second.args[1:], second.kwargs))):
+        if second.args[:1] != (Var(ins.outs[0]),) or ins.outs[0] in set(_slots_in((second.args[1:], second.kwargs))):
             continue
         fused = fusion(ins, second)
         if fused is not None:
@@ -232,7 +232,7 @@ def fuse_calls(instructions: list[Instruction], outputs: set[int]) -> list[Instr
 
 
 def _slots_in(value):
-    if isinstance(value, Slot):
+    if isinstance(value, Var):
         yield value.index
     elif isinstance(value, (list, tuple)):
         for v in value:

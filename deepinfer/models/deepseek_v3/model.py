@@ -28,8 +28,8 @@ import torch
 
 from deepinfer.backends.base import Accelerator, WeightRole
 from deepinfer.backends.quant import Weight, fuse_rows, reorder_rows
-from deepinfer.core.cache import CacheSpec, StateCache
-from deepinfer.models.base import CausalLM, ParallelContext, StepInput, TensorSpec
+from deepinfer.models.base import (CacheSpec, CausalLM, DecodeCache, FeaturesRequest, ParallelContext, StepInput,
+                                   TensorSpec)
 from deepinfer.models.deepseek_v3 import weights as checkpoint
 from deepinfer.models.deepseek_v3.config import LORA_NORM_EPS, DeepseekV3Config
 from deepinfer.models.deepseek_v3.step import StepMeta, cache_spec
@@ -87,7 +87,7 @@ class DeepseekV3Model(CausalLM):
     def cache_spec(self, margin: int) -> CacheSpec:
         return cache_spec(self.config)
 
-    def prepare(self, inp: StepInput, cache: StateCache, steps: int | None = None) -> StepMeta:
+    def prepare(self, inp: StepInput, cache: DecodeCache, steps: int | None = None) -> StepMeta:
         cp = self.parallel.context_parallel
         split = cp.split(inp.lens.tolist(), cache.device) if cp is not None else None
         return StepMeta(inp, cache, self.config, split=split, steps=steps)
@@ -140,13 +140,13 @@ class DeepseekV3Model(CausalLM):
 
     # ------------------------------------------------------------ forward
     @torch.inference_mode()
-    def forward(self, inp: StepInput, cache: StateCache, logit_rows: torch.Tensor, meta: StepMeta | None = None,
-                feature_layers: tuple[int, ...] = (), feature_rows: torch.Tensor | None = None):
+    def forward(self, inp: StepInput, cache: DecodeCache, logit_rows: torch.Tensor, meta: StepMeta | None = None,
+                features: FeaturesRequest | None = None):
         """Run one step, write its latent rows to `cache`, return logits [len(logit_rows), V] of
         the given flat token rows. `meta` (from `self.prepare(inp, cache)`) may be built ahead.
-        V3 has no drafter here: `feature_layers` is not taken."""
-        if feature_layers:
-            raise ValueError("DeepSeek-V3 has no speculative drafter: feature_layers is not supported")
+        V3 has no drafter here: `features` is not taken."""
+        if features is not None:
+            raise ValueError("DeepSeek-V3 has no speculative drafter: a features request is not supported")
         meta = meta if meta is not None else self.prepare(inp, cache)
         cfg, ops, w = self.config, self.accel, self.w
         x = ops.embedding(meta.ids[meta.own], w["model.embed_tokens.weight"])

@@ -8,10 +8,9 @@ import functools
 import numpy as np
 import torch
 
-from deepinfer.core.cache import CacheSpec, PoolSpec, StateCache
-from deepinfer.core.graphs import size_bucket
-from deepinfer.models.base import StepInput, to_device
+from deepinfer.models.base import CacheSpec, DecodeCache, PoolSpec, StepInput, size_bucket, to_device
 from deepinfer.models.deepseek_v3.config import DeepseekV3Config
+from deepinfer.models.planning import OwnedRows, arange_within, decode_tokens, first_step_ids, per_step
 
 
 def cache_spec(cfg: DeepseekV3Config) -> CacheSpec:
@@ -24,20 +23,13 @@ def cache_spec(cfg: DeepseekV3Config) -> CacheSpec:
                            for i in range(cfg.num_hidden_layers)))
 
 
-def _arange_within(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """For groups of sizes `counts`: (group index of each element, index within its group)."""
-    group = np.repeat(np.arange(len(counts)), counts)
-    first = np.cumsum(counts) - counts
-    return group, np.arange(len(group)) - first[group]
-
-
 # Attention widths of V3's steps are rounded up to powers of two from 64 to 1024, then to multiples of
 # 1024: decode steps fall into few shape buckets (the engine records a bucket twice before replaying
 # it, core/graphs.py), and the padded columns (-1) cost the attention kernels a skipped entry each.
 _MIN_WIDTH, _LINEAR_FROM = 64, 1024
 
 
-class StepMeta:
+class StepMeta(OwnedRows):
     """Index tensors of one step, planned on the host (numpy, from the cache's block table: no device
     sync) and moved to the cache's device in one go:
     - positions and their rope cos/sin;
@@ -54,18 +46,18 @@ class StepMeta:
     decode steps at once (multi-step decoding: sequence b at position starts[b] + s in step s):
     every tensor gets a leading dimension of `steps`, `ids` of which only the first row is known."""
 
-    def __init__(self, inp: StepInput, cache: StateCache, config: DeepseekV3Config, split=None,
+    def __init__(self, inp: StepInput, cache: DecodeCache, config: DeepseekV3Config, split=None,
                  steps: int | None = None):
         self.inp, self.cache, self.config = inp, cache, config
         starts, slots, lens = inp.starts.numpy(), inp.slots.numpy(), inp.lens.numpy()
         self.num_tokens = int(lens.sum())
         batch = len(lens)
         if steps is None:
-            seq, within = _arange_within(lens)
+            seq, within = arange_within(lens)
         elif self.num_tokens != batch:
             raise ValueError("several steps are planned at once only for decode steps")
         else:  # token (s, b): sequence b at position starts[b] + s
-            seq, within = np.tile(np.arange(batch), steps), np.repeat(np.arange(steps), batch)
+            seq, within = decode_tokens(batch, steps)
         positions = starts[seq] + within
         self.positions = positions
         cos, sin = config.cos_sin(positions)
@@ -80,12 +72,9 @@ class StepMeta:
         planned = [write_rows, attention, cos, sin]
         ids = inp.ids
         if steps is not None:  # [steps, ...]: step s is row s of every tensor
-            planned = [a.reshape(steps, batch, *a.shape[1:]) for a in planned]
-            ids = np.zeros((steps, batch), dtype=np.int64)
-            ids[0] = inp.ids.numpy()
+            ids, planned = first_step_ids(inp.ids, steps), [per_step(a, steps) for a in planned]
         self.ids, self.write_rows, self.attention, self.rope = ids, planned[0], planned[1], tuple(planned[2:])
-        self.split = split
-        self.own: slice | torch.Tensor = slice(None) if split is None else split.own
+        self.set_split(split)
         self._to_device(cache.device)
 
     def _to_device(self, device: torch.device) -> None:
@@ -95,7 +84,3 @@ class StepMeta:
         self.write_rows = move(self.write_rows)
         self.attention = move(self.attention)
         self.rope = tuple(map(move, self.rope))
-
-    def all_tokens(self, own_rows: torch.Tensor) -> torch.Tensor:
-        """Rows of every token of the step, from the rows of the tokens this process owns."""
-        return own_rows if self.split is None else self.split.gather(own_rows)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 
-from deepinfer.models.base import Slot, TensorSpec, expert_slice_source
+from deepinfer.models.base import Destination, TensorSpec, expert_slice_source
 from deepinfer.models.deepseek_v3.config import DeepseekV3Config
 
 # DeepSeek's module name -> transformers' (inference/convert.py's mapping, inverted)
@@ -35,7 +35,7 @@ _HUB_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj
 _UPSTREAM_LAYER = re.compile(r"layers\.(\d+)\.(attn|ffn|attn_norm|ffn_norm)\.(.+)")
 
 
-def checkpoint_name(name: str) -> Slot | None:
+def checkpoint_name(name: str) -> Destination | None:
     """Where a hub per-expert tensor or an upstream-named tensor goes (HF naming); None if it has
     no counterpart (upstream `.scale` tensors then pair with their weight)."""
     if m := _HUB_EXPERT.fullmatch(name):

@@ -1,5 +1,5 @@
 """The DSpark drafter for DeepSeek-V4 (DeepSeek's block drafter for speculative decoding; the engine
-side is core/spec/), written only against Accelerator ops.
+side is core/speculative/), written only against Accelerator ops.
 
 Context: at every target forward the attention input of the `dspark_target_layer_ids`
 layers (averaged over hc streams) is concatenated, projected back to D (main_proj) and

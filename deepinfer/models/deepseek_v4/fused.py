@@ -1,19 +1,14 @@
 """DeepSeek-V4's fused op sequences: the definitions, as composites of Accelerator ops.
 
 A decode step of a small model is bound by the cost per op call, so a backend may run one of
-these sequences as a single kernel: `Accelerator.kernel(name)` returns it (the cpu backend's C++
-kernels do), and the kernel may decline an input it does not take by returning None. Everywhere
-else the composite below runs. Conformance tests hold each kernel to its composite.
+these sequences as a single kernel: `Accelerator.fused_<name>` (backends/base.py declares them; the
+cpu backend's C++ kernels implement them) returns its result, or None where the backend has no such
+kernel or the kernel declines the input. Then the composite below runs. Conformance tests hold each kernel to its composite.
 """
 
 from __future__ import annotations
 
 import torch
-
-
-def _kernel(ops, name: str, *args):
-    kernel = ops.kernel(name)
-    return None if kernel is None else kernel(*args)
 
 
 def hc_pre_norm(ops, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
@@ -22,7 +17,7 @@ def hc_pre_norm(ops, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor
     """Entering a block: hc_pre, then RMSNorm (norm_weight, norm_eps) of the collapsed input.
     -> (the block's input [T, D], post [T, N], comb [T, N, N])."""
     args = (streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, norm_weight)
-    out = _kernel(ops, "hc_pre_norm", *args)
+    out = ops.fused_hc_pre_norm(*args)
     if out is not None:
         return out
     collapsed, post, comb = ops.hc_pre(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters)
@@ -36,7 +31,7 @@ def hc_post_pre_norm(ops, block_out: torch.Tensor, streams: torch.Tensor, post: 
     """Leaving a block and entering the next: hc_post, then hc_pre_norm with the next block's
     weights. -> (streams [T, N, D], the next block's input [T, D], post, comb)."""
     args = (block_out, streams, post, comb, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, norm_weight)
-    out = _kernel(ops, "hc_post_pre_norm", *args)
+    out = ops.fused_hc_post_pre_norm(*args)
     if out is not None:
         return out
     streams = ops.hc_post(block_out, streams, post, comb)
@@ -46,7 +41,7 @@ def hc_post_pre_norm(ops, block_out: torch.Tensor, streams: torch.Tensor, post: 
 def rms_norm_rope(ops, x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor,
                   sin: torch.Tensor) -> torch.Tensor:
     """rope(rms_norm(x, weight, eps), cos, sin): a query or key entering attention."""
-    out = _kernel(ops, "rms_norm_rope", x, weight, eps, cos, sin)
+    out = ops.fused_rms_norm_rope(x, weight, eps, cos, sin)
     return out if out is not None else ops.rope(ops.rms_norm(x, weight, eps), cos, sin)
 
 
@@ -59,7 +54,7 @@ def compress_entries(ops, ring: torch.Tensor, rows: torch.Tensor, bias: torch.Te
     contribute their first dim channels, the last rate their second. Entry =
     rope(rms_norm(compress_windows(kv, gate + bias), norm_weight, eps), cos, sin): [W, dim]
     float32, dim = len(norm_weight), cos/sin [W, R] at each window's position."""
-    out = _kernel(ops, "compress_entries", ring, rows, bias, overlap, norm_weight, eps, cos, sin)
+    out = ops.fused_compress_entries(ring, rows, bias, overlap, norm_weight, eps, cos, sin)
     if out is not None:
         return out
     raw = ring[rows.clamp(min=0)].float()  # [W, S, 2C]

@@ -2,7 +2,7 @@
 
 One forward runs a step: many sequences at once, each contributing a chunk of new
 tokens (a whole prompt, a prefill chunk, or decode tokens) at its own positions,
-reading and updating its decode state in a `StateCache`. Tokens of all sequences are
+reading and updating its decode state in a `DecodeCache`. Tokens of all sequences are
 flattened into one [T, ...] batch; every layer sees them together, and per-sequence
 structure lives only in index tensors (which rows of a pool each token reads).
 
@@ -20,11 +20,11 @@ import torch
 
 from deepinfer.backends.base import Accelerator, WeightRole
 from deepinfer.backends.quant import Weight, fuse_rows, scale_weight
-from deepinfer.core.cache import CacheSpec, StateCache
-from deepinfer.models.base import CausalLM, ParallelContext, StepInput, TensorSpec, ViewCache
+from deepinfer.models.base import (CacheSpec, CausalLM, DecodeCache, FeaturesRequest, ParallelContext, StepInput,
+                                   TensorSpec, ViewCache)
 from deepinfer.models.deepseek_v4 import fused, weights as checkpoint
 from deepinfer.models.deepseek_v4.config import CSA, SLIDING, DeepseekV4Config
-from deepinfer.models.deepseek_v4.step import CacheView, LayerState, StepMeta, cache_spec
+from deepinfer.models.deepseek_v4.step import CacheView, CompressedRows, LayerState, StepMeta, cache_spec
 
 
 class DeepseekV4Model(CausalLM):
@@ -76,7 +76,7 @@ class DeepseekV4Model(CausalLM):
     def cache_spec(self, margin: int) -> CacheSpec:
         return cache_spec(self.config, margin)
 
-    def view(self, cache: StateCache) -> CacheView:
+    def view(self, cache: DecodeCache) -> CacheView:
         """This model's view of `cache` (built once per cache)."""
         return self._views.get(cache)
 
@@ -143,22 +143,20 @@ class DeepseekV4Model(CausalLM):
 
     # ------------------------------------------------------------ forward
     @torch.inference_mode()
-    def forward(self, inp: StepInput, cache: StateCache, logit_rows: torch.Tensor,
-                meta: StepMeta | None = None, feature_layers: tuple[int, ...] = (),
-                feature_rows: torch.Tensor | None = None):
+    def forward(self, inp: StepInput, cache: DecodeCache, logit_rows: torch.Tensor,
+                meta: StepMeta | None = None, features: FeaturesRequest | None = None):
         """Run one step, update `cache`, return logits [len(logit_rows), V] for the given flat
         token indices (e.g. each sequence's last token, or every prompt token for logprobs).
         `meta` (from `self.prepare(inp, cache)`) may be built ahead, on the CPU, while an
-        earlier step runs. With `feature_layers` (the DSpark drafter's context), returns
-        (logits, features [len(feature_rows), len(feature_layers), D]): the attention input of
-        those layers, averaged over the hc streams, at the flat token indices `feature_rows`.
+        earlier step runs. With `features` (the DSpark drafter's context), returns
+        (logits, features [len(features.rows), len(features.layers), D]): the attention input of
+        those layers, averaged over the hc streams, at the flat token indices `features.rows`.
         The engine records this graph per shape bucket and replays it (core/graphs.py)."""
         meta = meta if meta is not None else self.prepare(inp, cache)
-        return self.forward_graph(meta, logit_rows, feature_layers, feature_rows)
+        return self.forward_graph(meta, logit_rows, features)
 
     @torch.inference_mode()
-    def forward_graph(self, meta: StepMeta, logit_rows: torch.Tensor,
-                      feature_layers: tuple[int, ...] = (), feature_rows: torch.Tensor | None = None):
+    def forward_graph(self, meta: StepMeta, logit_rows: torch.Tensor, request: FeaturesRequest | None = None):
         """`forward` op by op: the definition every replay of a recorded step reproduces. It reads
         the step only through `meta`'s tensors (core/graphs.py replays it with another step's)."""
         cfg, ops, w, cache = self.config, self.accel, self.w, meta.cache
@@ -171,8 +169,8 @@ class DeepseekV4Model(CausalLM):
         h, post, comb = fused.hc_pre_norm(ops, streams, *self._block_entry(0))
         for b in range(2 * cfg.num_hidden_layers):
             i = b // 2
-            if b % 2 == 0 and i in feature_layers:  # the streams entering layer i
-                features.append(streams[feature_rows.to(streams.device)].mean(dim=1))
+            if b % 2 == 0 and request is not None and i in request.layers:  # the streams entering layer i
+                features.append(streams[request.rows.to(streams.device)].mean(dim=1))
             out = self._attention(i, h, meta, cache) if b % 2 == 0 else self._moe(i, h, ids)
             if b + 1 < 2 * cfg.num_hidden_layers:
                 streams, h, post, comb = fused.hc_post_pre_norm(ops, out, streams, post, comb,
@@ -184,9 +182,9 @@ class DeepseekV4Model(CausalLM):
                         w["model.hc_head.hc_scale"], cfg.rms_norm_eps, cfg.hc_eps)
         h = ops.rms_norm(h, w["model.norm.weight"], cfg.rms_norm_eps)
         logits = ops.linear(self._gemm_input(h), w["lm_head.weight"])
-        return (logits, torch.stack(features, dim=1)) if feature_layers else logits
+        return (logits, torch.stack(features, dim=1)) if request is not None and request.layers else logits
 
-    def prepare(self, inp: StepInput, cache: StateCache, steps: int | None = None) -> StepMeta:
+    def prepare(self, inp: StepInput, cache: DecodeCache, steps: int | None = None) -> StepMeta:
         cp = self.parallel.context_parallel
         split = cp.split(inp.lens.tolist(), cache.device) if cp is not None else None
         return StepMeta(inp, self.view(cache), self.config, split=split, steps=steps)
@@ -205,7 +203,7 @@ class DeepseekV4Model(CausalLM):
         cfg, ops, w = self.config, self.accel, self.w
         p = f"model.layers.{i}.self_attn."
         layer = cache.layers[i]
-        cos, sin = meta.rope["main" if layer.kind == SLIDING else "compress"]
+        cos, sin = meta.rope.main if layer.kind == SLIDING else meta.rope.compress
         own = meta.own
         num_tokens, heads, head_dim = h.shape[0], cfg.num_attention_heads, cfg.head_dim
 
@@ -234,16 +232,16 @@ class DeepseekV4Model(CausalLM):
             self._compress(layer, cols("compressor.kv_proj", "compressor.gate_proj"), info, p + "compressor.",
                            layer.kv[base:], layer.comp_ring, cache)
             if layer.kind != CSA:  # HCA: window keys + every visible entry, planned with the step
-                indices = info["attention_rows"][own]
+                indices = info.attention_rows[own]
             else:
                 ip = p + "compressor.indexer."
                 self._compress(layer, cols("compressor.indexer.kv_proj", "compressor.indexer.gate_proj"), info,
                                ip, layer.index_keys, layer.index_ring, cache)
-                ccos, csin = meta.rope["compress"]
+                ccos, csin = meta.rope.compress
                 q_idx = ops.linear(q_in, w[ip + "q_b_proj.weight"]).view(num_tokens, cfg.index_n_heads, -1)
                 q_idx = ops.rope(q_idx, ccos[own], csin[own])
                 weights = cols("compressor.indexer.scorer.weights_proj")  # 1/sqrt(heads) folded in
-                picked = ops.indexer_topk(q_idx, weights, layer.index_keys, info["candidates"][own], cfg.index_topk,
+                picked = ops.indexer_topk(q_idx, weights, layer.index_keys, info.candidates[own], cfg.index_topk,
                                           cfg.index_head_dim ** -0.5)
                 picked = torch.where(picked >= 0, picked + base, picked)
                 indices = torch.cat([indices, picked], dim=1)
@@ -254,7 +252,7 @@ class DeepseekV4Model(CausalLM):
         out = ops.grouped_linear(self._gemm_input(out.reshape(num_tokens, cfg.o_groups, -1)), w[p + "o_a_proj.weight"])
         return ops.linear(self._gemm_input(out.flatten(1)), w[p + "o_b_proj.weight"])
 
-    def _compress(self, layer: LayerState, kv_gate: torch.Tensor, info: dict, p: str,
+    def _compress(self, layer: LayerState, kv_gate: torch.Tensor, info: CompressedRows, p: str,
                   entries_out: torch.Tensor, ring: torch.Tensor, cache: CacheView) -> None:
         """Stage this step's [kv | gate] projections, turn every finished window into an entry
         (softmax-gated sum, RMSNorm, RoPE at the window's first position) and write it to its page."""
@@ -262,12 +260,12 @@ class DeepseekV4Model(CausalLM):
         num_tokens = kv_gate.shape[0]
         scratch = cache.ring_slots * layer.comp_ring_size
         ring[scratch:scratch + num_tokens].copy_(kv_gate)
-        rows = info["tok_rows"]
+        rows = info.tok_rows
         if rows.shape[0]:
             entry = fused.compress_entries(ops, ring, rows, w[p + "position_bias"], layer.kind == CSA,
-                                           w[p + "kv_norm.weight"], cfg.rms_norm_eps, *info["cos_sin"])
-            entries_out.index_copy_(0, info["out_rows"], entry.to(entries_out.dtype))
-        ops.copy_rows(ring, *info["commit"])
+                                           w[p + "kv_norm.weight"], cfg.rms_norm_eps, *info.cos_sin)
+            entries_out.index_copy_(0, info.out_rows, entry.to(entries_out.dtype))
+        ops.copy_rows(ring, *info.commit)
 
     # ------------------------------------------------------------ MoE
     def _moe(self, i: int, h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

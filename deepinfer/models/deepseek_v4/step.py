@@ -9,10 +9,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from deepinfer.core.cache import CacheSpec, Pool, PoolSpec, StateCache
-from deepinfer.core.graphs import size_bucket
-from deepinfer.models.base import StepInput, to_device
+from deepinfer.models.base import (CacheSpec, DecodeCache, Pool, PoolSpec, StepData, StepInput, size_bucket,
+                                   to_device)
 from deepinfer.models.deepseek_v4.config import CSA, DeepseekV4Config
+from deepinfer.models.planning import (OwnedRows, arange_within, commit_rows, decode_tokens, first_step_ids,
+                                      per_step, ring_rows)
 
 
 def cache_spec(cfg: DeepseekV4Config, margin: int) -> CacheSpec:
@@ -63,12 +64,12 @@ class LayerState:
 
 
 class CacheView:
-    """The generic StateCache as DeepSeek-V4's layers see it: one window ring size for every layer,
+    """The generic DecodeCache as DeepSeek-V4's layers see it: one window ring size for every layer,
     compressed entries at the same rows of a slot's pages in every paged pool of a layer."""
 
-    def __init__(self, cache: StateCache, config: DeepseekV4Config):
+    def __init__(self, cache: DecodeCache, config: DeepseekV4Config):
         self.cache = cache
-        # ring slots: the sequence slots and the trash slot (StateCache), each `ring` rows
+        # ring slots: the sequence slots and the trash slot (DecodeCache), each `ring` rows
         self.ring_slots, self.max_step_tokens = cache.ring_slots, cache.max_step_tokens
         self.page_tokens, self.block_table = cache.page_tokens, cache.block_table
         self.dtype, self.device = cache.dtype, cache.device
@@ -97,7 +98,7 @@ class CacheView:
         return self.cache.page_rows(layer.kv_pool, slots, entries)
 
     def trash_row(self, layer: LayerState) -> int:
-        """A row of the cache's trash page (StateCache.trash_page) in the layer's paged pools."""
+        """A row of the cache's trash page (DecodeCache.trash_page) in the layer's paged pools."""
         return self.cache.trash_page * layer.kv_pool.page_rows
 
     def entry_base(self) -> int:
@@ -117,14 +118,27 @@ def _wrapped_window(ring: int, window: int) -> np.ndarray:
     return table
 
 
-def _arange_within(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """For groups of sizes `counts`: (group index of each element, index within its group)."""
-    group = np.repeat(np.arange(len(counts)), counts)
-    first = np.cumsum(counts) - counts
-    return group, np.arange(len(group)) - first[group]
+@dataclass(slots=True)
+class RopeTables(StepData):
+    """cos/sin of every token's position, for the window's RoPE and the compressed entries'."""
+
+    main: tuple[np.ndarray, np.ndarray]
+    compress: tuple[np.ndarray, np.ndarray]
 
 
-class StepMeta:
+@dataclass(slots=True)
+class CompressedRows(StepData):
+    """One layer kind's compressed entries in a step (StepMeta.compressed)."""
+
+    tok_rows: np.ndarray  # [W, span] ring rows of each window finished in the step (-1: absent)
+    out_rows: np.ndarray  # [W] page row each finished window's entry goes to (unfinished: the trash page)
+    cos_sin: tuple[np.ndarray, np.ndarray]  # RoPE at each entry's position
+    candidates: np.ndarray  # [T, E] the entry rows each token may see (-1 beyond)
+    commit: tuple[np.ndarray, np.ndarray]  # (scratch rows, ring rows) the compressor ring keeps
+    attention_rows: np.ndarray | None = None  # [T, window + E] every row a token attends (not CSA: no indexer)
+
+
+class StepMeta(OwnedRows):
     """Index tensors of one step, shared by every layer of the same kind.
 
     Built on the host from host tensors (StepInput and the cache's block table live on the CPU:
@@ -152,23 +166,19 @@ class StepMeta:
         self.num_tokens = int(lens.sum())
         if self.num_tokens > cache.max_step_tokens:
             raise ValueError(f"step has {self.num_tokens} tokens, cache scratch holds {cache.max_step_tokens}")
-        self._by_rate: dict[tuple[str, int], dict] = {}
+        self._by_rate: dict[tuple[str, int], CompressedRows] = {}
         # Rows this process computes the token-wise work for (queries, MoE, residual streams):
         # all of them, unless context parallelism (deepinfer/parallel) split the step over ranks;
         # keys and compressed inputs are then completed from the other ranks by all_tokens.
-        self.split = split
-        self.own: slice | torch.Tensor = slice(None) if split is None else split.own
+        self.set_split(split)
         self.decode = self.num_tokens == len(lens) and inp.window_floor is None and inp.num_restored is None
         if steps is not None and not self.decode:
             raise ValueError("several steps are planned at once only for decode steps")
         self._plan(steps or 1)
         move = functools.partial(to_device, device=cache.device)
         if steps is not None:  # [steps, ...]: step s is row s of every tensor
-            batch = len(lens)
-            ids = np.zeros((steps, batch), dtype=np.int64)
-            ids[0] = inp.ids.numpy()
-            self.ids = move(ids)
-            self._map(lambda a: move(a.reshape(steps, batch, *a.shape[1:])))
+            self.ids = move(first_step_ids(inp.ids, steps))
+            self._map(lambda a: move(per_step(a, steps)))
         else:
             self.ids = move(inp.ids)
             self._map(move)
@@ -179,20 +189,19 @@ class StepMeta:
         inp, cache, config = self.inp, self.cache, self.config
         if self.decode:
             batch = len(self.starts)
-            seq = np.broadcast_to(np.arange(batch), (steps, batch)).ravel()
-            self.positions = (self.starts + np.arange(steps)[:, None]).ravel()
+            seq, step = decode_tokens(batch, steps)
+            self.positions = self.starts[seq] + step
             # per token: its step's first position of the sequence, the flat index of the sequence's
             # first token in its step, its slot, the end of its sequence's tokens in its step
             self.tok = (self.positions, seq, self.slots[seq], self.positions + 1)
         else:
             lens = inp.lens.numpy()
             first = np.cumsum(lens) - lens
-            seq, within = _arange_within(lens)
+            seq, within = arange_within(lens)
             self.positions = self.starts[seq] + within
             self.tok = (self.starts[seq], first[seq], self.slots[seq], (self.starts + lens)[seq])
         self.seq = seq  # per token: its sequence
-        self.rope = {"main": config.rope_main.cos_sin(self.positions),
-                     "compress": config.rope_compress.cos_sin(self.positions)}
+        self.rope = RopeTables(config.rope_main.cos_sin(self.positions), config.rope_compress.cos_sin(self.positions))
         window = config.sliding_window
         if self.decode:
             self.window_rows = self._decode_rows(self.positions, seq, self.tok[2], window, cache.ring)
@@ -203,7 +212,7 @@ class StepMeta:
                 floor = np.where(self.positions >= floor, floor, 0)
                 key_pos = np.where(key_pos >= floor[:, None], key_pos, -1)
             start, first_tok, slot, _ = (t[:, None] for t in self.tok)
-            self.window_rows = self.rows(key_pos, start, first_tok, slot, cache.ring)
+            self.window_rows = ring_rows(key_pos, start, first_tok, slot, cache.ring, cache.ring_slots)
         self.window_commit = self._commit(cache.ring)
         # Read the block table now: with overlapped scheduling the CPU may hand a freed slot or
         # page to another request while this step is still queued on the device.
@@ -214,24 +223,8 @@ class StepMeta:
         """Replace every planned array by f(array)."""
         self.window_rows = f(self.window_rows)
         self.window_commit = tuple(map(f, self.window_commit))
-        self.rope = {k: tuple(map(f, v)) for k, v in self.rope.items()}
-        for info in self._by_rate.values():
-            for k, v in info.items():
-                info[k] = tuple(map(f, v)) if isinstance(v, tuple) else f(v)
-
-    def all_tokens(self, own_rows: torch.Tensor) -> torch.Tensor:
-        """Rows of every token of the step, from the rows of the tokens this process owns."""
-        return own_rows if self.split is None else self.split.gather(own_rows)
-
-    def rows(self, pos: np.ndarray, start: np.ndarray, first: np.ndarray, slot: np.ndarray, ring: int) -> np.ndarray:
-        """Row of position `pos` of the sequence whose tokens in this step start at position `start`,
-        at flat token `first`, in `slot` (all broadcast against pos), in a [ring rows | scratch]
-        tensor whose scratch starts at ring_slots*ring: the step's own tokens are read from the scratch,
-        older ones from the ring; negative positions give -1."""
-        scratch = self.cache.ring_slots * ring + first + (pos - start)
-        ringed = slot * ring + pos % ring  # numpy's % is floor-mod, as torch.remainder
-        rows = np.where(pos >= start, scratch, ringed)
-        return np.where(pos >= 0, rows, -1)
+        self.rope = self.rope.mapped(f)
+        self._by_rate = {key: info.mapped(f) for key, info in self._by_rate.items()}
 
     def _decode_rows(self, positions: np.ndarray, seq: np.ndarray, slot: np.ndarray, window: int,
                      ring: int) -> np.ndarray:
@@ -252,15 +245,13 @@ class StepMeta:
         pos = self.positions
         if self.decode:  # a decode step keeps its one token per sequence, at its first scratch row
             return self.cache.ring_slots * ring + first, slot * ring + pos % ring
-        tokens = np.flatnonzero(pos >= end - ring)
-        pos, start, first, slot = pos[tokens], start[tokens], first[tokens], slot[tokens]
-        return self.cache.ring_slots * ring + first + (pos - start), slot * ring + pos % ring
+        return commit_rows(pos, end, first + (pos - start), slot, ring, self.cache.ring_slots)
 
-    def compressed(self, layer: LayerState) -> dict:
+    def compressed(self, layer: LayerState) -> CompressedRows:
         """Windows finished in this step and the entries each token may see, for a layer kind."""
         return self._by_rate[layer.kind, layer.rate]
 
-    def _compressed(self, layer: LayerState) -> dict:
+    def _compressed(self, layer: LayerState) -> CompressedRows:
         rate, ring, cache, inp = layer.rate, layer.comp_ring_size, self.cache, self.inp
         start, first, slot, end = self.tok
         # entries visible to token at p: w < (p + 1) // rate (a decode token's end is its p + 1)
@@ -274,7 +265,7 @@ class StepMeta:
             lo = self.starts if inp.num_restored is None else np.maximum(self.starts, inp.num_restored.numpy())
             lens = inp.lens.numpy()
             w_lo = lo // rate
-            win_seq, within = _arange_within(np.maximum((self.starts + lens) // rate - w_lo, 0))
+            win_seq, within = arange_within(np.maximum((self.starts + lens) // rate - w_lo, 0))
             win = w_lo[win_seq] + within
             seq_first = np.cumsum(lens) - lens
             w_start, w_first, w_slot, finished = self.starts[win_seq], seq_first[win_seq], self.slots[win_seq], None
@@ -282,7 +273,7 @@ class StepMeta:
         span = 2 * rate if layer.kind == CSA else rate
         if finished is None:
             tok_pos = (win[:, None] + 1) * rate - span + np.arange(span)
-            tok_rows = self.rows(tok_pos, w_start[:, None], w_first[:, None], w_slot[:, None], ring)
+            tok_rows = ring_rows(tok_pos, w_start[:, None], w_first[:, None], w_slot[:, None], ring, cache.ring_slots)
             out_rows = cache.entry_rows(layer, w_slot, win)
         else:  # an unfinished window: no tokens, its entry to the trash page (rows of finished ones only)
             done = np.flatnonzero(finished)
@@ -300,12 +291,11 @@ class StepMeta:
         seen = entries < visible[:, None]
         per_seq = cache.entry_rows(layer, self.slots[:, None], entries)
         cand = np.where(seen, per_seq[self.seq], -1)
-        info = dict(tok_rows=tok_rows, out_rows=out_rows, cos_sin=entry_cos_sin, candidates=cand,
-                    commit=self._commit(ring))
+        info = CompressedRows(tok_rows, out_rows, entry_cos_sin, cand, self._commit(ring))
         if layer.kind != CSA:  # every visible entry is attended: the whole index list is known now
             rows = np.full((len(cand), self.window_rows.shape[1] + width), -1, dtype=np.int64)
             window, entries_part = rows[:, :self.window_rows.shape[1]], rows[:, self.window_rows.shape[1]:]
             window[...] = self.window_rows
             np.copyto(entries_part, (per_seq + cache.entry_base())[self.seq], where=seen)
-            info["attention_rows"] = rows
+            info.attention_rows = rows
         return info

@@ -14,7 +14,7 @@ import re
 
 import torch
 
-from deepinfer.models.base import Slot, TensorSpec, expert_slice_source
+from deepinfer.models.base import Destination, TensorSpec, expert_slice_source
 from deepinfer.models.deepseek_v4.config import CSA, SLIDING, DeepseekV4Config
 
 # Upstream (DeepSeek inference/model.py) name -> HF name: the renames of transformers'
@@ -71,7 +71,7 @@ _LAYER_RE = re.compile(r"layers\.(\d+)\.(.+)")
 _EXPERT_RE = re.compile(r"ffn\.experts\.(\d+)\.(w[123])\.weight")
 
 
-def checkpoint_name(name: str) -> Slot | None:
+def checkpoint_name(name: str) -> Destination | None:
     """Where an upstream-named tensor (or transformers' save_pretrained spelling of it) goes in HF
     naming; None if it has no HF counterpart."""
     name = name.removeprefix("model.")

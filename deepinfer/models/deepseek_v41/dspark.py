@@ -1,4 +1,4 @@
-"""DeepSeek-V4.1's DSpark drafter: the checkpoint's `mtp.K` stages behind core/spec's interface
+"""DeepSeek-V4.1's DSpark drafter: the checkpoint's `mtp.K` stages behind core/speculative's interface
 (tests/goldens/v41/IMPLEMENTING.md, section 8: the stages as the reference computes them; the
 DeepSeek-V4 drafter it follows: models/deepseek_v4/dspark.py).
 
@@ -79,7 +79,7 @@ def stage_weights(extra: dict[str, Weight], cfg, dcfg: DSparkConfig) -> dict[str
 
 
 class DSparkDrafter:
-    """Stage weights, per-slot context rings, and the device functions core/spec calls: `absorb`
+    """Stage weights, per-slot context rings, and the device functions core/speculative calls: `absorb`
     (context features -> ring KV) and `draft_block` (a block -> per-slot hidden states), plus the
     heads (`logits`, `markov`, `confidence_logit`)."""
 

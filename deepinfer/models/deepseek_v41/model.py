@@ -34,9 +34,8 @@ import torch
 from deepinfer import envs
 from deepinfer.backends.base import Accelerator, WeightRole
 from deepinfer.backends.quant import ActQuant, cat_rows, with_act
-from deepinfer.core.cache import CacheSpec, StateCache
-from deepinfer.models.base import (CausalLM, MultimodalItem, MultimodalPrompt, ParallelContext,
-                                   StepInput, TensorSpec, ViewCache)
+from deepinfer.models.base import (CacheSpec, CausalLM, DecodeCache, FeaturesRequest, MultimodalItem,
+                                   MultimodalPrompt, ParallelContext, StepInput, TensorSpec, ViewCache)
 from deepinfer.models.deepseek_v41 import moe, weights as checkpoint
 from deepinfer.models.deepseek_v41.config import ACT_BLOCK, DeepseekV41Config
 from deepinfer.models.deepseek_v41.engram import EngramHash, checkpoint_token_map, engram_update, lookup_rows
@@ -148,10 +147,10 @@ class DeepseekV41Model(CausalLM):
     def cache_spec(self, margin: int) -> CacheSpec:
         return cache_spec(self.config, margin)
 
-    def view(self, cache: StateCache) -> CacheView:
+    def view(self, cache: DecodeCache) -> CacheView:
         return self._views.get(cache)
 
-    def prepare(self, inp: StepInput, cache: StateCache, steps: int | None = None) -> StepMeta:
+    def prepare(self, inp: StepInput, cache: DecodeCache, steps: int | None = None) -> StepMeta:
         cp = self.parallel.context_parallel
         split = cp.split(inp.lens.tolist(), cache.device) if cp is not None else None
         if steps is not None:
@@ -187,15 +186,15 @@ class DeepseekV41Model(CausalLM):
 
     # ------------------------------------------------------------ forward
     @torch.inference_mode()
-    def forward(self, inp: StepInput, cache: StateCache, logit_rows: torch.Tensor, meta: StepMeta | None = None,
-                feature_layers: tuple[int, ...] = (), feature_rows: torch.Tensor | None = None):
+    def forward(self, inp: StepInput, cache: DecodeCache, logit_rows: torch.Tensor, meta: StepMeta | None = None,
+                request: FeaturesRequest | None = None):
         """Run one step, update `cache`, return logits [len(logit_rows), V] of the given flat token rows;
-        with `feature_layers` (the DSpark drafter's context) also the input of those layers (after
-        Engram), averaged over the hc copies, at the flat rows `feature_rows`: [R, len, D]."""
+        with `request` (the DSpark drafter's context) also the input of its layers (after Engram),
+        averaged over the hc copies, at its flat rows: [R, len(layers), D]."""
         cfg, ops, w = self.config, self.accel, self.w
         meta = meta if meta is not None else self.prepare(inp, cache)
         if meta.decoder is meta.encoder and cfg.first_decoder_layer < cfg.num_hidden_layers:
-            meta.split_decoder(logit_rows, envs.get("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE"),
+            meta.split_decoder(logit_rows, envs.ced_prefill_mode(),
                                envs.get("DEEPINFER_YOCO_PREFILL_KEEP_TOKENS"))
         (rows, decoder), state = meta.bind(), StepState()  # the tensors of this meta (a replay swaps them)
         x = bf16(ops.embedding(meta.ids, w["embed.weight"]))
@@ -215,8 +214,8 @@ class DeepseekV41Model(CausalLM):
                 rows = decoder
             if role.engram:
                 streams = self._engram(i, streams, self._of_rows(hashes, rows), self._of_rows(image, rows))
-            if i in feature_layers:  # (context parallelism: from every rank's rows)
-                features.append(bf16(rows.gather(streams)[self._local_rows(rows.write, feature_rows)].mean(dim=1)))
+            if request is not None and i in request.layers:  # (context parallelism: from every rank's rows)
+                features.append(bf16(rows.gather(streams)[self._local_rows(rows.write, request.rows)].mean(dim=1)))
             streams, pre = self.block(f"layers.{i}.", streams, pre,
                                       lambda h, i=i: self._attention(i, h, meta, rows, state),
                                       lambda h, i=i, r=rows: self._moe(i, h, self._of_rows(image, r)))
@@ -224,7 +223,7 @@ class DeepseekV41Model(CausalLM):
         picked = self._local_rows(rows.write, logit_rows)
         h = bf16(ops.hc_collapse(streams[picked], pre[picked]))
         logits = ops.linear(bf16(ops.rms_norm(h, w["norm.weight"], cfg.rms_norm_eps)), w["head.weight"])
-        return (logits, torch.stack(features, dim=1)) if feature_layers else logits
+        return (logits, torch.stack(features, dim=1)) if request is not None and request.layers else logits
 
     def block(self, p: str, streams: torch.Tensor, pre: torch.Tensor, attention, ffn,
               w: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:

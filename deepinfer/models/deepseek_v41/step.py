@@ -18,10 +18,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from deepinfer.core.cache import CacheSpec, Pool, PoolSpec, StateCache
-from deepinfer.core.graphs import size_bucket, step_inputs, with_step_tensors
-from deepinfer.models.base import StepInput, to_device
+from deepinfer.models.base import (CacheSpec, DecodeCache, Pool, PoolSpec, StepInput, size_bucket, step_inputs,
+                                   to_device, with_step_tensors)
 from deepinfer.models.deepseek_v41.config import DeepseekV41Config
+from deepinfer.models.planning import arange_within, commit_rows, ring_rows
 
 
 def kv_groups(cfg: DeepseekV41Config) -> dict[int, list[int]]:
@@ -73,9 +73,9 @@ class LayerView:
 
 
 class CacheView:
-    """The generic StateCache as DeepSeek-V4.1's layers see it."""
+    """The generic DecodeCache as DeepSeek-V4.1's layers see it."""
 
-    def __init__(self, cache: StateCache, config: DeepseekV41Config):
+    def __init__(self, cache: DecodeCache, config: DeepseekV41Config):
         self.cache, self.config = cache, config
         self.ring_slots, self.max_step_tokens = cache.ring_slots, cache.max_step_tokens  # + the padding slot
         self.dtype, self.device = cache.dtype, cache.device
@@ -93,13 +93,6 @@ class CacheView:
             self.layers.append(LayerView(pool, groups[s].index(role.layer), len(groups[s]), pool,
                                          pools[f"layers.{s}.index_keys"], pools.get(f"layers.{s}.compressor")))
         self.engram = pools.get("engram.classes")
-
-
-def arange_within(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """For groups of sizes `counts`: (group index of each element, index within its group)."""
-    group = np.repeat(np.arange(len(counts)), counts)
-    first = np.cumsum(counts) - counts
-    return group, np.arange(len(group)) - first[group]
 
 
 _MIN_ENTRIES = 64  # compressed entries a token's candidate row holds at least (fewer decode buckets)
@@ -286,16 +279,13 @@ class StepMeta:
         in_ring): the step's own tokens come from the scratch (one row per flat token), older ones
         from the ring; negative positions give -1."""
         start = self.starts[seq]
-        scratch = self.cache.ring_slots * members * ring + self.first[seq] + (pos - start)
-        ringed = self.slots[seq] * members * ring + pos % ring
-        rows = np.where(pos >= start, scratch, ringed)
-        return np.where(pos >= 0, rows, -1), (pos < start) & (pos >= 0)
+        rows = ring_rows(pos, start, self.first[seq], self.slots[seq], ring, self.cache.ring_slots, members)
+        return rows, (pos < start) & (pos >= 0)
 
     def commit(self, ring: int, members: int, rows: "Rows") -> tuple[np.ndarray, np.ndarray]:
         """(scratch rows, member-0 ring rows) of the tokens of `rows` a ring keeps after the step."""
-        keep = np.flatnonzero(rows.positions >= (self.ends[rows.seq] - ring))
-        pos, seq, flat = rows.positions[keep], rows.seq[keep], rows.flat[keep]
-        return self.cache.ring_slots * members * ring + flat, self.slots[seq] * members * ring + pos % ring
+        return commit_rows(rows.positions, self.ends[rows.seq], rows.flat, self.slots[rows.seq], ring,
+                           self.cache.ring_slots, members)
 
     def _entry_writes(self, rate: int) -> dict:
         """The compressed entries finished in this step (KV sources of `rate`): their page rows, the rows

@@ -18,7 +18,7 @@ import re
 
 import torch
 
-from deepinfer.models.base import Slot, TensorSpec, expert_slice_source
+from deepinfer.models.base import Destination, TensorSpec, expert_slice_source
 from deepinfer.models.deepseek_v41 import vision
 from deepinfer.models.deepseek_v41.config import DeepseekV41Config
 
@@ -26,7 +26,7 @@ _EXPERT_RE = re.compile(r"(layers\.\d+\.ffn\.experts)\.(\d+)\.(w[123])\.weight")
 _EXPERT_PARTS = {"w1": ("gate_up", 0), "w3": ("gate_up", 1), "w2": ("down", None)}
 
 
-def checkpoint_name(name: str) -> Slot | None:
+def checkpoint_name(name: str) -> Destination | None:
     """A routed expert's w1/w3/w2 fill its slice of the layer's fused [E, 2I, D] / [E, D, I] stacks."""
     if m := _EXPERT_RE.fullmatch(name):
         stack, half = _EXPERT_PARTS[m.group(3)]

@@ -18,9 +18,9 @@ import torch
 from deepinfer import envs
 from deepinfer.backends.base import Accelerator
 from deepinfer.core import logits as adjust
-from deepinfer.core.graphs import step_inputs, with_step_tensors
-from deepinfer.core.spec.accept import GREEDY_BELOW, DRAFT_SALT, Block, accept, draw, salted, target_logprobs
-from deepinfer.core.spec.planner import VerifyLengthPlanner, cached_step_cost, profile_grid, time_call
+from deepinfer.core.model_runner import FeatureTap
+from deepinfer.core.speculative.accept import GREEDY_BELOW, DRAFT_SALT, Block, accept, draw, salted, target_logprobs
+from deepinfer.core.speculative.planner import VerifyLengthPlanner, cached_step_cost, profile_grid, time_call
 
 
 @dataclass(slots=True)
@@ -46,7 +46,7 @@ class SpecDecoder:
         self.model, self.drafter, self.accel = model, drafter, accel
         self.max_draft, self.margin = max_draft, margin
         self.planner = VerifyLengthPlanner(max_draft, None)
-        self.graphs = None  # the engine's step graphs (core/graphs.py), given at start()
+        self.runner = None  # the engine's model runner (core/model_runner.py), given at start()
         # steps: request-steps that could draft (drafted or not); verified / accepted: draft tokens
         self.stats = {"steps": 0, "verified": 0, "accepted": 0}
 
@@ -66,14 +66,15 @@ class SpecDecoder:
         return cls(model, drafter, accel, min(max_draft, drafter.dcfg.block_size), margin)
 
     # ------------------------------------------------------------ start-up
-    def start(self, cache, max_step_tokens: int, cache_dir: str | None = None, graphs=None) -> None:
+    def start(self, runner, max_step_tokens: int, cache_dir: str | None = None) -> None:
         """Build the verify-length policy; the dynamic one profiles step cost (or reads it).
-        `graphs`: where drafting and verify steps are recorded and replayed like decode steps
-        (None: eagerly). The profile runs eagerly, before any step is captured: the online cost
+        `runner` runs the drafting and verify steps (recorded and replayed like decode steps where it
+        captures steps). The profile runs eagerly, before any step is captured: the online cost
         correction (observe_step) brings a captured engine's costs down to what it measures."""
+        self.runner = runner
         if not envs.mtp_varlen():
-            self.graphs = graphs
             return
+        cache = runner.cache
         per_seq = self.max_draft + 1
         # as many sequences as the cache can hold at once from position 0 (a small page pool holds
         # fewer than max_seqs: the profile must not ask for pages that do not exist)
@@ -84,10 +85,10 @@ class SpecDecoder:
                "backend": self.accel.kernel_signature(),
                "threads": torch.get_num_threads(), "tokens": max_tokens, "per_seq": per_seq,
                "dtype": str(cache.dtype), "version": 3}
-        cost = cached_step_cost(key, lambda: self._profile(cache, max_tokens, per_seq),
-                                envs.get("DEEPINFER_DECODE_PERF_CACHE_DIR") if cache_dir is None else cache_dir)
+        with runner.eager():
+            cost = cached_step_cost(key, lambda: self._profile(cache, max_tokens, per_seq),
+                                    envs.get("DEEPINFER_DECODE_PERF_CACHE_DIR") if cache_dir is None else cache_dir)
         self.planner = VerifyLengthPlanner(self.max_draft, cost)
-        self.graphs = graphs
 
     def _profile(self, cache, max_tokens: int, per_seq: int):
         """Seconds of a verify forward (logits and features for every token, the drafter's context
@@ -114,7 +115,8 @@ class SpecDecoder:
                 t = lambda xs: torch.tensor(xs, dtype=torch.int64, device=self.accel.device)  # noqa: E731
                 inp = StepInput(t([3] * tokens), t(slots), t([start] * seqs), t(lens))
                 rows = t(list(range(tokens)))
-                seconds.append(time_call(lambda: self.forward(inp, cache, rows, None), repeats=3))
+                seconds.append(time_call(lambda: self.runner.forward(inp, None, rows, self.tap(inp, rows.device)),
+                                         repeats=3))
                 tokens_grid.append(tokens)
                 if seqs not in seqs_grid:
                     reqs = [_ProfiledRequest(s, start, greedy) for s in slots]
@@ -130,37 +132,18 @@ class SpecDecoder:
         return tokens_grid, seconds, seqs_grid, drafter_seconds
 
     # ------------------------------------------------------------ per step
-    def forward(self, inp, cache, logit_rows: torch.Tensor, meta) -> torch.Tensor:
-        """The target forward of any step while drafting is on: also captures the drafter's
-        context features of the positions its rings keep and writes them there. Steps in which every
-        sequence feeds the same number of tokens, at most max_draft + 1 (plain decode steps, verify
-        steps of full-length drafts), are recorded and replayed from the step graphs."""
+    def tap(self, inp, device: torch.device) -> FeatureTap:
+        """What every target step hands the drafter while drafting is on: the context features of
+        the fed positions its rings keep (the last `ring` of every sequence), planned on the host:
+        their count decides the step's shapes, so it is part of the bucket, never read in the step."""
         lens = inp.lens.cpu().numpy()
         starts = inp.starts.cpu().numpy()
-        # the fed positions each ring keeps (the last `ring` of every sequence), planned on the host:
-        # their count decides the step's shapes, so it is part of the bucket, never read in the step
         seq = np.repeat(np.arange(len(lens)), lens)
         positions = starts[seq] + np.arange(len(seq)) - (np.cumsum(lens) - lens)[seq]
         rows = np.flatnonzero(positions >= (starts + lens)[seq] - self.drafter.ring)
-        dev = logit_rows.device
-        feed = [torch.from_numpy(x).to(dev) for x in (rows, inp.slots.cpu().numpy()[seq[rows]], positions[rows])]
-        if meta is None:
-            meta = self.model.prepare(inp, cache)
-
-        def run(meta, logit_rows, rows, slots, positions):
-            logits, features = self.model.forward(inp, cache, logit_rows, meta, self.drafter.dcfg.target_layer_ids,
-                                                  rows)
-            self.drafter.absorb(features, slots, positions)
-            return logits
-
-        g = self.graphs
-        # static shapes only: every sequence feeds the same count (1, or anchor + the full draft
-        # length); steps of mixed lengths would each be a new bucket, recorded twice and rarely replayed
-        if g is None or not 0 < len(lens) <= g.max_tokens or lens.max() != lens.min() or lens[0] > self.max_draft + 1:
-            return run(meta, logit_rows, *feed)
-        tensors, sizes = step_inputs(meta)
-        return g.run(("verify", sizes), lambda: run(meta, logit_rows, *feed), tensors + [logit_rows] + feed,
-                     lambda inputs: run(with_step_tensors(meta, inputs[:-4]), *inputs[-4:]))
+        rows, slots, positions = (torch.from_numpy(x).to(device) for x in
+                                  (rows, inp.slots.cpu().numpy()[seq[rows]], positions[rows]))
+        return FeatureTap(self.drafter.dcfg.target_layer_ids, rows, slots, positions, self.drafter.absorb)
 
     def wants_to_draft(self, running) -> bool:
         """Whether the next step drafts, which makes it synchronous. Fixed length: whenever a request
@@ -224,10 +207,7 @@ class SpecDecoder:
                        salted(t([reqs[i].seed - (1 << 64) if reqs[i].seed >= 1 << 63 else reqs[i].seed
                                  for i in sampled]), DRAFT_SALT)]
         choose = lambda ins: self._choose(*ins[:3], depth, ins[3:] or None)  # noqa: E731
-        if self.graphs is None or len(reqs) > self.graphs.max_tokens:
-            out = choose(inputs)
-        else:
-            out = self.graphs.run(("draft", depth), lambda: choose(inputs), inputs, choose)
+        out = self.runner.run_captured(("draft", depth), len(reqs), choose, inputs)
         chosen, survival = out[:2]
         per_req: list[torch.Tensor | None] = [None] * len(reqs)
         for j, i in enumerate(sampled):
