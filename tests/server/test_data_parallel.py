@@ -64,7 +64,7 @@ def test_balancer_forgets_the_least_recently_sent_pages_beyond_the_rank_cache():
 
 def test_out_of_range_data_parallel_rank_is_refused_naming_the_field():
     from deepinfer.entrypoints.async_llm import InvalidRequest
-    from deepinfer.entrypoints.dp_client import check_data_parallel_rank
+    from deepinfer.entrypoints.async_llm import check_data_parallel_rank
 
     assert check_data_parallel_rank(None, 2) is None and check_data_parallel_rank(1, 2) == 1
     for bad in (2, -1, True, "0", 1.0):
@@ -153,7 +153,7 @@ def test_a_prompt_goes_to_the_rank_that_holds_its_prefix(dp_client):
 
 
 def test_client_refuses_a_rank_it_does_not_have(dp_client):
-    from deepinfer.entrypoints.dp_client import InvalidDataParallelRank
+    from deepinfer.entrypoints.async_llm import InvalidDataParallelRank
 
     with pytest.raises(InvalidDataParallelRank, match="data_parallel_rank=2"):
         asyncio.run(_run(dp_client, PROMPTS[1], "bad-rank", rank=2))
