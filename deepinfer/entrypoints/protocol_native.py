@@ -47,9 +47,22 @@ class GenerateRequest(_Request):
     input_ids: list[int] | list[list[int]] | None = None
     sampling_params: GenerateSampling = Field(default_factory=GenerateSampling)
     stream: bool = False
-    return_logprob: bool = False
     data_parallel_rank: int | None = None  # smg --dp-aware adds it
-    model: str | None = None  # routers may add it; checked against the served names when given
+    # smg re-serializes the body with its defaults for these; accepted and ignored (model: SGLang's
+    # /generate has none, smg sends "unknown"; nothing here logs prompts or labels metrics per request)
+    model: str | None = None
+    log_metrics: bool = True
+    no_logs: bool = False
+    custom_labels: dict[str, str] | None = None
+    return_text_in_logprobs: bool = False
+    # served only with these values (serving_generate.UNSERVED names the alternative)
+    return_logprob: bool = False
+    return_hidden_states: bool = False
+    return_entropy: bool = False
+    return_bytes: bool = False
+    background: bool = False
+    rid: str | None = None
+    priority: int | None = None
 
 
 class TokenizeRequest(_Request):

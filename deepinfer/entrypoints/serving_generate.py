@@ -23,6 +23,11 @@ from deepinfer.entrypoints.serving import _UINT64, APIError, EventStream, Server
 from deepinfer.entrypoints.streams import Delta
 from deepinfer.sampling_params import SamplingParams
 
+# fields served only at their default: what a request that sets one is told instead
+UNSERVED = {"return_logprob": "ask /v1/completions for logprobs", "return_hidden_states": "not served",
+            "return_entropy": "not served", "return_bytes": "not served", "background": "not served",
+            "rid": "send the request id as the X-Request-Id header", "priority": "requests are served in arrival order"}
+
 # SamplingParams' names -> SGLang's (what an error names)
 _SGLANG_NAMES = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens", "seq_seed": "sampling_seed",
                  "include_stop_str_in_output": "no_stop_trim"}
@@ -96,11 +101,10 @@ def _output(rid: str, prompt_tokens: int, so_far: Delta, max_new_tokens: int, ar
 
 async def create_generate(body: GenerateRequest, request: Request, state: ServerState):
     arrival = time.perf_counter()
-    if body.model is not None:
-        state.check_model(body.model)
-    if body.return_logprob:
-        raise APIError(400, "return_logprob is not served on /generate; ask /v1/completions for logprobs",
-                       "return_logprob", "unsupported_parameter")
+    for name, instead in UNSERVED.items():
+        if getattr(body, name) != GenerateRequest.model_fields[name].default:
+            raise APIError(400, f"{name} is not served on deepinfer's /generate: {instead}", name,
+                           "unsupported_parameter")
     sp = body.sampling_params
     prompts, field = _prompts(body, state.engine.tokenizer)
     so_args, so_field = _so_args(sp)
