@@ -13,10 +13,11 @@ import signal
 import subprocess
 import sys
 import tempfile
-from contextlib import contextmanager
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
-from conftest import free_port, http, wait_until
+from conftest import free_port, http, running_server, wait_until
 
 
 def smg_binary() -> str:
@@ -26,6 +27,25 @@ def smg_binary() -> str:
     if found is None:
         raise RuntimeError("smg is not installed: pip install -e '.[test]' (the SGLang model gateway, PyPI `smg`)")
     return found
+
+
+@contextmanager
+def running_servers(n: int, *args: str):
+    """n servers started at once (each still killed when the context ends)."""
+    managers = [running_server(*args) for _ in range(n)]
+    with ExitStack() as stack, ThreadPoolExecutor(n) as pool:
+        futures = [pool.submit(m.__enter__) for m in managers]
+        servers, failure = [], None
+        for manager, future in zip(managers, futures):
+            try:
+                servers.append(future.result())
+                stack.push(manager.__exit__)
+            except BaseException as exc:  # noqa: BLE001 - the others are stopped, then it is raised
+                failure = failure or exc
+        if failure is not None:
+            raise failure
+        yield servers
+
 
 
 @dataclass

@@ -14,15 +14,13 @@ import os
 import signal
 import socket
 import threading
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack, contextmanager
 from types import SimpleNamespace
 
 import jsonschema
 import pytest
 
-from conftest import http, running_server, wait_until
-from fleet import conversations, hit_rate, prefix_counters, running_smg
+from conftest import http, wait_until
+from fleet import conversations, hit_rate, prefix_counters, running_servers, running_smg
 
 from deepinfer.llm import TINY_DSV4_DIR
 
@@ -31,24 +29,6 @@ WORKER_ARGS = ("--model", TINY_DSV4_DIR, "--max-num-seqs", "8", "--shutdown-time
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
                                            "size": {"type": "integer", "minimum": 0, "maximum": 9}},
           "required": ["name", "size"], "additionalProperties": False}
-
-
-@contextmanager
-def running_servers(n: int, *args: str):
-    """n servers started at once (each still killed when the context ends)."""
-    managers = [running_server(*args) for _ in range(n)]
-    with ExitStack() as stack, ThreadPoolExecutor(n) as pool:
-        futures = [pool.submit(m.__enter__) for m in managers]
-        servers, failure = [], None
-        for manager, future in zip(managers, futures):
-            try:
-                servers.append(future.result())
-                stack.push(manager.__exit__)
-            except BaseException as exc:  # noqa: BLE001 - the others are stopped, then it is raised
-                failure = failure or exc
-        if failure is not None:
-            raise failure
-        yield servers
 
 
 @pytest.fixture(scope="module")
