@@ -119,15 +119,21 @@ def running_server(*args: str, env: dict | None = None, startup_timeout: float =
         wait_until(up, startup_timeout, "the server to answer /health", interval=0.2)
         yield server
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        log.close()
-        os.unlink(log.name)
+        stop_process(proc, log, 30)
+
+
+def stop_process(proc: subprocess.Popen, log, grace: float) -> None:
+    """SIGTERM a child started in its own session, SIGKILL the session if it is not gone within
+    `grace` seconds; then remove its log file."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    log.close()
+    os.unlink(log.name)
 
 
 @pytest.fixture(scope="session")

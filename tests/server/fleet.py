@@ -9,7 +9,6 @@ import json
 import os
 import random
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -17,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
-from conftest import free_port, http, running_server, wait_until
+from conftest import free_port, http, running_server, stop_process, wait_until
 
 
 def smg_binary() -> str:
@@ -93,15 +92,7 @@ def running_smg(worker_urls: list[str], policy: str, *extra: str, startup_timeou
         wait_until(ready, startup_timeout, "smg to list every worker healthy", interval=0.2)
         yield router
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        log.close()
-        os.unlink(log.name)
+        stop_process(proc, log, 15)
 
 
 # ------------------------------------------------------------------ the multi-turn workload
