@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import uuid
 from contextvars import ContextVar
 from dataclasses import dataclass
 
@@ -87,7 +88,7 @@ def make_params(body, n: int, *, max_tokens: int, max_tokens_field: str, top_log
 
 def engine_request_ids(n: int) -> list[str]:
     """The engine request ids of an HTTP request with `n` prompts x choices, named after its id."""
-    base = REQUEST_ID.get()
+    base = REQUEST_ID.get() or uuid.uuid4().hex  # set for every HTTP request; a fresh one otherwise
     return [base] if n == 1 else [f"{base}-{i}" for i in range(n)]
 
 
