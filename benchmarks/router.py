@@ -11,7 +11,8 @@ when matplotlib is installed).
 A rate is conversation arrivals per second (Poisson); a conversation's turns follow one another
 (the next is sent when the reply is in), so requests arrive at up to rate x turns per second.
 Every reply is greedy with `ignore_eos` and exactly --max-tokens tokens. Each leg and rate gets
-texts of its own (a tag in every message), so no run is served from another's cache.
+texts of its own (a tag in every message), so no run is served from another's cache; each worker
+first serves a warm-up of its own texts, outside every leg.
 
 Legs are entries of LEGS: a context manager from the worker URLs to a base URL. A vllm-router
 `kv_aware` leg (routing on the KV events of workers started with --kv-events-config, issue 38
@@ -35,7 +36,7 @@ import time
 from contextlib import contextmanager
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [REPO, os.path.join(REPO, "tests"), os.path.join(REPO, "tests", "server")]
+sys.path[:0] = [REPO, os.path.join(REPO, "tests", "server")]  # fleet.py and the conftest it imports
 from fleet import conversations, hit_rate, prefix_counters, running_servers, running_smg  # noqa: E402
 
 from deepinfer.llm import TINY_DSV4_DIR  # noqa: E402
@@ -169,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, list[dict]] = {}
     with running_servers(num_workers, *worker_args) as workers:
         urls = [w.url for w in workers]
+        for url in urls:  # a worker's first steps build its kernels and step graphs: not part of any leg
+            warm = conversations(f"warm-up {url}", 2, 1, 1, args.system_words)
+            asyncio.run(_drive(url, model, warm, 100.0, args.max_tokens, args.seed))
         for leg in legs:
             used = urls[:LEGS[leg][0]]
             with LEGS[leg][1](used) as base_url:

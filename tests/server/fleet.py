@@ -88,7 +88,8 @@ def running_smg(worker_urls: list[str], policy: str, *extra: str, startup_timeou
                 workers = router.workers()
             except (OSError, ValueError, KeyError):
                 return False
-            return sorted(w["url"] for w in workers if w.get("is_healthy")) == sorted(worker_urls)
+            # with --dp-aware smg lists a worker once per data-parallel rank, as URL@rank
+            return {w["url"].split("@")[0] for w in workers if w.get("is_healthy")} == set(worker_urls)
         wait_until(ready, startup_timeout, "smg to list every worker healthy", interval=0.2)
         yield router
     finally:
