@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 
 from deepinfer.core.request import Request, Status
+from deepinfer.entrypoints.metrics import engine_load
 from deepinfer.entrypoints.streams import RequestGroup, next_delta
 
 logger = logging.getLogger("deepinfer.server")
@@ -34,11 +35,45 @@ class EngineDead(RuntimeError):
 
 
 class InvalidRequest(ValueError):
-    """A prompt the engine refuses; `index` says which prompt of the group."""
+    """A prompt the engine refuses; `index` says which prompt of the group. `param`, when set, is
+    the request field at fault (else the handler names the prompt's field)."""
+
+    param: str | None = None
 
     def __init__(self, message: str, index: int):
         super().__init__(message)
         self.index = index
+
+
+class InvalidDataParallelRank(InvalidRequest):
+    """A `data_parallel_rank` this instance does not have (HTTP 400 on that field)."""
+
+    param = "data_parallel_rank"
+
+
+class RequestIdInUse(InvalidRequest):
+    """A request id (from the client's X-Request-Id) that a running request already has."""
+
+    param = "X-Request-Id"
+
+
+def check_data_parallel_rank(value, dp_size: int) -> int | None:
+    """`value` as a rank of an instance of `dp_size` ranks (None: the instance chooses)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < dp_size:
+        raise InvalidDataParallelRank(
+            f"data_parallel_rank={value!r} is not a rank of this instance: it serves data_parallel_size="
+            f"{dp_size} rank(s), 0 to {dp_size - 1}; leave it out to let the instance choose", 0)
+    return value
+
+
+def check_request_ids_free(request_ids, live) -> None:
+    """Refuse ids a running request has (`live`: the running ids), naming the header they came from."""
+    for rid in request_ids:
+        if rid in live:
+            raise RequestIdInUse(f"request id {rid!r} is in use by a running request; send a unique X-Request-Id "
+                                 "(or none, and the server makes one)", 0)
 
 
 @dataclass(slots=True)
@@ -54,6 +89,8 @@ class _Live:
 
 
 class AsyncLLM:
+    dp_size = 1  # one engine: data_parallel_rank 0 or none
+
     def __init__(self, llm, max_waiting_requests: int = 1024, metrics=None):
         if llm.engine is None:
             raise ValueError("the server runs one engine in this process; parallel layouts "
@@ -66,6 +103,8 @@ class AsyncLLM:
         self.error: BaseException | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[str, _Live] = {}
+        self._prompt_tokens_total = 0
+        self._load = engine_load(self.engine, 0, 0, 0)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_deadline: float | None = None
         self._stopped = False
@@ -77,11 +116,23 @@ class AsyncLLM:
     def alive(self) -> bool:
         return self.error is None and self._thread.is_alive() and self._drain_deadline is None
 
-    async def add(self, prompts: list[tuple], arrival: float, request_ids: list[str]) -> RequestGroup:
+    @property
+    def num_live(self) -> int:
+        """Accepted requests that have not finished (what a drain waits for)."""
+        return len(self._live)
+
+    def loads(self) -> list[dict]:
+        """The engine's load as of its last step, as one data-parallel rank (metrics.engine_load)."""
+        return [dict(self._load)]
+
+    async def add(self, prompts: list[tuple], arrival: float, request_ids: list[str],
+                  data_parallel_rank: int | None = None) -> RequestGroup:
         """Queue every prompt of an HTTP request, or none: raises InvalidRequest (naming the
-        prompt), QueueFull or EngineDead. If the caller is cancelled meanwhile, the requests
-        are aborted again. A prompt is (token ids, SamplingParams, text or None) and, for a
-        multimodal one, its MultimodalItems (the engine's process_multimodal)."""
+        prompt, or a subclass naming its field), QueueFull or EngineDead. If the caller is cancelled
+        meanwhile, the requests are aborted again. A prompt is (token ids, SamplingParams, text or
+        None) and, for a multimodal one, its MultimodalItems (the engine's process_multimodal).
+        `data_parallel_rank` may only be 0 (or None): this is one engine."""
+        check_data_parallel_rank(data_parallel_rank, self.dp_size)
         if not self.alive:
             raise EngineDead(self._dead_reason())
         self._loop = asyncio.get_running_loop()
@@ -169,6 +220,7 @@ class AsyncLLM:
             if waiting + len(prompts) > self.max_waiting_requests:
                 raise QueueFull(f"{waiting} requests are waiting for the engine (limit "
                                 f"--max-waiting-requests={self.max_waiting_requests}); retry later")
+            check_request_ids_free(group.request_ids, self._live)
             prompts = [p if len(p) == 4 else (*p, None) for p in prompts]  # (ids, params, text[, mm_items])
             for i, (ids, params, _, mm_items) in enumerate(prompts):  # all or nothing
                 try:
@@ -180,6 +232,7 @@ class AsyncLLM:
                 req.metrics.arrival_time = arrival  # latency counts from the HTTP request, not the queue
                 stops = params.stop_strings
                 self._live[rid] = _Live(req, group, i, arrival, max(map(len, stops)) - 1 if stops else 0)
+                self._prompt_tokens_total += len(ids)
                 if self.metrics is not None:
                     self.metrics.on_added(len(ids))
         except BaseException as exc:  # noqa: BLE001 - the handler raises it
@@ -210,8 +263,10 @@ class AsyncLLM:
             batch.append((live.group, live.index, delta))
             if self.metrics is not None:
                 self.metrics.on_progress(live, delta, now)
+        waiting = self.num_waiting()
+        self._load = engine_load(self.engine, 0, waiting, self._prompt_tokens_total)
         if self.metrics is not None:
-            self.metrics.update_engine(self.engine, self.num_waiting())
+            self.metrics.update_engine(self.engine, waiting)
         if batch:
             self._call_soon(_deliver, batch)
 

@@ -44,6 +44,7 @@ class TurnRequest:
     sampling: dict = field(default_factory=dict)  # SamplingParams fields: temperature, top_p, top_k, stop, ...
     max_tokens: int | None = None  # None: what the context leaves
     so_args: dict | None = None
+    data_parallel_rank: int | None = None  # the rank to run on (smg --dp-aware adds it); none: the instance chooses
 
     def name(self, chat_name: str) -> str:
         return self.fields.get(chat_name, chat_name)
@@ -147,7 +148,7 @@ async def start_turn(state: ServerState, req: TurnRequest, arrival: float) -> Tu
         max(state.engine.engine.max_model_len - len(prompt.ids), 1)
     params = _params(req, max_tokens, so_args, so_field)
     group = await submit(state, [(prompt.ids, params, None, prompt.mm_items)], req.prompt_field, arrival,
-                         req.name("max_tokens"), so_field)
+                         req.name("max_tokens"), so_field, req.data_parallel_rank)
     return Turn(group, fmt.parser(prompt.text, req.tools is not None), len(prompt.ids), so_field)
 
 

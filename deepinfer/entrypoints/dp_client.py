@@ -31,30 +31,14 @@ from multiprocessing.connection import Pipe, wait
 
 import torch
 
-from deepinfer.entrypoints.async_llm import EngineDead, InvalidRequest, QueueFull, _deliver, call_soon
+from deepinfer.entrypoints.async_llm import EngineDead, InvalidRequest, QueueFull, _deliver, call_soon, \
+    check_data_parallel_rank, check_request_ids_free
 from deepinfer.entrypoints.dp_balancer import LeastWorkBalancer
 from deepinfer.entrypoints.metrics import combine_snapshots
 from deepinfer.entrypoints.streams import RequestGroup
 from deepinfer.parallel.executor import _stop, how_it_ended
 
 logger = logging.getLogger("deepinfer.server")
-
-
-class InvalidDataParallelRank(InvalidRequest):
-    """A `data_parallel_rank` this instance does not have (HTTP 400 on that field)."""
-
-    param = "data_parallel_rank"
-
-
-def check_data_parallel_rank(value, dp_size: int) -> int | None:
-    """`value` as a rank of an instance of `dp_size` ranks (None: the instance chooses)."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < dp_size:
-        raise InvalidDataParallelRank(
-            f"data_parallel_rank={value!r} is not a rank of this instance: it serves data_parallel_size="
-            f"{dp_size} rank(s), 0 to {dp_size - 1}; leave it out to let the instance choose", 0)
-    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,10 +200,14 @@ class DataParallelClient:
         return self.error is None and self._drain_deadline is None and not self._closing \
             and self._pump_thread.is_alive()
 
+    @property
+    def num_live(self) -> int:
+        """Accepted requests that have not finished on any rank (what a drain waits for)."""
+        with self._lock:
+            return len(self._live)
+
     def loads(self) -> list[dict]:
-        """One dict per data-parallel rank, as its last report had it: dp_rank, num_running_reqs,
-        num_waiting_reqs, num_used_tokens, max_total_num_tokens, token_usage, cached_tokens_total,
-        prompt_tokens_total."""
+        """One dict per data-parallel rank, as its last report had it (metrics.engine_load)."""
         return [dict(load) for load in self._loads[:self.dp_size]]
 
     def num_waiting(self) -> int:
@@ -249,6 +237,7 @@ class DataParallelClient:
             if waiting + len(prompts) > self.max_waiting_requests:
                 raise QueueFull(f"{waiting} requests are waiting for the engine (limit "
                                 f"--max-waiting-requests={self.max_waiting_requests}); retry later")
+            check_request_ids_free(request_ids, self._live)
             rank = pinned if pinned is not None else self._choose(keys[0])
             for i, ((ids, *_), rid, k) in enumerate(zip(prompts, request_ids, keys)):
                 owed = len(ids) - min(self.balancer.hit_tokens(rank, k), len(ids) - 1)

@@ -3,7 +3,8 @@
 Request-level series (finish reasons, token counts, latency histograms) are updated by the
 engine thread as it publishes outputs; engine state (running/waiting, cache pages, prefix
 cache, DSpark acceptance) is a snapshot the same thread takes after every step, so a scrape
-never reads the engine while it changes. Each server has its own registry.
+never reads the engine while it changes. Each server has its own registry. A few gauges are
+repeated under the names routers read (SGLang's and vLLM's, _router_aliases).
 """
 
 from __future__ import annotations
@@ -80,6 +81,22 @@ def engine_snapshot(engine, num_waiting: int) -> dict:
     }
 
 
+def engine_load(engine, dp_rank: int, num_waiting: int, prompt_tokens_total: int) -> dict:
+    """One data-parallel rank's load as SGLang's /v1/loads reports it (its `core` fields), read by the
+    thread that steps `engine`. Tokens are cache pages x page size: pages held by running sequences
+    count as used, idle prefix-cache pages do not (they are free to evict)."""
+    cache = engine.cache
+    idle = len(cache.prefix.idle) if cache.prefix is not None else 0
+    used = (cache.num_pages - len(cache.free_pages) - idle) * cache.page_tokens
+    total = cache.num_pages * cache.page_tokens
+    stats = engine.stats()
+    return {"dp_rank": dp_rank, "num_running_reqs": len(engine.scheduler.running), "num_waiting_reqs": num_waiting,
+            "num_used_tokens": used, "max_total_num_tokens": total, "token_usage": used / total if total else 0.0,
+            "cache_hit_rate": stats.get("prefix_cache_hit_rate", 0.0), "max_running_requests": cache.max_seqs,
+            "cached_tokens_total": int(stats.get("prefix_cache_hit_tokens", 0)),
+            "prompt_tokens_total": prompt_tokens_total}
+
+
 def combine_snapshots(snapshots: list[dict]) -> dict:
     """Several engines' snapshots as one: counts summed, the hit rate recomputed from the sums."""
     if not snapshots:
@@ -88,6 +105,21 @@ def combine_snapshots(snapshots: list[dict]) -> dict:
     queried = total["prefix_query_tokens"]
     total["prefix_hit_rate"] = total["prefix_hit_tokens"] / queried if queried else 0.0
     return total
+
+
+def _router_aliases(gauge, s: dict):
+    """The same engine state under the names routers read, and only those: smg reads SGLang's gauges
+    when a worker's /v1/loads does not answer (worker/monitor.rs); llm-d's endpoint picker (and smg's
+    vLLM path, and KEDA recipes) read vLLM's."""
+    usage = s["pages_used"] / s["pages_total"] if s["pages_total"] else 0.0
+    yield gauge("sglang:num_running_reqs", "Requests in the running batch (SGLang's name)", s["running"])
+    yield gauge("sglang:num_queue_reqs", "Accepted requests not running (SGLang's name)", s["waiting"])
+    yield gauge("sglang:token_usage", "Fraction of cache pages held by sequences (SGLang's name)", usage)
+    yield gauge("sglang:cache_hit_rate", "Prefix cache hit tokens / queried tokens (SGLang's name)",
+                s["prefix_hit_rate"])
+    yield gauge("vllm:num_requests_running", "Requests in the running batch (vLLM's name)", s["running"])
+    yield gauge("vllm:num_requests_waiting", "Accepted requests not running (vLLM's name)", s["waiting"])
+    yield gauge("vllm:kv_cache_usage_perc", "Fraction of cache pages held by sequences (vLLM's name)", usage)
 
 
 class _EngineCollector:
@@ -132,6 +164,7 @@ class _EngineCollector:
         yield counter("deepinfer:prefix_cache_hits", "Prompt tokens found in the prefix cache", s["prefix_hit_tokens"])
         yield gauge("deepinfer:prefix_cache_hit_rate", "Prefix cache hit tokens / queried tokens since start",
                     s["prefix_hit_rate"])
+        yield from _router_aliases(gauge, s)
         yield counter("deepinfer:spec_decode_num_draft_tokens", "DSpark draft tokens verified", s["spec_verified"])
         yield counter("deepinfer:spec_decode_num_accepted_tokens", "DSpark draft tokens accepted", s["spec_accepted"])
         yield gauge("deepinfer:spec_decode_acceptance_rate", "DSpark accepted / verified draft tokens since start",

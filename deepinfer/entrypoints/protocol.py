@@ -55,6 +55,8 @@ class _Sampling(_Request):
     allowed_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # the data-parallel rank to run on (SGLang's field; smg --dp-aware adds it); none: the instance chooses
+    data_parallel_rank: int | None = None
     # accepted and ignored: they steer OpenAI's service, not the model
     user: str | None = None
     store: bool | None = None
@@ -273,7 +275,10 @@ class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
-    owned_by: str = "deepinfer"
+    # "sglang": smg reads owned_by to pick a worker's protocol, and deepinfer speaks SGLang's worker
+    # contract (/server_info, /v1/loads, /generate, its PD bootstrap fields); "vllm" would make smg skip
+    # /server_info and /v1/loads, anything else registers the worker as a generic OpenAI backend
+    owned_by: str = "sglang"
     root: str | None = None
     max_model_len: int | None = None
 

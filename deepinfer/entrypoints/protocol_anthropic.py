@@ -56,6 +56,7 @@ class MessagesRequest(BaseModel):
     seed: int | None = None
     so_args: dict | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    data_parallel_rank: int | None = None  # the rank to run on (smg --dp-aware adds it)
 
 
 class CountTokensRequest(BaseModel):
@@ -71,3 +72,4 @@ class CountTokensRequest(BaseModel):
     thinking: dict[str, Any] | None = None
     output_config: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    data_parallel_rank: int | None = None  # smg --dp-aware adds it to every body; counting runs on no rank

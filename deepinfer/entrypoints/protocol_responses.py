@@ -67,3 +67,4 @@ class ResponsesRequest(_Request):
     seed: int | None = None
     so_args: dict | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    data_parallel_rank: int | None = None  # the rank to run on (smg --dp-aware adds it)

@@ -1,11 +1,19 @@
 """What the completion and chat handlers share: the server's state, OpenAI-shaped errors,
 request fields -> SamplingParams, queueing into the engine, server-sent events, and racing a
-handler against the client's disconnect (an abandoned request is aborted at once)."""
+handler against the client's disconnect (an abandoned request is aborted at once).
+
+Request ids: the HTTP layer (api_server.Guard) puts each request's id - the client's
+`X-Request-Id`, else a fresh one - in REQUEST_ID for the handler; the engine requests are named
+after it (`<id>`, or `<id>-<i>` for several prompts / choices), so logs, /generate's meta_info.id
+and the response header all carry the id the client or router chose."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import uuid
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import anyio
@@ -15,10 +23,13 @@ from starlette.responses import StreamingResponse
 from deepinfer.entrypoints.async_llm import AsyncLLM, EngineDead, InvalidRequest, QueueFull
 from deepinfer.entrypoints.streams import Delta, RequestGroup
 from deepinfer.entrypoints.chat import ChatFormat
-from deepinfer.entrypoints.protocol import random_id
 from deepinfer.sampling_params import SamplingParams
 
 _UINT64 = 1 << 64
+logger = logging.getLogger("deepinfer.server")
+
+# the id of the HTTP request being handled (set by api_server.Guard for every request)
+REQUEST_ID: ContextVar[str] = ContextVar("deepinfer_request_id", default="")
 
 
 class APIError(Exception):
@@ -75,18 +86,26 @@ def make_params(body, n: int, *, max_tokens: int, max_tokens_field: str, top_log
     return out
 
 
+def engine_request_ids(n: int) -> list[str]:
+    """The engine request ids of an HTTP request with `n` prompts x choices, named after its id."""
+    base = REQUEST_ID.get() or uuid.uuid4().hex  # set for every HTTP request; a fresh one otherwise
+    return [base] if n == 1 else [f"{base}-{i}" for i in range(n)]
+
+
 async def submit(state: ServerState, items: list[tuple], prompt_field: str, arrival: float,
-                 max_tokens_field: str, so_field: str) -> RequestGroup:
-    """Queue every prompt x choice, mapping the engine's refusals to HTTP errors."""
-    base = random_id("req")
-    ids = [f"{base}-{i}" for i in range(len(items))]
+                 max_tokens_field: str, so_field: str, data_parallel_rank: int | None = None) -> RequestGroup:
+    """Queue every prompt x choice (on `data_parallel_rank` when given), mapping the engine's refusals
+    to HTTP errors."""
+    ids = engine_request_ids(len(items))
+    logger.debug("request %s: %d engine request(s), data_parallel_rank=%s", REQUEST_ID.get(), len(ids),
+                 data_parallel_rank)
     try:
-        return await state.engine.add(items, arrival, ids)
+        return await state.engine.add(items, arrival, ids, data_parallel_rank=data_parallel_rank)
     except InvalidRequest as exc:
         text = str(exc)
         first = text.split(" ", 1)[0]
-        param = first if first in VLLM_FIELDS else max_tokens_field if "max_tokens" in text else \
-            so_field if "so_args" in text else prompt_field
+        param = exc.param or (first if first in VLLM_FIELDS else max_tokens_field if "max_tokens" in text else
+                              so_field if "so_args" in text else prompt_field)
         raise APIError(400, text, param) from None
     except QueueFull as exc:
         raise APIError(503, str(exc), None, "queue_full", "server_error") from None

@@ -16,9 +16,9 @@ from deepinfer.entrypoints.chat import ChatDelta, ChatFormatError
 from deepinfer.entrypoints.chat_images import place_images
 from deepinfer.entrypoints.protocol import AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, \
     ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, DeltaMessage, FunctionCall, TokenLogprob, \
-    ToolCallDelta, ToolCallOut, TopLogprob, UsageInfo, random_id
-from deepinfer.entrypoints.serving import APIError, EventStream, ServerState, collect, event_stream, make_params, \
-    sse, sse_error, submit, unless_disconnected
+    ToolCallDelta, ToolCallOut, TopLogprob, UsageInfo
+from deepinfer.entrypoints.serving import REQUEST_ID, APIError, EventStream, ServerState, collect, event_stream, \
+    make_params, sse, sse_error, submit, unless_disconnected
 
 
 def _so_args(body: ChatCompletionRequest) -> tuple[dict | None, str]:
@@ -121,9 +121,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     params = make_params(body, body.n, max_tokens=max_tokens, max_tokens_field=max_field,
                          top_logprobs=max(k, 1) if body.logprobs else 0, so_args=so_args, so_field=so_field,
                          logprobs_field="top_logprobs")
-    group = await submit(state, [(ids, p, None, mm_items) for p in params], "messages", arrival, max_field, so_field)
+    group = await submit(state, [(ids, p, None, mm_items) for p in params], "messages", arrival, max_field, so_field,
+                         body.data_parallel_rank)
     parsers = [fmt.parser(prompt, tools is not None) for _ in params]
-    rid = random_id("chatcmpl")
+    rid = f"chatcmpl-{REQUEST_ID.get()}"
     if body.stream:
         return EventStream(event_stream(state, group, _stream(body, state, group, rid, parsers, len(ids), k, so_field)))
     results = await unless_disconnected(request, collect(state, group, so_field))

@@ -10,9 +10,9 @@ from fastapi.responses import JSONResponse
 
 from deepinfer.core.tokenizer import Tokenizer
 from deepinfer.entrypoints.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, \
-    CompletionResponse, UsageInfo, random_id
-from deepinfer.entrypoints.serving import APIError, EventStream, ServerState, collect, event_stream, make_params, \
-    sse, sse_error, submit, unless_disconnected
+    CompletionResponse, UsageInfo
+from deepinfer.entrypoints.serving import REQUEST_ID, APIError, EventStream, ServerState, collect, event_stream, \
+    make_params, sse, sse_error, submit, unless_disconnected
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 
@@ -75,8 +75,8 @@ async def create_completion(body: CompletionRequest, request: Request, state: Se
                          top_logprobs=0 if k is None else max(k, 1),
                          prompt_logprobs=k if k is not None and body.echo else None, so_args=body.so_args)
     items = [(ids, p, text) for ids, text in prompts for p in params]
-    group = await submit(state, items, "prompt", arrival, "max_tokens", "so_args")
-    rid = random_id("cmpl")
+    group = await submit(state, items, "prompt", arrival, "max_tokens", "so_args", body.data_parallel_rank)
+    rid = f"cmpl-{REQUEST_ID.get()}"
     writers = [LogprobWriter(tokenizer, k) if k is not None else None for _ in items]
     if body.stream:
         return EventStream(event_stream(state, group, _stream(body, state, group, rid, items, writers)))

@@ -224,7 +224,7 @@ def turn_request(body, state: ServerState) -> TurnRequest:
     messages, sources = conversation(body)
     tools, forced, name = _tools(body)
     return TurnRequest(messages, sources, "messages", tools=tools, forced=forced, forced_name=name,
-                       options=_options(body, state),
+                       options=_options(body, state), data_parallel_rank=body.data_parallel_rank,
                        fields={"seq_seed": "seed", "thinking": "thinking", "reasoning_effort": "output_config.effort",
                                "chat_template_kwargs": "chat_template_kwargs"})
 

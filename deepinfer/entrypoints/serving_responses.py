@@ -204,6 +204,7 @@ def turn_request(body: ResponsesRequest, state: ServerState) -> TurnRequest:
                 "top_p": 1.0 if body.top_p is None else body.top_p, "top_k": body.top_k, "seq_seed": body.seed}
     return TurnRequest(messages, sources, "input", tools=tools, forced=forced, forced_name=name, options=options,
                        sampling=sampling, max_tokens=body.max_output_tokens, so_args=so_args,
+                       data_parallel_rank=body.data_parallel_rank,
                        fields={"messages": "input", "max_tokens": "max_output_tokens", "seq_seed": "seed",
                                "so_args": so_field, "reasoning_effort": "reasoning.effort"})
 

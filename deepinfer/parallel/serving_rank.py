@@ -24,7 +24,7 @@ import traceback
 from dataclasses import dataclass
 
 from deepinfer.core.request import Request, Status
-from deepinfer.entrypoints.metrics import engine_snapshot
+from deepinfer.entrypoints.metrics import engine_load, engine_snapshot
 from deepinfer.entrypoints.streams import next_delta
 from deepinfer.parallel import group
 from deepinfer.parallel.executor import _driver_lost, join_group
@@ -135,17 +135,8 @@ class RankLoop:
         return sum(c.req.status is Status.WAITING for c in self.live.values())
 
     def load(self) -> dict:
-        """This rank's load as SGLang's /v1/loads reports it per DP rank; tokens are cache pages
-        x page size (pages held by running sequences; idle prefix-cache pages do not count)."""
-        cache = self.engine.cache
-        idle = len(cache.prefix.idle) if cache.prefix is not None else 0
-        used = (cache.num_pages - len(cache.free_pages) - idle) * cache.page_tokens
-        total = cache.num_pages * cache.page_tokens
-        return {"dp_rank": self.dp_rank, "num_running_reqs": len(self.engine.scheduler.running),
-                "num_waiting_reqs": self.num_waiting(), "num_used_tokens": used, "max_total_num_tokens": total,
-                "token_usage": used / total if total else 0.0,
-                "cached_tokens_total": int(self.engine.stats().get("prefix_cache_hit_tokens", 0)),
-                "prompt_tokens_total": self.prompt_tokens_total}
+        """This rank's load as SGLang's /v1/loads reports it per DP rank (metrics.engine_load)."""
+        return engine_load(self.engine, self.dp_rank, self.num_waiting(), self.prompt_tokens_total)
 
     def _publish(self) -> None:
         self.engine.pop_finished()

@@ -16,7 +16,7 @@ import time
 import urllib.error
 import urllib.request
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pytest
 
@@ -29,6 +29,7 @@ class Server:
     url: str  # http://127.0.0.1:PORT
     proc: subprocess.Popen
     log_path: str
+    starting: set = field(default_factory=set)  # (status, error code) /health answered before it was ready
 
     @property
     def base_url(self) -> str:
@@ -109,15 +110,23 @@ def running_server(*args: str, env: dict | None = None, startup_timeout: float =
             if proc.poll() is not None:
                 raise AssertionError(f"the server exited with {proc.returncode}:\n{server.log()}")
             try:
-                return http(server.url + "/health", timeout=2)[0] == 200
+                status, raw = http(server.url + "/health", timeout=2)
             except OSError:
                 return False
+            if status != 200:
+                server.starting.add((status, json.loads(raw).get("error", {}).get("code")))
+            return status == 200
         wait_until(up, startup_timeout, "the server to answer /health", interval=0.2)
         yield server
     finally:
-        stop(proc)
-        log.close()
-        os.unlink(log.name)
+        stop_process(proc, log, 30)
+
+
+def stop_process(proc: subprocess.Popen, log, grace: float) -> None:
+    """stop(), then remove the child's log file."""
+    stop(proc, grace)
+    log.close()
+    os.unlink(log.name)
 
 
 def stop(proc: subprocess.Popen, grace: float = 30) -> None:

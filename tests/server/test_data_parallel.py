@@ -1,7 +1,8 @@
 """Data parallelism inside one instance (`deepinfer serve --data-parallel-size 2`, gloo): greedy
 outputs equal one process's, concurrent requests spread over both ranks, `data_parallel_rank` pins
 a request, a prompt goes where its prefix is cached, and a rank that dies fails its requests,
-turns /health unhealthy and leaves no process or rendezvous dir behind.
+turns /health unhealthy and leaves no process or rendezvous dir behind; behind smg --dp-aware
+each rank is a worker of its own and requests are pinned to ranks.
 
 The balancer tests run without processes; the client tests drive a DataParallelClient in this
 process (its loads() show where each request went); the fault test runs a real server."""
@@ -9,6 +10,7 @@ process (its loads() show where each request went); the fault test runs a real s
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -16,7 +18,8 @@ import time
 
 import pytest
 
-from conftest import running_server, wait_until
+from conftest import http, running_server, wait_until
+from fleet import running_smg
 from deepinfer import SamplingParams
 from deepinfer.llm import TINY_DSV4_DIR
 
@@ -64,7 +67,7 @@ def test_balancer_forgets_the_least_recently_sent_pages_beyond_the_rank_cache():
 
 def test_out_of_range_data_parallel_rank_is_refused_naming_the_field():
     from deepinfer.entrypoints.async_llm import InvalidRequest
-    from deepinfer.entrypoints.dp_client import check_data_parallel_rank
+    from deepinfer.entrypoints.async_llm import check_data_parallel_rank
 
     assert check_data_parallel_rank(None, 2) is None and check_data_parallel_rank(1, 2) == 1
     for bad in (2, -1, True, "0", 1.0):
@@ -153,7 +156,7 @@ def test_a_prompt_goes_to_the_rank_that_holds_its_prefix(dp_client):
 
 
 def test_client_refuses_a_rank_it_does_not_have(dp_client):
-    from deepinfer.entrypoints.dp_client import InvalidDataParallelRank
+    from deepinfer.entrypoints.async_llm import InvalidDataParallelRank
 
     with pytest.raises(InvalidDataParallelRank, match="data_parallel_rank=2"):
         asyncio.run(_run(dp_client, PROMPTS[1], "bad-rank", rank=2))
@@ -189,6 +192,27 @@ def _gone(pid: int) -> bool:
         return True
 
 
+def _smg_pins_requests_to_ranks(server) -> None:
+    """smg --dp-aware reads dp_size from /server_info, lists one worker per rank and adds
+    data_parallel_rank to each body: round-robin over the ranks puts two of four requests on each
+    (unpinned, this idle instance would send every one of these short prompts to rank 0)."""
+    def prompt_tokens():
+        return [r["prompt_tokens_total"] for r in json.loads(server.get("/server_info")[1])["internal_states"]]
+
+    with running_smg([server.url], "round_robin", "--dp-aware") as router:
+        assert sorted(w["url"] for w in router.workers()) == [f"{server.url}@0", f"{server.url}@1"]
+        before = prompt_tokens()
+        with router.client() as client:
+            for prompt in ("a = 1", "b = 2", "c = 3", "d = 4"):
+                client.completions.create(model="tiny-dsv4", prompt=prompt, max_tokens=2, temperature=0)
+        status, out = http(router.url + "/generate", json.dumps({"text": "e = 5", "sampling_params": {
+            "max_new_tokens": 2}}).encode(), {"content-type": "application/json"})
+        assert status == 200 and out and json.loads(out)["meta_info"]["completion_tokens"] == 2
+    grown = [a - b for a, b in zip(prompt_tokens(), before)]
+    # five 4-token prompts (BOS + 3), two of the four completions on each rank
+    assert sum(grown) == 5 * 4 and min(grown) >= 2 * 4, grown
+
+
 @pytest.mark.slow
 def test_killed_rank_fails_its_request_and_the_instance_turns_unhealthy(tmp_path):
     import openai
@@ -201,6 +225,7 @@ def test_killed_rank_fails_its_request_and_the_instance_turns_unhealthy(tmp_path
         with server.client() as client:
             ok = client.completions.create(model="tiny-dsv4", prompt="def fib(n):", max_tokens=4, temperature=0)
             assert ok.choices[0].finish_reason == "length"
+            _smg_pins_requests_to_ranks(server)
             # an idle instance sends a new prompt to rank 0 (lowest on ties): kill it mid-stream
             stream = client.completions.create(model="tiny-dsv4", prompt="Once upon a time", max_tokens=4000,
                                                temperature=0, stream=True, extra_body={"ignore_eos": True})

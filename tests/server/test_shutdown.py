@@ -1,5 +1,6 @@
-"""SIGTERM: the server stops accepting, a request that can finish within --shutdown-timeout
-finishes, one that cannot is aborted (its stream still ends properly), then the process exits."""
+"""SIGTERM: the server takes no new request (503, and /health 503: test_router.py checks a router
+sends them elsewhere), a request that can finish within --shutdown-timeout finishes, one that cannot
+is aborted (its stream still ends properly), then the process exits."""
 
 from __future__ import annotations
 
