@@ -169,13 +169,15 @@ def _check_upstream(model, upstream: Path, n_prompts: int = 2, new_tokens: int =
 
 # ------------------------------------------------------------------------------ llama.cpp
 
-def build_llama_cpp(version: str, cache: Path) -> dict[str, Path]:
-    """llama.cpp from the llama-cpp-python `version` sdist, built for this CPU, reused when built."""
+def build_llama_cpp(version: str, cache: Path, server: bool = False) -> dict[str, Path]:
+    """llama.cpp from the llama-cpp-python `version` sdist, built for this CPU, reused when built;
+    `server` adds llama-server (benchmarks/serve.py --peer llama-server) to the same build."""
     src = cache / f"llama_cpp_python-{version}"
     build = cache / f"build-{version}"
     paths = dict(src=src, cpp=src / "vendor" / "llama.cpp", lib=build / "bin",
-                 bench=build / "bin" / "llama-batched-bench")
-    if paths["bench"].exists() and (paths["lib"] / "libllama.so").exists():
+                 bench=build / "bin" / "llama-batched-bench", server=build / "bin" / "llama-server")
+    targets = ["llama", "llama-batched-bench"] + (["llama-server"] if server else [])
+    if all((paths["lib"] / target).exists() for target in targets[1:]) and (paths["lib"] / "libllama.so").exists():
         return paths
     cache.mkdir(parents=True, exist_ok=True)
     if not src.exists():
@@ -184,11 +186,13 @@ def build_llama_cpp(version: str, cache: Path) -> dict[str, Path]:
         with tarfile.open(cache / f"llama_cpp_python-{version}.tar.gz") as tar:
             tar.extractall(cache, filter="data")
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+    # The server's targets are configured always (only --target decides what is compiled); its web UI
+    # is left out, which would otherwise be fetched from the hub at build time.
     subprocess.run(["cmake", "-S", str(paths["cpp"]), "-B", str(build), *generator, "-DCMAKE_BUILD_TYPE=Release",
                     "-DBUILD_SHARED_LIBS=ON", "-DGGML_NATIVE=ON", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
-                    "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_APP=OFF"], check=True)
-    subprocess.run(["cmake", "--build", str(build), "--target", "llama", "llama-batched-bench",
-                    "-j", str(os.cpu_count() or 1)], check=True)
+                    "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_UI=OFF",
+                    "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_APP=OFF"], check=True)
+    subprocess.run(["cmake", "--build", str(build), "--target", *targets, "-j", str(os.cpu_count() or 1)], check=True)
     return paths
 
 
