@@ -399,6 +399,14 @@ def print_table(result: dict) -> None:
             print(f"| {row['batch']} | {name} | {m['tok_s']:.1f} | {equal} | {ratio} | {m['load_after'][0]:.2f} |")
 
 
+def in_work_dir(run, args, prefix: str) -> dict:
+    """run(args, work): in --work-dir when given, else in a temporary directory removed afterwards."""
+    if args.work_dir:
+        return run(args, Path(args.work_dir))
+    with tempfile.TemporaryDirectory(prefix=prefix) as work:
+        return run(args, Path(work))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=sorted(MODELS), required=True)
@@ -422,11 +430,7 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown engines {sorted(unknown)}; choose from {ENGINES}")
     os.environ["DEEPINFER_CPU_THREADS"] = str(args.threads)  # deepinfer's intra-op threads, as the others get
-    if args.work_dir:
-        result = run(args, Path(args.work_dir))
-    else:
-        with tempfile.TemporaryDirectory(prefix="deepinfer_peers_") as work:
-            result = run(args, Path(work))
+    result = in_work_dir(run, args, "deepinfer_peers_")
     print_table(result)
     path = Path(args.json or REPO / "benchmarks" / "results" / f"peers_{args.model}.json")
     path.parent.mkdir(parents=True, exist_ok=True)

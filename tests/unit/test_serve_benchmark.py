@@ -92,7 +92,7 @@ def test_fake_run_writes_the_comparison_and_the_goal(tmp_path, capsys):
     greedy = deep["greedy_vs_llama-server"]
     assert greedy["equal"] == 63 and greedy["first_differences"][0]["piece"] == 5
     goal = serve_peer.goal(rows, args.engine_list)
-    assert goal["throughput_c32"] == dict(ratio=pytest.approx(2.0), met=True)
+    assert goal["throughput_c32"] == dict(ratio=pytest.approx(2.0), met=True, against="llama-server")
     assert goal["itl_p50_c1_deepinfer"]["met"] is False  # 20 ms gaps against 10 ms
     serve_peer.print_table(dict(model="v4", prompt_len=4, max_tokens=8, request_rate="inf", threads=2,
                                 copy_bandwidth_GBps=10.0, engines=args.engine_list, rows=rows, goal=goal))
