@@ -137,7 +137,8 @@ async def drive(base_url: str, model: str, prompts, max_tokens: int, rate: float
         async with limit:
             return await _one(client, model, prompt, max_tokens)
 
-    async with openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=600) as client:
+    # the client's default retries: a server may close an idle kept-alive connection as it is reused
+    async with openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=2, timeout=600) as client:
         await asyncio.gather(*(_one(client, model, p, 4) for p in (warmup or prompts[:1])))
         tasks = []
         start = time.perf_counter()
@@ -223,7 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--base-url", default=None, help="a running server (default: start one for the run)")
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--rates", default="1,4,16,inf", help="requests per second; inf = all at once")
-    parser.add_argument("--num-prompts", type=int, default=32, help="requests per rate (--peer: per concurrency level C, at least 2C)")
+    parser.add_argument("--num-prompts", type=int, default=32,
+                        help="requests per rate (--peer: per concurrency level C, at least 2C)")
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--max-num-seqs", type=int, default=64)

@@ -50,7 +50,6 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -171,7 +170,8 @@ def step_bytes(model_dir: Path, batch: int) -> float:
     return other + routed * distinct / n
 
 
-def run_level(engine: str, level: int, prompts, warmup, args, model_dir: Path, llama, gguf) -> tuple[dict, list]:
+def run_level(engine: str, level: int, prompts, warmup, args, work: Path, model_dir: Path, llama,
+              gguf) -> tuple[dict, list]:
     """One engine at one concurrency level: a fresh server, the warm-up, the requests, the server
     stopped. -> (summary, drive()'s records)."""
     port = free_port()
@@ -183,7 +183,7 @@ def run_level(engine: str, level: int, prompts, warmup, args, model_dir: Path, l
     else:
         env.update(DEEPINFER_ENV[engine])
         cmd = deepinfer_command(model_dir, port, level)
-    with tempfile.TemporaryFile("w+") as log:
+    with open(work / f"{engine}-c{level}.log", "w") as log:  # the server's own log, kept with the model
         started = time.perf_counter()
         proc = start_process(cmd, port, env, log)
         try:
@@ -197,7 +197,8 @@ def run_level(engine: str, level: int, prompts, warmup, args, model_dir: Path, l
             stop_process(proc)
     summary = summarize(records, seconds)
     summary.update(cpu_ms_per_token=cpu * 1e3 / summary["output_tokens"], startup_s=startup, load_before=load_before,
-                   load_after=os.getloadavg(), command=" ".join(Path(c).name if i == 0 else c for i, c in enumerate(cmd)),
+                   load_after=os.getloadavg(),
+                   command=" ".join(Path(c).name if i == 0 else c for i, c in enumerate(cmd)),
                    env={k: env[k] for k in ["DEEPINFER_CPU_THREADS", *DEEPINFER_ENV.get(engine, {})]}
                    if engine not in LLAMA_THREADS else {})
     if any(r["tokens"] != args.max_tokens for r in records):
@@ -240,7 +241,7 @@ def run(args, work: Path) -> dict:
     warmup, prompts = level_prompts(config["vocab_size"], args.levels, args.num_prompts, args.prompt_len)
     bandwidth = copy_bandwidth()
     rows = measure(args, prompts, lambda engine, level: run_level(engine, level, prompts[level], warmup, args,
-                                                                   model_dir, llama, gguf))
+                                                                   work, model_dir, llama, gguf))
     for row in rows:
         step = step_bytes(model_dir, row["concurrency"])
         row["roofline"] = dict(weight_bytes_per_step=step, step_floor_ms=step / bandwidth * 1e3,
@@ -298,8 +299,8 @@ def print_table(result: dict) -> None:
                   f"{same} | {m['load_after'][0]:.1f} |")
         r = row.get("roofline")
         if r is not None:
-                print(f"| {row['concurrency']} | roofline | {r['tok_s']:.0f} | | {r['step_floor_ms']:.2f} (a step) | | | | | "
-                      "| |")
+                print(f"| {row['concurrency']} | roofline | {r['tok_s']:.0f} | | {r['step_floor_ms']:.2f} (a step) "
+                      "| | | | | | |")
     for key, g in (result["goal"] or {}).items():
         print(f"goal {key}: {g['ratio']:.2f}x {g['against']} -> {'met' if g['met'] else 'NOT met'}")
 
