@@ -325,7 +325,8 @@ def plot(result: dict, path: str) -> None:
         ax.set_xlabel("concurrency")
         ax.set_title(title)
         ax.legend()
-    fig.suptitle(f"deepinfer serve vs llama-server, {result['model']}, {result['threads']} threads each")
+    fig.suptitle(f"deepinfer serve vs llama-server, {result['model']}, {result['threads']} threads each "
+                 "(llama-server-1-thread: 1)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"plot: {path}")
