@@ -169,13 +169,15 @@ def _check_upstream(model, upstream: Path, n_prompts: int = 2, new_tokens: int =
 
 # ------------------------------------------------------------------------------ llama.cpp
 
-def build_llama_cpp(version: str, cache: Path) -> dict[str, Path]:
-    """llama.cpp from the llama-cpp-python `version` sdist, built for this CPU, reused when built."""
+def build_llama_cpp(version: str, cache: Path, server: bool = False) -> dict[str, Path]:
+    """llama.cpp from the llama-cpp-python `version` sdist, built for this CPU, reused when built;
+    `server` adds llama-server (benchmarks/serve.py --peer llama-server) to the same build."""
     src = cache / f"llama_cpp_python-{version}"
     build = cache / f"build-{version}"
     paths = dict(src=src, cpp=src / "vendor" / "llama.cpp", lib=build / "bin",
-                 bench=build / "bin" / "llama-batched-bench")
-    if paths["bench"].exists() and (paths["lib"] / "libllama.so").exists():
+                 bench=build / "bin" / "llama-batched-bench", server=build / "bin" / "llama-server")
+    targets = ["llama", "llama-batched-bench"] + (["llama-server"] if server else [])
+    if all((paths["lib"] / target).exists() for target in targets[1:]) and (paths["lib"] / "libllama.so").exists():
         return paths
     cache.mkdir(parents=True, exist_ok=True)
     if not src.exists():
@@ -184,11 +186,13 @@ def build_llama_cpp(version: str, cache: Path) -> dict[str, Path]:
         with tarfile.open(cache / f"llama_cpp_python-{version}.tar.gz") as tar:
             tar.extractall(cache, filter="data")
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+    # The server's targets are configured always (only --target decides what is compiled); its web UI
+    # is left out, which would otherwise be fetched from the hub at build time.
     subprocess.run(["cmake", "-S", str(paths["cpp"]), "-B", str(build), *generator, "-DCMAKE_BUILD_TYPE=Release",
                     "-DBUILD_SHARED_LIBS=ON", "-DGGML_NATIVE=ON", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
-                    "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_APP=OFF"], check=True)
-    subprocess.run(["cmake", "--build", str(build), "--target", "llama", "llama-batched-bench",
-                    "-j", str(os.cpu_count() or 1)], check=True)
+                    "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_UI=OFF",
+                    "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_APP=OFF"], check=True)
+    subprocess.run(["cmake", "--build", str(build), "--target", *targets, "-j", str(os.cpu_count() or 1)], check=True)
     return paths
 
 
@@ -395,6 +399,14 @@ def print_table(result: dict) -> None:
             print(f"| {row['batch']} | {name} | {m['tok_s']:.1f} | {equal} | {ratio} | {m['load_after'][0]:.2f} |")
 
 
+def in_work_dir(run, args, prefix: str) -> dict:
+    """run(args, work): in --work-dir when given, else in a temporary directory removed afterwards."""
+    if args.work_dir:
+        return run(args, Path(args.work_dir))
+    with tempfile.TemporaryDirectory(prefix=prefix) as work:
+        return run(args, Path(work))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=sorted(MODELS), required=True)
@@ -418,11 +430,7 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown engines {sorted(unknown)}; choose from {ENGINES}")
     os.environ["DEEPINFER_CPU_THREADS"] = str(args.threads)  # deepinfer's intra-op threads, as the others get
-    if args.work_dir:
-        result = run(args, Path(args.work_dir))
-    else:
-        with tempfile.TemporaryDirectory(prefix="deepinfer_peers_") as work:
-            result = run(args, Path(work))
+    result = in_work_dir(run, args, "deepinfer_peers_")
     print_table(result)
     path = Path(args.json or REPO / "benchmarks" / "results" / f"peers_{args.model}.json")
     path.parent.mkdir(parents=True, exist_ok=True)

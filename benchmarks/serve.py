@@ -6,6 +6,7 @@ when matplotlib is installed, a plot of latency against rate.
     python benchmarks/serve.py                              # starts a server on tiny-dsv4
     python benchmarks/serve.py --rates 2,8,inf --num-prompts 64
     python benchmarks/serve.py --base-url http://127.0.0.1:8000 --served-model-name tiny-dsv4
+    python benchmarks/serve.py --peer llama-server          # against llama.cpp's server: benchmarks/serve_peer.py
 
 Every request: a random-token prompt, greedy, `ignore_eos`, exactly --max-tokens new tokens.
 TTFT is measured at the client (request sent -> first streamed text), TPOT over the rest of the
@@ -42,10 +43,13 @@ def _percentile(values: list[float], q: float) -> float:
     return values[lo] + (values[hi] - values[lo]) * (k - lo)
 
 
-def _summary(ttft, tpot, e2e, tokens: int, seconds: float, n: int) -> dict:
-    return dict(requests=n, output_tokens=tokens, seconds=seconds, tok_s=tokens / seconds, req_s=n / seconds,
-                ttft_p50=_percentile(ttft, 0.5), ttft_p99=_percentile(ttft, 0.99),
-                tpot_p50=_percentile(tpot, 0.5), tpot_p99=_percentile(tpot, 0.99), e2e_p50=_percentile(e2e, 0.5))
+def _summary(ttft, tpot, e2e, tokens: int, seconds: float, n: int, itl=None) -> dict:
+    out = dict(requests=n, output_tokens=tokens, seconds=seconds, tok_s=tokens / seconds, req_s=n / seconds,
+               ttft_p50=_percentile(ttft, 0.5), ttft_p99=_percentile(ttft, 0.99),
+               tpot_p50=_percentile(tpot, 0.5), tpot_p99=_percentile(tpot, 0.99), e2e_p50=_percentile(e2e, 0.5))
+    if itl is not None:
+        out.update(itl_p50=_percentile(itl, 0.5), itl_p99=_percentile(itl, 0.99))
+    return out
 
 
 def _cpu_seconds(pid: int) -> float | None:
@@ -57,60 +61,112 @@ def _cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _start_server(model: str, port: int, max_num_seqs: int) -> subprocess.Popen:
+def _start_server(model: str, port: int, max_num_seqs: int, env: dict | None = None) -> subprocess.Popen:
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen([sys.executable, "-m", "deepinfer", "serve", "--model", model, "--port", str(port),
-                             "--max-num-seqs", str(max_num_seqs), "--log-level", "warning"],
-                            env=env, start_new_session=True)
+    env = {**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
+    return start_process([sys.executable, "-m", "deepinfer", "serve", "--model", model, "--port", str(port),
+                          "--max-num-seqs", str(max_num_seqs), "--log-level", "warning"], port, env)
+
+
+def start_process(cmd: list[str], port: int, env: dict | None = None, log=None) -> subprocess.Popen:
+    """Start a server process in its own session and wait until GET /health answers 200."""
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=log, stderr=log)
     deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited with {proc.returncode}")
+    try:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise SystemExit(f"{cmd[0]} exited with {proc.returncode}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return proc
+            except OSError:
+                time.sleep(0.5)  # polling for the port to open (llama-server answers 503 while loading)
+        raise SystemExit(f"{cmd[0]} did not start within 600 s")
+    except BaseException:
+        stop_process(proc)
+        raise
+
+
+def stop_process(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                if r.status == 200:
-                    return proc
-        except OSError:
-            time.sleep(0.5)  # polling for the port to open
-    proc.kill()
-    raise SystemExit("the server did not start within 600 s")
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
 
 
-async def _one(client, model: str, prompt: list[int], max_tokens: int) -> tuple[float, float | None, float, int]:
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def _one(client, model: str, prompt: list[int], max_tokens: int) -> dict:
+    """One streamed greedy completion: when it was sent, when each piece of text arrived, and the
+    completion tokens the final usage chunk counts."""
     sent = time.perf_counter()
-    first = None
+    chunks: list[tuple[float, str]] = []
     n = 0
     stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0,
                                              stream=True, stream_options={"include_usage": True},
                                              extra_body={"ignore_eos": True})
     async for chunk in stream:
-        if chunk.choices and chunk.choices[0].text and first is None:
-            first = time.perf_counter()
+        if chunk.choices and chunk.choices[0].text:
+            chunks.append((time.perf_counter(), chunk.choices[0].text))
         if chunk.usage is not None:
             n = chunk.usage.completion_tokens
-    done = time.perf_counter()
-    return sent, first, done, n
+    return dict(sent=sent, done=time.perf_counter(), tokens=n, chunks=chunks)
 
 
-async def _at_rate(base_url: str, model: str, prompts, max_tokens: int, rate: float, seed: int) -> dict:
+async def drive(base_url: str, model: str, prompts, max_tokens: int, rate: float, seed: int,
+                max_concurrency: int | None = None, warmup: list | None = None) -> tuple[list[dict], float]:
+    """Send `prompts` with Poisson arrivals at `rate` (inf: all at once), at most `max_concurrency`
+    in flight, after the `warmup` prompts (sent together, 4 tokens each); -> (each request's
+    record, seconds from the first arrival to the last completion)."""
     import openai
 
     rng = random.Random(seed)
-    async with openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=600) as client:
-        await _one(client, model, prompts[0], 4)  # warm-up
+    limit = asyncio.Semaphore(max_concurrency or len(prompts))
+
+    async def limited(prompt):
+        async with limit:
+            return await _one(client, model, prompt, max_tokens)
+
+    # the client's default retries: a server may close an idle kept-alive connection as it is reused
+    async with openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=2, timeout=600) as client:
+        await asyncio.gather(*(_one(client, model, p, 4) for p in (warmup or prompts[:1])))
         tasks = []
         start = time.perf_counter()
         for prompt in prompts:
-            tasks.append(asyncio.ensure_future(_one(client, model, prompt, max_tokens)))
+            tasks.append(asyncio.ensure_future(limited(prompt)))
             if rate != float("inf"):
                 await asyncio.sleep(rng.expovariate(rate))  # Poisson arrivals
         results = await asyncio.gather(*tasks)
-    end = max(done for _, _, done, _ in results)
-    ttft = [first - sent for sent, first, _, _ in results if first is not None]
-    tpot = [(done - first) / (n - 1) for _, first, done, n in results if first is not None and n > 1]
-    e2e = [done - sent for sent, _, done, _ in results]
-    return _summary(ttft, tpot, e2e, sum(n for *_, n in results), end - start, len(results))
+    return results, max(r["done"] for r in results) - start
+
+
+def summarize(results: list[dict], seconds: float) -> dict:
+    """Throughput and latency percentiles of drive()'s records. TTFT: sent -> first text; TPOT: the
+    rest of the stream over the tokens after the first; ITL: the gaps between consecutive pieces
+    of streamed text (vLLM's definition: a piece carrying several tokens is one gap)."""
+    streamed = [r for r in results if r["chunks"]]
+    ttft = [r["chunks"][0][0] - r["sent"] for r in streamed]
+    tpot = [(r["done"] - r["chunks"][0][0]) / (r["tokens"] - 1) for r in streamed if r["tokens"] > 1]
+    itl = [b[0] - a[0] for r in streamed for a, b in zip(r["chunks"], r["chunks"][1:])]
+    e2e = [r["done"] - r["sent"] for r in results]
+    out = _summary(ttft, tpot, e2e, sum(r["tokens"] for r in results), seconds, len(results), itl)
+    out["tokens_per_chunk"] = out["output_tokens"] / max(1, sum(len(r["chunks"]) for r in results))
+    return out
+
+
+async def _at_rate(base_url: str, model: str, prompts, max_tokens: int, rate: float, seed: int) -> dict:
+    results, seconds = await drive(base_url, model, prompts, max_tokens, rate, seed)
+    return summarize(results, seconds)
 
 
 def _offline(model: str, prompts, max_tokens: int, max_num_seqs: int) -> dict:
@@ -160,20 +216,37 @@ def _plot(rows: list[dict], offline: dict, path: str) -> None:
     print(f"plot: {path}")
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    import serve_peer  # --peer llama-server (it imports this module's client)
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="model dir (default: tiny-dsv4, the README's figures)")
     parser.add_argument("--base-url", default=None, help="a running server (default: start one for the run)")
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--rates", default="1,4,16,inf", help="requests per second; inf = all at once")
-    parser.add_argument("--num-prompts", type=int, default=32, help="requests per rate")
+    parser.add_argument("--num-prompts", type=int, default=32,
+                        help="requests per rate (--peer: per concurrency level C, at least 2C)")
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", default="benchmarks/results/serve.json")
-    parser.add_argument("--plot", default="benchmarks/results/serve.png")
+    parser.add_argument("--json", default=None, help="default: benchmarks/results/serve.json "
+                                                     "(--peer: serve_vs_llama_server.json)")
+    parser.add_argument("--plot", default=None, help="default: the JSON's path with .png; '' for none")
+    serve_peer.add_arguments(parser)
+    return parser
+
+
+def main() -> None:
+    import serve_peer
+
+    parser = build_parser()
     args = parser.parse_args()
+    if args.peer:
+        serve_peer.check_arguments(parser, args)
+        return serve_peer.main(args)
+    args.json = args.json or "benchmarks/results/serve.json"
+    args.plot = "benchmarks/results/serve.png" if args.plot is None else args.plot
     from deepinfer.llm import TINY_DSV4_DIR
 
     model = args.model or TINY_DSV4_DIR
@@ -186,11 +259,7 @@ def main() -> None:
     proc = None
     base_url = args.base_url
     if base_url is None:
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         proc = _start_server(model, port, args.max_num_seqs)
         base_url = f"http://127.0.0.1:{port}"
     rows = []
@@ -204,8 +273,7 @@ def main() -> None:
             rows.append(dict(rate="inf" if rate == float("inf") else rate, **row))
     finally:
         if proc is not None:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(60)
+            stop_process(proc)
     offline = _offline(model, prompts, args.max_tokens, args.max_num_seqs)
     load = os.getloadavg()[0]  # this benchmark's numbers move with whatever else the machine runs
     print(f"model: {shown}  {args.num_prompts} requests per rate, prompt {args.prompt_len} random tokens, "
