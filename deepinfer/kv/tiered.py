@@ -36,6 +36,7 @@ logger = logging.getLogger("deepinfer")
 
 _WRITE_QUEUE = 256  # batches waiting for the writer; beyond it write-backs are dropped (counted)
 _WRITTEN_MEMO = 1 << 20  # keys remembered as written, not re-queued
+_DOWN_SECONDS = 10.0  # after a failed read, lookups skip the store this long (an unreachable one times out slowly)
 
 
 @dataclass(slots=True)
@@ -83,6 +84,7 @@ class TieredKVStore:
         self._written: set[bytes] = set()
         self._host_medium = "CPU"
         self._writes: queue.Queue | None = None
+        self._down_until = 0.0  # monotonic time before which the store is taken as unreachable
         self._writer = self._fetcher = None
         if store is not None:
             self._writes = queue.Queue(_WRITE_QUEUE)
@@ -194,7 +196,8 @@ class TieredKVStore:
                 self._drop_host(self.host.put(keys[loaded], payload))
             self._count_hit(tier, payload.numel())
             loaded += 1
-        if loaded < len(keys) and self._fetcher is not None and not req.store_looked_up:
+        if loaded < len(keys) and self._fetcher is not None and not req.store_looked_up \
+                and time.monotonic() >= self._down_until:
             req.store_looked_up = True  # once per request: a miss is recomputed, not looked up again
             with self._lock:
                 self.stats.l3_lookups += 1
@@ -256,6 +259,7 @@ class TieredKVStore:
         except Exception as exc:  # unreachable, I/O error: a miss
             self._warn_once("read", "kv_store: reading pages failed (%s); serving goes on without them", exc)
             records, errors = [], 1
+            self._down_until = time.monotonic() + _DOWN_SECONDS
         for key, record in zip(keys, records):
             try:
                 if record is None:  # deleted between the lookup and the read
