@@ -224,8 +224,12 @@ class TieredKVStore:
 
     def _count_hit(self, tier: str, nbytes: int) -> None:
         with self._lock:
-            setattr(self.stats, f"{tier}_hit_tokens", getattr(self.stats, f"{tier}_hit_tokens") + self.cache.page_tokens)
-            setattr(self.stats, f"{tier}_hit_bytes", getattr(self.stats, f"{tier}_hit_bytes") + nbytes)
+            if tier == "l2":
+                self.stats.l2_hit_tokens += self.cache.page_tokens
+                self.stats.l2_hit_bytes += nbytes
+            else:
+                self.stats.l3_hit_tokens += self.cache.page_tokens
+                self.stats.l3_hit_bytes += nbytes
 
     def fetching(self) -> bool:
         return bool(self._fetches)

@@ -154,7 +154,7 @@ def test_a_store_it_cannot_write_serves_on(tiny_model_dir, monkeypatch, caplog):
     stats = _kv(llm)
     assert stats["write_errors"] >= 6 and stats["written_pages"] == 0
     assert sum("writing pages failed" in r.message for r in caplog.records) == 1
-    assert outs == _run(_llm(path, monkeypatch), docs)
+    assert _same(outs, _run(_llm(path, monkeypatch), docs), tol=1e-4)
     llm.close()
 
 
