@@ -90,7 +90,8 @@ class LLM:
                  num_cache_pages: int | None = None,
                  seed: int = 0, accelerator: str | None = None, expert_parallel_size: int = 1,
                  data_parallel_size: int = 1, context_parallel_size: int = 1, num_redundant_experts: int = 0,
-                 eplb_window_size: int = 0, eplb_step_interval: int = 0, kv_events_config: str | dict | None = None):
+                 eplb_window_size: int = 0, eplb_step_interval: int = 0, kv_events_config: str | dict | None = None,
+                 kv_store: str | None = None, kv_host_cache_bytes: int = 0):
         """Parallel layouts (deepinfer/parallel): expert_parallel_size shards the routed experts
         over ranks; data_parallel_size gives each rank its own requests and cache;
         context_parallel_size splits each step's tokens (long prefills in balanced chunks) over
@@ -110,7 +111,12 @@ class LLM:
 
         kv_events_config: vLLM's KV events configuration (a JSON string or a dict, e.g.
         {"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}):
-        the prefix cache's pages are published over ZMQ for KV-aware routers (docs/kv-events.md)."""
+        the prefix cache's pages are published over ZMQ for KV-aware routers (docs/kv-events.md).
+
+        kv_store: a page store the prefix cache's pages are written back to and read from, shared by
+        replicas and restarts: "file:///dir" (local disk, NFS, a 3FS mount) or "mooncake://host:port"
+        (a Mooncake Store master). kv_host_cache_bytes: a host-memory tier between the cache pool and
+        the store (0: none). docs/kv-store.md."""
         model = os.fspath(model) if model is not None else default_model()
         self.accel = get_accelerator(accelerator)
         self.parallel = None  # deepinfer.parallel.ParallelExecutor when any parallel size exceeds 1
@@ -127,11 +133,15 @@ class LLM:
                               max_model_len=max_model_len, cache_bytes=cache_bytes,
                               gpu_memory_utilization=gpu_memory_utilization,
                               num_cache_pages=num_cache_pages, dtype=dtype, seed=seed,
-                              kv_events=KVEventsConfig.parse(kv_events_config))
+                              kv_events=KVEventsConfig.parse(kv_events_config), kv_store=kv_store,
+                              kv_host_cache_bytes=kv_host_cache_bytes)
         from deepinfer.parallel import ParallelConfig, start_parallel
 
         parallel = ParallelConfig(expert_parallel_size, data_parallel_size, context_parallel_size,
                                   num_redundant_experts, eplb_window_size, eplb_step_interval)
+        if parallel.enabled and (kv_store or kv_host_cache_bytes):
+            raise ValueError("kv_store / kv_host_cache_bytes are not supported with parallel ranks yet; "
+                             "leave them out or run one engine")
         if parallel.enabled and config.kv_events is not None:
             raise ValueError("kv_events_config is published by one engine, or per rank by `deepinfer serve "
                              "--data-parallel-size N`; an offline LLM with parallel ranks does not publish them")

@@ -33,6 +33,10 @@ class EngineConfig:
     processes_per_host: int = 1
     # publish the prefix cache's KV events for routers (core/kv_events.py); None: off
     kv_events: KVEventsConfig | None = None
+    # the tiered prefix store (deepinfer/kv, docs/kv-store.md): a page store URL (file:///dir or
+    # mooncake://host:port) and a host-memory tier's byte budget; None / 0: off
+    kv_store: str | None = None
+    kv_host_cache_bytes: int = 0
 
     def validate(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
@@ -47,6 +51,11 @@ class EngineConfig:
             raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16', got {self.dtype!r}")
         if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.kv_store is not None and (not isinstance(self.kv_store, str) or "://" not in self.kv_store):
+            raise ValueError(f"kv_store must be a URL, file:///path/to/dir or mooncake://host:port, got {self.kv_store!r}")
+        if not isinstance(self.kv_host_cache_bytes, int) or self.kv_host_cache_bytes < 0:
+            raise ValueError(f"kv_host_cache_bytes must be an int >= 0 (0: no host-memory tier), "
+                             f"got {self.kv_host_cache_bytes!r}")
         if self.kv_events is not None and not isinstance(self.kv_events, KVEventsConfig):
             raise ValueError(f"kv_events must be a KVEventsConfig (KVEventsConfig.parse), got {self.kv_events!r}")
 

@@ -19,7 +19,7 @@ from deepinfer.core.kv_events import KVEventsConfig, medium_of
 from deepinfer.core.loader import load_checkpoint
 from deepinfer.core.model_runner import ModelRunner
 from deepinfer.core.postprocess import PostProcessor
-from deepinfer.core.prefix_replay import BoundedReplay
+from deepinfer.core.prefix_replay import OFF, BoundedReplay
 from deepinfer.core.request import Request, validate_request
 from deepinfer.core.sampler import Sampler
 from deepinfer.core.scheduler import ScheduledChunk, Scheduler
@@ -69,8 +69,11 @@ class LLMEngine:
         logger.info("%s", self.memory)
         if self.spec is not None:
             self.spec.start(self.runner, config.max_num_batched_tokens)
-        self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens,
-                                   BoundedReplay.from_env(self.model.replay_window, self.cache))
+        replay = BoundedReplay.from_env(self.model.replay_window, self.cache)
+        self.kv_store = self._open_kv_store(model_dir, tokenizer, dtype, replay) \
+            if config.kv_store or config.kv_host_cache_bytes else None
+        self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens, replay,
+                                   self.kv_store)
         self.sampler = Sampler(accel, cfg.vocab_size, cfg.eos_token_ids)
         self.post = PostProcessor(cfg.eos_token_ids, self.max_model_len)
         self.requests: dict[str, Request] = {}
@@ -89,6 +92,21 @@ class LLMEngine:
         if config.kv_events is not None:
             self.start_kv_events(config.kv_events)
 
+    def _open_kv_store(self, model_dir, tokenizer, dtype, replay: BoundedReplay):
+        """The tiers below the cache pool (deepinfer/kv): host memory, a page store."""
+        from deepinfer.kv.fingerprint import model_fingerprint
+        from deepinfer.kv.page_store import open_page_store
+        from deepinfer.kv.tiered import TieredKVStore
+
+        if self.cache.prefix is None:
+            raise ValueError("kv_store / kv_host_cache_bytes: this model keeps no paged decode state, so it has no "
+                             "prefix pages to store; leave them out")
+        config = self.engine_config
+        fingerprint = model_fingerprint(model_dir, tokenizer, self.cache.spec, self.cache.page_tokens, dtype)
+        store = open_page_store(config.kv_store) if config.kv_store else None
+        return TieredKVStore(self.cache, fingerprint, store, config.kv_host_cache_bytes,
+                             restores=replay.mode != OFF)
+
     def start_kv_events(self, config: KVEventsConfig) -> None:
         """Publish the prefix cache's KV events as `config` says, one batch per step (core/kv_events.py)."""
         from deepinfer.core.kv_event_publisher import KVEventPublisher
@@ -103,7 +121,10 @@ class LLMEngine:
 
     def _publish_kv_events(self) -> None:
         if self.kv_events is not None:
-            self.kv_events.publish(self.cache.prefix.take_events())
+            events = self.cache.prefix.take_events()
+            if self.kv_store is not None:  # pages entering host memory and the page store
+                events += self.kv_store.take_events()
+            self.kv_events.publish(events)
 
     # ------------------------------------------------------------ requests
     def process_multimodal(self, prompt_token_ids: list[int], data: dict, what: str = "prompt"):
@@ -177,6 +198,8 @@ class LLMEngine:
         if self.worker is not None:
             self.worker.shutdown(wait=True)
             self.worker = None
+        if self.kv_store is not None:  # writes what is queued first
+            self.kv_store.close()
         if self.kv_events is not None:
             self._publish_kv_events()
             self.kv_events.close()
@@ -197,6 +220,8 @@ class LLMEngine:
         out = {"num_preemptions": self.scheduler.num_preemptions, "num_encoded_items": self.num_encoded_items}
         if self.cache.prefix is not None:
             out.update({f"prefix_cache_{k}": v for k, v in self.cache.prefix.stats.as_dict().items()})
+        if self.kv_store is not None:
+            out.update({f"kv_store_{k}": v for k, v in self.kv_store.snapshot().items()})
         if self.spec is not None:
             out.update({f"spec_{k}": v for k, v in self.spec.stats.items()})
         return out
@@ -224,6 +249,8 @@ class LLMEngine:
             return grammar_failed + self._drain()  # finish step N before planning a synchronous one
         with self._timed("schedule"):
             chunks = self.scheduler.schedule()
+        if not chunks and self.in_flight is None and self.kv_store is not None and self.kv_store.fetching():
+            self.kv_store.wait(0.01)  # only requests waiting for pages from the KV store: nothing to run
         steps = self._multi_step_length(chunks) if chunks and not overlap else 1
         if steps > 1:
             finished = self._multi_step(chunks, steps)

@@ -62,6 +62,9 @@ class PrefixCache:
         self.stats = PrefixCacheStats()
         self.events: list | None = None  # KV events since take_events(); None: not recorded
         self.medium = ""  # where the pages live, as KV events name it
+        # the tiers below the pool (kv/tiered.py's TieredKVStore) or None: told of every page that
+        # enters the cache (written back) and of every eviction
+        self.lower_tier = None
 
     def record_events(self, medium: str) -> None:
         """Record KV events from now on (the cache is empty: pages cached before are not told)."""
@@ -112,6 +115,16 @@ class PrefixCache:
                 new.append(i)
         if self.events is not None and new:
             self.events += kv_events.stored(keys, new, seq, self.page_tokens, self.medium)
+        if self.lower_tier is not None and new:
+            self.lower_tier.on_stored(keys, pages, new, seq)
+
+    def adopt(self, keys: Sequence[bytes], i: int, page: int, seq) -> None:
+        """Cache `page`, just filled from a lower tier with the page keyed `keys[i]` of `seq`, as an
+        idle page (the most recently used)."""
+        self.page_of[keys[i]], self.key_of[page], self.refs[page] = page, keys[i], 0
+        self.idle[page] = None
+        if self.events is not None:
+            self.events += kv_events.stored(keys, [i], seq, self.page_tokens, self.medium)
 
     def drop(self, page: int) -> bool:
         """A sequence lets go of `page`; False when the page is not cached (the caller frees it)."""
@@ -130,6 +143,8 @@ class PrefixCache:
         self.stats.evicted_pages += 1
         if self.events is not None:
             kv_events.removed(self.events, key, self.medium)
+        if self.lower_tier is not None:
+            self.lower_tier.on_evicted(key)
         return page
 
     def num_idle_among(self, pages: Sequence[int]) -> int:

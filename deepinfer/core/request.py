@@ -40,6 +40,7 @@ class Request:
         self.window_floor = 0
         self.num_restored = 0
         self.page_keys: list[bytes] = []  # prefix-cache keys of its full pages, memoized
+        self.store_looked_up = False  # its prefix was looked up in the KV store's page store (kv/tiered.py)
         self.pending = 0  # trailing output entries that are placeholders for tokens still being sampled
         self.text = ""
         self.finish_reason: str | None = None

@@ -27,8 +27,9 @@ class ScheduledChunk:
 
 class Scheduler:
     def __init__(self, cache: StateCache, max_num_seqs: int, max_num_batched_tokens: int,
-                 replay: BoundedReplay | None = None):
+                 replay: BoundedReplay | None = None, kv_store=None):
         self.cache = cache
+        self.kv_store = kv_store  # kv/tiered.py's TieredKVStore: extends hits from host memory and a page store
         self.replay = replay if replay is not None else BoundedReplay(OFF, 0, cache)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -63,8 +64,12 @@ class Scheduler:
             chunks.append(ScheduledChunk(req, n))
             budget -= n
             i += 1
+        fetching = []  # requests whose next pages are being read from the KV store: they wait, others go
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and self.cache.num_free_slots:
             req = self.waiting[0]
+            if self.kv_store is not None and not self.kv_store.ready(req):
+                fetching.append(self.waiting.popleft())
+                continue
             resume = self.replay.plan(req)
             n = min(req.num_tokens - resume.start, budget)
             if not self.cache.can_admit(resume.pages, resume.start + n):
@@ -77,6 +82,7 @@ class Scheduler:
             bisect.insort(self.running, req, key=lambda r: r.metrics.arrival_time)
             chunks.append(ScheduledChunk(req, n))
             budget -= n
+        self.waiting.extendleft(reversed(fetching))
         return chunks
 
     def _preempt(self, req: Request) -> None:
@@ -101,4 +107,6 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+            if self.kv_store is not None:
+                self.kv_store.forget(req)
         self._release(req)

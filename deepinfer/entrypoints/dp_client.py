@@ -84,7 +84,8 @@ def _engine_configs(**engine_args):
                           max_model_len=a["max_model_len"], cache_bytes=a["cache_bytes"],
                           gpu_memory_utilization=a["gpu_memory_utilization"],
                           num_cache_pages=a["num_cache_pages"], dtype=a["dtype"], seed=a["seed"],
-                          kv_events=KVEventsConfig.parse(a["kv_events_config"]))
+                          kv_events=KVEventsConfig.parse(a["kv_events_config"]), kv_store=a["kv_store"],
+                          kv_host_cache_bytes=a["kv_host_cache_bytes"])
     parallel = ParallelConfig(a["expert_parallel_size"], a["data_parallel_size"], a["context_parallel_size"],
                               a["num_redundant_experts"], a["eplb_window_size"], a["eplb_step_interval"])
     return engine, parallel, get_accelerator(a["accelerator"]).name

@@ -78,6 +78,7 @@ def engine_snapshot(engine, num_waiting: int) -> dict:
         "prefix_hit_tokens": stats.get("prefix_cache_hit_tokens", 0),
         "prefix_hit_rate": stats.get("prefix_cache_hit_rate", 0.0),
         "spec_verified": stats.get("spec_verified", 0), "spec_accepted": stats.get("spec_accepted", 0),
+        **{key: value for key, value in stats.items() if key.startswith("kv_store_")},
     }
 
 
@@ -167,5 +168,39 @@ class _EngineCollector:
         yield from _router_aliases(gauge, s)
         yield counter("deepinfer:spec_decode_num_draft_tokens", "DSpark draft tokens verified", s["spec_verified"])
         yield counter("deepinfer:spec_decode_num_accepted_tokens", "DSpark draft tokens accepted", s["spec_accepted"])
+        if "kv_store_l3_bytes" in s:
+            yield from _kv_store_metrics(s, names, values, counter)
         yield gauge("deepinfer:spec_decode_acceptance_rate", "DSpark accepted / verified draft tokens since start",
                     s["spec_accepted"] / s["spec_verified"] if s["spec_verified"] else 0.0)
+
+
+def _kv_store_metrics(s: dict, names: list, values: list, counter):
+    """The tiered prefix store's series (deepinfer/kv, docs/kv-store.md): hits per tier (L1 the cache
+    pool, L2 host memory, L3 the page store), fetches, integrity and store sizes."""
+    l2, l3 = s["kv_store_l2_hit_tokens"], s["kv_store_l3_hit_tokens"]
+    hits = CounterMetricFamily("deepinfer:kv_store_hit_tokens", "Prompt tokens served from each tier (L1 the cache "
+                               "pool, L2 host memory, L3 the page store)", labels=names + ["tier"])
+    for tier, value in (("L1", max(s["prefix_hit_tokens"] - l2 - l3, 0)), ("L2", l2), ("L3", l3)):
+        hits.add_metric(values + [tier], value)
+    yield hits
+    hit_bytes = CounterMetricFamily("deepinfer:kv_store_hit_bytes", "Page bytes loaded into the cache pool from "
+                                    "each lower tier", labels=names + ["tier"])
+    for tier in ("L2", "L3"):
+        hit_bytes.add_metric(values + [tier], s[f"kv_store_{tier.lower()}_hit_bytes"])
+    yield hit_bytes
+    size = GaugeMetricFamily("deepinfer:kv_store_bytes", "Bytes each lower tier holds", labels=names + ["tier"])
+    size.add_metric(values + ["L2"], s["kv_store_l2_bytes"])
+    size.add_metric(values + ["L3"], s["kv_store_l3_bytes"])
+    yield size
+    yield counter("deepinfer:kv_store_fetches", "Page-store lookups started on admission", s["kv_store_l3_lookups"])
+    yield counter("deepinfer:kv_store_fetch_seconds", "Seconds spent in page-store fetches (lookup, read, "
+                  "verify), summed", s["kv_store_fetch_seconds"])
+    yield counter("deepinfer:kv_store_written_pages", "Pages written to the page store", s["kv_store_written_pages"])
+    yield counter("deepinfer:kv_store_bad_records", "Page records rejected (corrupt, truncated, another model's, "
+                  "vanished) and recomputed", s["kv_store_bad_records"])
+    errors = CounterMetricFamily("deepinfer:kv_store_errors", "Page-store operations that failed (unreachable, "
+                                 "full, read-only); pages dropped by a writer that fell behind count as write",
+                                 labels=names + ["op"])
+    errors.add_metric(values + ["read"], s["kv_store_read_errors"])
+    errors.add_metric(values + ["write"], s["kv_store_write_errors"] + s["kv_store_dropped_writes"])
+    yield errors
