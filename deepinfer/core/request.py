@@ -49,6 +49,10 @@ class Request:
         self.detok = None  # incremental detokenizer state, owned by the engine
         self.grammar = None  # structured-output state (core/structured.py RequestGrammar), owned by the engine
         self.bad_words_ids: list[list[int]] = []  # params.bad_words as token sequences (the engine tokenizes them)
+        # prefill/decode disaggregation (kv/disagg.py Bootstrap): the prefill worker's bootstrap server and
+        # this request's room there; None: the request runs here from its prompt
+        self.disagg = None
+        self.kv_transfer: dict | None = None  # decode: what prefill's transfer reported (bytes, pages, seconds)
 
     @property
     def num_tokens(self) -> int:

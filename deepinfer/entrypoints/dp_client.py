@@ -91,6 +91,11 @@ def _engine_configs(**engine_args):
 
 
 class DataParallelClient:
+    disaggregation_mode = "null"  # prefill/decode roles run one engine per worker (api_server refuses both)
+
+    def disaggregation_stats(self) -> dict:
+        return {"mode": "null"}
+
     def __init__(self, model: str, tokenizer=None, *, max_waiting_requests: int = 1024, metrics=None,
                  start_timeout_s: float = 600.0, **engine_args):
         from deepinfer.core.tokenizer import Tokenizer

@@ -93,14 +93,16 @@ def engine_request_ids(n: int) -> list[str]:
 
 
 async def submit(state: ServerState, items: list[tuple], prompt_field: str, arrival: float,
-                 max_tokens_field: str, so_field: str, data_parallel_rank: int | None = None) -> RequestGroup:
-    """Queue every prompt x choice (on `data_parallel_rank` when given), mapping the engine's refusals
-    to HTTP errors."""
+                 max_tokens_field: str, so_field: str, data_parallel_rank: int | None = None,
+                 disagg=None) -> RequestGroup:
+    """Queue every prompt x choice (on `data_parallel_rank` when given; `disagg`: its prefill/decode
+    room, kv/disagg.py Bootstrap), mapping the engine's refusals to HTTP errors."""
     ids = engine_request_ids(len(items))
     logger.debug("request %s: %d engine request(s), data_parallel_rank=%s", REQUEST_ID.get(), len(ids),
                  data_parallel_rank)
     try:
-        return await state.engine.add(items, arrival, ids, data_parallel_rank=data_parallel_rank)
+        extra = {} if disagg is None else {"disagg": disagg}
+        return await state.engine.add(items, arrival, ids, data_parallel_rank=data_parallel_rank, **extra)
     except InvalidRequest as exc:
         text = str(exc)
         first = text.split(" ", 1)[0]
