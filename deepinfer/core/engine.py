@@ -20,7 +20,7 @@ from deepinfer.core.loader import load_checkpoint
 from deepinfer.core.model_runner import ModelRunner
 from deepinfer.core.postprocess import PostProcessor
 from deepinfer.core.prefix_replay import BoundedReplay
-from deepinfer.core.request import Request, validate_request
+from deepinfer.core.request import KV_TRANSFER_FAILED, Request, validate_request
 from deepinfer.core.sampler import Sampler
 from deepinfer.core.scheduler import ScheduledChunk, Scheduler
 from deepinfer.core.speculative.decoder import SpecDecoder
@@ -252,7 +252,7 @@ class LLMEngine:
         if req.is_finished or error is not None:
             self.scheduler.release(req)
             if not req.is_finished:
-                req.finish("abort", error=error)
+                req.finish("abort", KV_TRANSFER_FAILED, error=error)
             self._admit_arriving()
             return
         req.num_computed = req.num_prompt_tokens

@@ -11,6 +11,10 @@ from deepinfer.sampling_params import SamplingParams
 
 _ids = itertools.count()
 
+# the stop_reason of a request aborted because its decode state never came from its prefill worker
+# (prefill/decode disaggregation): an upstream failure, not a fault of the request
+KV_TRANSFER_FAILED = "kv_transfer_failed"
+
 
 class Status(enum.Enum):
     WAITING = "waiting"

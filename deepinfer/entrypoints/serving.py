@@ -20,6 +20,7 @@ import anyio
 from fastapi import Request
 from starlette.responses import StreamingResponse
 
+from deepinfer.core.request import KV_TRANSFER_FAILED
 from deepinfer.entrypoints.async_llm import AsyncLLM, EngineDead, InvalidRequest, QueueFull
 from deepinfer.entrypoints.streams import Delta, RequestGroup
 from deepinfer.entrypoints.chat import ChatFormat
@@ -200,7 +201,15 @@ async def collect(state: ServerState, group: RequestGroup, so_field: str = "so_a
     finally:
         if not group.finished:
             state.engine.abort(group.request_ids)
-    failed = next((r.error for r in results if r.error), None)
+    failed = next((r for r in results if r.error), None)
     if failed:
-        raise APIError(400, failed, so_field)
+        raise delta_error(failed, so_field)
     return results
+
+
+def delta_error(delta, so_field: str) -> APIError:
+    """The HTTP error of a request the engine ended with an error: its grammar failed (400 on the
+    grammar's field), or its decode state never came from the prefill worker (502, an upstream fault)."""
+    if delta.stop_reason == KV_TRANSFER_FAILED:
+        return APIError(502, delta.error, None, "kv_transfer_failed", "server_error")
+    return APIError(400, delta.error, so_field)

@@ -18,8 +18,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from deepinfer.entrypoints.protocol_native import GenerateRequest, GenerateSampling
-from deepinfer.entrypoints.serving import _UINT64, APIError, EventStream, ServerState, collect, event_stream, sse, \
-    sse_error, submit, unless_disconnected
+from deepinfer.entrypoints.serving import _UINT64, APIError, EventStream, ServerState, collect, delta_error, \
+    event_stream, sse, sse_error, submit, unless_disconnected
 from deepinfer.entrypoints.streams import Delta
 from deepinfer.sampling_params import SamplingParams
 
@@ -144,8 +144,8 @@ async def _stream(group, prompt_tokens: list[int], sp: GenerateSampling, arrival
     so_far = [Delta() for _ in group.request_ids]
     many = len(so_far) > 1
     async for index, delta in group.deltas():
-        if delta.error:  # its grammar did not compile in time
-            yield sse_error(APIError(400, delta.error, so_field))
+        if delta.error:  # its grammar did not compile in time, or its prefill worker failed
+            yield sse_error(delta_error(delta, so_field))
         so_far[index].merge(delta)
         out = _output(group.request_ids[index], prompt_tokens[index], so_far[index], sp.max_new_tokens, arrival)
         if many:
