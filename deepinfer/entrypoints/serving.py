@@ -116,6 +116,24 @@ async def submit(state: ServerState, items: list[tuple], prompt_field: str, arri
         raise APIError(503, str(exc), None, "unavailable", "server_error") from None
 
 
+def bootstrap_of(body, num_requests: int):
+    """The request's prefill/decode room (kv/disagg.py Bootstrap) when a PD router sent one (its body's
+    bootstrap_host, bootstrap_port, bootstrap_room), else None."""
+    given = [name for name in ("bootstrap_host", "bootstrap_port", "bootstrap_room") if getattr(body, name) is not None]
+    if not given:
+        return None
+    if len(given) < 3:
+        missing = sorted({"bootstrap_host", "bootstrap_port", "bootstrap_room"} - set(given))
+        raise APIError(400, f"{', '.join(missing)} missing: a prefill/decode request names all three bootstrap "
+                            "fields (smg --pd-disaggregation adds them)", missing[0])
+    if num_requests != 1:
+        raise APIError(400, "a prefill/decode request carries one prompt with n=1 (one bootstrap_room); send "
+                            "the others as their own requests", "bootstrap_room")
+    from deepinfer.kv.disagg import Bootstrap
+
+    return Bootstrap(body.bootstrap_host, body.bootstrap_port, body.bootstrap_room)
+
+
 def sse(payload) -> str:
     data = payload if isinstance(payload, str) else payload.model_dump_json()
     return f"data: {data}\n\n"

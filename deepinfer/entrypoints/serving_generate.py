@@ -18,8 +18,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from deepinfer.entrypoints.protocol_native import GenerateRequest, GenerateSampling
-from deepinfer.entrypoints.serving import _UINT64, APIError, EventStream, ServerState, collect, delta_error, \
-    event_stream, sse, sse_error, submit, unless_disconnected
+from deepinfer.entrypoints.serving import _UINT64, APIError, EventStream, ServerState, bootstrap_of, collect, \
+    delta_error, event_stream, sse, sse_error, submit, unless_disconnected
 from deepinfer.entrypoints.streams import Delta
 from deepinfer.sampling_params import SamplingParams
 
@@ -80,23 +80,6 @@ def _prompts(body: GenerateRequest, tokenizer) -> tuple[list[tuple[list[int], st
     return [(list(ids), None) for ids in batch], "input_ids"
 
 
-def _bootstrap(body: GenerateRequest, num_requests: int):
-    """The request's prefill/decode room (kv/disagg.py Bootstrap) when a PD router sent one."""
-    given = [name for name in ("bootstrap_host", "bootstrap_port", "bootstrap_room") if getattr(body, name) is not None]
-    if not given:
-        return None
-    if len(given) < 3:
-        missing = sorted({"bootstrap_host", "bootstrap_port", "bootstrap_room"} - set(given))
-        raise APIError(400, f"{', '.join(missing)} missing: a prefill/decode request names all three bootstrap "
-                            "fields (smg --pd-disaggregation adds them)", missing[0])
-    if num_requests != 1:
-        raise APIError(400, "a prefill/decode request carries one prompt with n=1 (one bootstrap_room); send "
-                            "the others as their own requests", "bootstrap_room")
-    from deepinfer.kv.disagg import Bootstrap
-
-    return Bootstrap(body.bootstrap_host, body.bootstrap_port, body.bootstrap_room)
-
-
 def _finish_reason(delta: Delta, max_new_tokens: int) -> dict | None:
     if not delta.finished:
         return None
@@ -128,7 +111,7 @@ async def create_generate(body: GenerateRequest, request: Request, state: Server
     params = _params(sp, so_args, so_field)
     items = [(ids, p, text) for ids, text in prompts for p in params]
     group = await submit(state, items, field, arrival, "sampling_params.max_new_tokens", so_field,
-                         body.data_parallel_rank, _bootstrap(body, len(items)))
+                         body.data_parallel_rank, bootstrap_of(body, len(items)))
     prompt_tokens = [len(ids) for ids, _, _ in items]
     if body.stream:
         return EventStream(event_stream(state, group, _stream(group, prompt_tokens, sp, arrival, so_field)))

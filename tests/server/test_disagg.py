@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import http, running_server, wait_until
+from fleet import prefix_counters
 from pd import (TRANSFER_TIMEOUT_S, disagg_stats, generate, pd_args, running_pd_smg, running_prefill,
                 used_tokens)
 
@@ -91,6 +92,20 @@ def test_text_through_pd_equals_colocated(pd, colocated, prompt, sampling):
     _settled(pd)
 
 
+def test_openai_routes_through_pd(pd, colocated):
+    """smg forwards /v1/completions and /v1/chat/completions to both workers with the bootstrap fields too."""
+    client = pd.router.client()
+    expected = _reference(colocated, LONG, GREEDY)
+    whole = client.completions.create(model="tiny-dsv4", prompt=LONG, temperature=0.0, max_tokens=12)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="tiny-dsv4", prompt=LONG, temperature=0.0, max_tokens=12, stream=True))
+    assert whole.choices[0].text == streamed == expected
+    chat = client.chat.completions.create(model="tiny-dsv4", messages=[{"role": "user", "content": SHORT}],
+                                          temperature=0.0, max_tokens=8)
+    assert chat.choices[0].message.content and chat.usage.completion_tokens == 8
+    _settled(pd)
+
+
 def test_decode_prefix_hit_is_not_resent(pd, colocated):
     """The second request of a long prompt finds its full pages in decode's prefix cache: only the rest moves."""
     prompt = "[hit] " + LONG
@@ -98,10 +113,12 @@ def test_decode_prefix_hit_is_not_resent(pd, colocated):
     full = first.prompt_tokens // colocated.engine.cache.page_tokens
     assert full >= 1
     _settled(pd)
-    before = disagg_stats(pd.decode)
+    before, hits_before = disagg_stats(pd.decode), prefix_counters([pd.prefill.url])[0]
     second = generate(pd.router.url, prompt, GREEDY, stream=True)
     after = disagg_stats(pd.decode)
     assert after["skipped_pages"] - before["skipped_pages"] == full
+    # prefill's own prefix cache served the repeated prompt too (it ran only the uncached part)
+    assert prefix_counters([pd.prefill.url])[0] > hits_before
     assert after["pages"] - before["pages"] == colocated.engine.cache.pages_for(second.prompt_tokens) - full
     assert second.text == first.text
     _settled(pd)
