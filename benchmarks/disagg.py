@@ -38,12 +38,9 @@ WORDS = "cache page router worker token prefix replica engine request stream lat
 
 
 def _percentile(values: list[float], q: float) -> float | None:
-    values = sorted(values)
-    if not values:
-        return None
-    k = (len(values) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(values) - 1)
-    return values[lo] + (values[hi] - values[lo]) * (k - lo)
+    import numpy as np
+
+    return float(np.percentile(values, q * 100)) if values else None
 
 
 async def _request(session, url: str, text: str, max_tokens: int, start: float, samples: list, kind: str) -> None:

@@ -4,14 +4,11 @@ subprocess, stopped by the context managers), and what tests and benchmarks/disa
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from conftest import Server, free_port, http, running_server, stop_process, wait_until
-from fleet import Router, smg_binary
+from conftest import Server, free_port, http, running_server
+from fleet import running_smg
 
 # short timeouts, so that a fault test ends in seconds (the default is 30 s)
 TRANSFER_TIMEOUT_S = 6
@@ -50,31 +47,10 @@ def used_tokens(server: Server | Prefill) -> int:
     return json.loads(http(server.url + "/v1/loads")[1])["loads"][0]["num_used_tokens"]
 
 
-@contextmanager
-def running_pd_smg(prefill: Prefill, decode: Server, startup_timeout: float = 60):
+def running_pd_smg(prefill: Prefill, decode: Server):
     """smg launch --pd-disaggregation over one prefill (with its bootstrap port) and one decode."""
-    port, metrics_port = free_port(), free_port()
-    log = tempfile.NamedTemporaryFile("w", prefix="smg-pd-", suffix=".log", delete=False)
-    cmd = [smg_binary(), "launch", "--host", "127.0.0.1", "--port", str(port), "--pd-disaggregation",
-           "--prefill", prefill.url, str(prefill.bootstrap_port), "--decode", decode.url, "--policy", "round_robin",
-           "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
-           "--health-check-interval-secs", "1", "--log-level", "info"]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, "NO_COLOR": "1"})
-    router = Router(f"http://127.0.0.1:{port}", proc, log.name)
-    try:
-        def ready():
-            if proc.poll() is not None:
-                raise AssertionError(f"smg exited with {proc.returncode}:\n{router.log()}")
-            try:
-                workers = router.workers()
-            except (OSError, ValueError, KeyError):
-                return False
-            return {w["url"] for w in workers if w.get("is_healthy")} == {prefill.url, decode.url}
-        wait_until(ready, startup_timeout, "smg to list prefill and decode healthy", interval=0.2)
-        yield router
-    finally:
-        stop_process(proc, log, 15)
+    return running_smg([prefill.url, decode.url], "round_robin", worker_flags=[
+        "--pd-disaggregation", "--prefill", prefill.url, str(prefill.bootstrap_port), "--decode", decode.url])
 
 
 @dataclass
