@@ -87,7 +87,8 @@ async def _drive(url: str, rate: float, args, tag: str) -> dict:
     ttft = [s["ttft"] for s in samples if s["kind"] == "long"]
     tokens = sum(s["tokens"] for s in samples)
     return {"rate": rate, "requests": len(samples), "output_tokens": tokens, "seconds": seconds,
-            "tok_s": tokens / seconds, "ttft_long_p50": _percentile(ttft, 0.5), "ttft_long_p99": _percentile(ttft, 0.99),
+            "tok_s": tokens / seconds, "ttft_long_p50": _percentile(ttft, 0.5),
+            "ttft_long_p99": _percentile(ttft, 0.99),
             "itl_chat_p50": _percentile(itl, 0.5), "itl_chat_p99": _percentile(itl, 0.99)}
 
 

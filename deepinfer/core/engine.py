@@ -31,6 +31,10 @@ from deepinfer.models.registry import load_config
 
 logger = logging.getLogger("deepinfer")
 
+NOT_DISAGGREGATED = ("bootstrap_room: this worker is not disaggregated; start it with --disaggregation-mode prefill or "
+                     "decode (docs/disaggregation.md), or send the request without bootstrap_host, bootstrap_port and "
+                     "bootstrap_room")
+
 
 class LLMEngine:
     def __init__(self, model_dir: str | os.PathLike, accel: Accelerator, config: EngineConfig,
@@ -179,8 +183,7 @@ class LLMEngine:
     def check_disaggregated(self, params, mm_items) -> None:
         """Raise a clear ValueError for a request this worker cannot serve across prefill and decode."""
         if self.disagg is None:
-            raise ValueError("bootstrap_host / bootstrap_port / bootstrap_room: this worker is not disaggregated; "
-                             "start it with --disaggregation-mode prefill or decode, or send the request without them")
+            raise ValueError(NOT_DISAGGREGATED)
         if params.so_args is not None or params.adjusts_logits or mm_items:
             raise ValueError("a disaggregated request takes plain sampling (temperature, top_p, top_k, seed, stop, "
                              "max_tokens): structured outputs, penalties, logit_bias, bad_words and images are not "
@@ -403,7 +406,8 @@ class LLMEngine:
         if self.spec is not None:
             self.spec.forget(req.request_id)
         self.sampler.release(req)
-        if req.disagg is not None and self.disagg is not None and self.disagg.mode == "prefill" and req.slot is not None:
+        if req.disagg is not None and req.slot is not None and self.disagg is not None \
+                and self.disagg.mode == "prefill":
             self.scheduler.detach(req)  # its slot and pages stay until decode has them (release_held)
             self.held[req.request_id] = req
             self.disagg.hold(req)

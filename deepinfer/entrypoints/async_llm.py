@@ -19,6 +19,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from deepinfer.core.engine import NOT_DISAGGREGATED
 from deepinfer.core.request import Request, Status
 from deepinfer.entrypoints.metrics import engine_load
 from deepinfer.entrypoints.streams import RequestGroup, next_delta
@@ -49,6 +50,12 @@ class InvalidDataParallelRank(InvalidRequest):
     """A `data_parallel_rank` this instance does not have (HTTP 400 on that field)."""
 
     param = "data_parallel_rank"
+
+
+class NotDisaggregated(InvalidRequest):
+    """PD bootstrap fields sent to a worker without a prefill/decode role (HTTP 400 on bootstrap_room)."""
+
+    param = "bootstrap_room"
 
 
 class RequestIdInUse(InvalidRequest):
@@ -246,8 +253,11 @@ class AsyncLLM:
                                 f"--max-waiting-requests={self.max_waiting_requests}); retry later")
             check_request_ids_free(group.request_ids, self._live)
             prompts = [p if len(p) == 4 else (*p, None) for p in prompts]  # (ids, params, text[, mm_items])
+            if disagg is not None and self.engine.disagg is None:
+                raise NotDisaggregated(NOT_DISAGGREGATED, 0)
             if disagg is not None and self.disaggregation_mode == "prefill":  # the prompt and first token only
-                prompts = [(ids, self.engine.disagg.prefill_params(params), text, mm) for ids, params, text, mm in prompts]
+                prefill = self.engine.disagg.prefill_params
+                prompts = [(ids, prefill(params), text, mm) for ids, params, text, mm in prompts]
             for i, (ids, params, _, mm_items) in enumerate(prompts):  # all or nothing
                 try:
                     self.engine.validate_request(ids, params, mm_items=mm_items or ())

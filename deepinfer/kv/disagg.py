@@ -40,7 +40,8 @@ class DisaggregationConfig:
             raise ValueError("--disaggregation-mode encode (a vision-encoder worker shipping image embeddings to "
                              "prefill) is not implemented yet; serve images on the prefill worker")
         if self.transfer_backend not in BACKENDS:
-            raise ValueError(f"--disaggregation-transfer-backend must be one of {BACKENDS}, got {self.transfer_backend!r}")
+            raise ValueError(f"--disaggregation-transfer-backend must be one of {BACKENDS}, "
+                             f"got {self.transfer_backend!r}")
         if self.transfer_protocol not in PROTOCOLS:
             raise ValueError(f"--disaggregation-transfer-protocol must be one of {PROTOCOLS}, "
                              f"got {self.transfer_protocol!r}")
