@@ -1,7 +1,8 @@
 """Prefill/decode disaggregation benchmark: a mixed workload (short prompts decoding long replies
 while long prompts arrive, Poisson) through smg, 1 prefill + 1 decode worker (--pd-disaggregation,
 Mooncake TCP on 127.0.0.1) against two colocated replicas (round_robin), in one run, at each rate.
-Per leg and rate: TTFT and inter-token latency (ITL) p50/p99 at the client, output throughput; for
+Per leg and rate: TTFT and inter-token latency (ITL: the gap between streamed events, shared among
+the tokens an event brings) p50/p99 at the client, output throughput; for
 the P/D leg also the decode state moved per request and its transfer time against the raw bandwidth
 of the same transfer engine (one write of the same size between two engines in this process).
 Writes JSON (and a plot when matplotlib is installed).
@@ -48,7 +49,7 @@ async def _request(session, url: str, text: str, max_tokens: int, start: float, 
     body = {"text": text, "stream": True,
             "sampling_params": {"temperature": 0.0, "max_new_tokens": max_tokens, "ignore_eos": True}}
     sent = time.perf_counter()
-    stamps, seen = [], 0
+    first, last, seen, itl = None, None, 0, []
     async with session.post(url + "/generate", json=body) as resp:
         assert resp.status == 200, await resp.text()
         async for raw in resp.content:
@@ -57,10 +58,12 @@ async def _request(session, url: str, text: str, max_tokens: int, start: float, 
                 continue
             n = len(json.loads(line[6:])["output_ids"])
             now = time.perf_counter()
-            stamps += [now] * (n - seen)  # tokens that came in one event share its time
-            seen = n
-    samples.append({"kind": kind, "ttft": stamps[0] - sent, "itl": [b - a for a, b in zip(stamps, stamps[1:])],
-                    "tokens": len(stamps)})
+            if first is None:
+                first = now
+            elif n > seen:  # an event with several tokens (multi-step decoding): the gap is shared among them
+                itl += [(now - last) / (n - seen)] * (n - seen)
+            last, seen = now, n
+    samples.append({"kind": kind, "ttft": first - sent, "itl": itl, "tokens": seen})
 
 
 async def _drive(url: str, rate: float, args, tag: str) -> dict:

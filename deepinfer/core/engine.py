@@ -209,13 +209,13 @@ class LLMEngine:
         if self.disagg.mode == "prefill":
             self.disagg.dropped(req)  # still prefilling: decode hears of it now, not at its timeout
             return False
-        req.finish("abort")
         if req in self.arriving:  # nothing reserved yet
             self.arriving.remove(req)
         elif req.request_id in self.receiving:  # pages are freed once prefill can no longer write into them
             self.disagg.cancel(req)
-        else:
+        else:  # decoding here: a plain abort
             return False
+        req.finish("abort")
         return True
 
     def release_held(self, request_id: str) -> None:
@@ -259,7 +259,6 @@ class LLMEngine:
             self._admit_arriving()
             return
         req.num_computed = req.num_prompt_tokens
-        req.kv_transfer = result
         token = result["first_token"]
         req.output_token_ids.append(token)
         if req.output_logprobs is not None and result.get("logprobs"):

@@ -56,7 +56,6 @@ class Request:
         # prefill/decode disaggregation (kv/disagg.py Bootstrap): the prefill worker's bootstrap server and
         # this request's room there; None: the request runs here from its prompt
         self.disagg = None
-        self.kv_transfer: dict | None = None  # decode: what prefill's transfer reported (bytes, pages, seconds)
 
     @property
     def num_tokens(self) -> int:

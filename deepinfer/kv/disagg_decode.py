@@ -63,7 +63,6 @@ class DecodeRole:
     def _fetch(self, rid: str, source, slot: int, pages: list[int], skip: int, prompt_tokens: int) -> None:
         base = f"http://{source.host}:{source.port}"
         deadline = time.monotonic() + self.config.transfer_timeout
-        t0 = time.perf_counter()
         try:
             self._route(source.host, source.port)
             call("POST", f"{base}/rooms/{source.room}",
@@ -96,7 +95,6 @@ class DecodeRole:
             c["skipped_pages"] += answer["skipped_pages"]
             c["seconds"] += answer["seconds"]
             self.receiving -= 1
-        answer["wait_seconds"] = time.perf_counter() - t0
         self.post(lambda: self.engine.kv_arrived(rid, answer, None))
 
     def _cancel(self, rid: str, source) -> None:

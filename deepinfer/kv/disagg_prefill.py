@@ -144,7 +144,7 @@ class PrefillRole:
         t0 = time.perf_counter()
         try:
             skip = int(dest["skip_pages"])
-            pages = held["pages"][skip:layout_pages(self.cache, held["prompt_tokens"])]
+            pages = held["pages"][skip:self.cache.pages_for(held["prompt_tokens"])]
             if len(pages) != len(dest["pages"]):
                 raise ValueError(f"decode offers {len(dest['pages'])} pages for a prompt of {held['prompt_tokens']} "
                                  f"tokens of which it holds {skip} pages; this side has {len(pages)} to send")
@@ -217,10 +217,6 @@ class PrefillRole:
     def close(self) -> None:
         self._closed = True
         self.server.close()
-
-
-def layout_pages(cache, prompt_tokens: int) -> int:
-    return cache.pages_for(prompt_tokens)
 
 
 def _jsonable(logprobs: dict | None) -> dict | None:

@@ -9,10 +9,7 @@ SGLang and vLLM use; it is named by --disaggregation-transfer-backend but not wi
 
 from __future__ import annotations
 
-import logging
 import threading
-
-logger = logging.getLogger("deepinfer.kv")
 
 BACKENDS = ("mooncake", "nixl")
 PROTOCOLS = ("tcp", "rdma")
