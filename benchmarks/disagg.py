@@ -7,7 +7,7 @@ the P/D leg also the decode state moved per request and its transfer time agains
 of the same transfer engine (one write of the same size between two engines in this process).
 Writes JSON (and a plot when matplotlib is installed).
 
-    python benchmarks/disagg.py                       # tiny-dsv4, rates 0.5,1
+    python benchmarks/disagg.py                       # tiny-dsv4, rates 0.5,1,2
     python benchmarks/disagg.py --rates 0.25,0.5,1,2 --long-words 900
 
 Everything runs on this machine's cores (2 shared here): prefill, decode, the two colocated
@@ -95,25 +95,53 @@ async def _drive(url: str, rate: float, args, tag: str) -> dict:
             "itl_chat_p50": _percentile(itl, 0.5), "itl_chat_p99": _percentile(itl, 0.99)}
 
 
-def raw_bandwidth(nbytes: int, repeats: int = 5) -> dict:
-    """The transfer engine's own write bandwidth over loopback TCP: `nbytes` between two engines."""
+def _raw_destination(nbytes: int, conn) -> None:
+    """The receiving side of raw_bandwidth, in its own process (as a decode worker is)."""
     import torch
 
     from deepinfer.kv.transfer import MooncakeTransport
 
-    src, dst = MooncakeTransport("127.0.0.1"), MooncakeTransport("127.0.0.1")
-    a, b = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
-    src.register(a.data_ptr(), nbytes)
-    dst.register(b.data_ptr(), nbytes)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        src.write(dst.session_id, [a.data_ptr()], [b.data_ptr()], [nbytes])
-        times.append(time.perf_counter() - t0)
-    assert bool(b.all()), "the raw write did not arrive"
-    best = min(times)
-    return {"bytes": nbytes, "seconds_best": best, "seconds_median": sorted(times)[len(times) // 2],
-            "gib_s": nbytes / best / (1 << 30)}
+    engine = MooncakeTransport("127.0.0.1")
+    buf = torch.zeros(nbytes, dtype=torch.uint8)
+    engine.register(buf.data_ptr(), nbytes)
+    conn.send((engine.session_id, buf.data_ptr()))
+    conn.recv()  # the writer is done
+    conn.send(bool(buf.all()))
+
+
+def raw_bandwidth(nbytes: int, segments: int = 1, repeats: int = 7) -> dict:
+    """The transfer engine's own write bandwidth over loopback TCP between two processes: `nbytes` in
+    `segments` equal writes of one batch (the per-request transfers are batches of several segments)."""
+    import multiprocessing
+
+    import torch
+
+    from deepinfer.kv.transfer import MooncakeTransport
+
+    ctx = multiprocessing.get_context("spawn")
+    here, there = ctx.Pipe()
+    proc = ctx.Process(target=_raw_destination, args=(nbytes, there), daemon=True)
+    proc.start()
+    try:
+        session, address = here.recv()
+        engine = MooncakeTransport("127.0.0.1")
+        buf = torch.ones(nbytes, dtype=torch.uint8)
+        engine.register(buf.data_ptr(), nbytes)
+        size = nbytes // segments
+        src = [buf.data_ptr() + i * size for i in range(segments)]
+        dst = [address + i * size for i in range(segments)]
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            engine.write(session, src, dst, [size] * segments)
+            times.append(time.perf_counter() - t0)
+        here.send("done")
+        assert here.recv() or segments * size < nbytes, "the raw write did not arrive"
+    finally:
+        proc.join(30)
+    best, median = min(times), sorted(times)[len(times) // 2]
+    return {"bytes": size * segments, "segments": segments, "seconds_best": best, "seconds_median": median,
+            "gib_s_best": size * segments / best / (1 << 30), "gib_s_median": size * segments / median / (1 << 30)}
 
 
 @contextmanager
@@ -121,13 +149,13 @@ def _pd_leg(worker_args):
     with running_prefill(*worker_args, timeout=60) as prefill, \
             running_server(*worker_args, *pd_args("decode", timeout=60)) as decode, \
             running_pd_smg(prefill, decode) as router:
-        yield router.url, decode
+        yield router.url, prefill, decode
 
 
 @contextmanager
 def _colocated_leg(worker_args):
     with running_servers(2, *worker_args) as workers, running_smg([w.url for w in workers], "round_robin") as router:
-        yield router.url, None
+        yield router.url, None, None
 
 
 def _plot(results: dict, path: str) -> str | None:
@@ -156,10 +184,10 @@ def _plot(results: dict, path: str) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=TINY_DSV4_DIR)
-    parser.add_argument("--rates", default="0.5,1", help="long-prompt arrivals per second, comma-separated")
+    parser.add_argument("--rates", default="0.5,1,2", help="long-prompt arrivals per second, comma-separated")
     parser.add_argument("--decoders", type=int, default=4, help="short prompts decoding long replies")
-    parser.add_argument("--decode-tokens", type=int, default=64)
-    parser.add_argument("--long-prompts", type=int, default=6)
+    parser.add_argument("--decode-tokens", type=int, default=96)
+    parser.add_argument("--long-prompts", type=int, default=8)
     parser.add_argument("--long-words", type=int, default=600)
     parser.add_argument("--long-tokens", type=int, default=4)
     parser.add_argument("--max-num-seqs", type=int, default=16)
@@ -171,10 +199,11 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, list[dict]] = {}
     transfer: dict = {}
     for leg, make in (("pd_1p1d", _pd_leg), ("colocated_2x", _colocated_leg)):
-        with make(worker_args) as (url, decode):
+        with make(worker_args) as (url, prefill, decode):
             asyncio.run(_drive(url, 100.0, argparse.Namespace(**{**vars(args), "long_prompts": 2, "decoders": 2}),
                                f"warm-up {leg}"))  # kernels and step graphs are built outside the measurement
             before = disagg_stats(decode) if decode is not None else None
+            prefill_before = disagg_stats(prefill) if prefill is not None else None
             for rate in rates:
                 row = asyncio.run(_drive(url, rate, args, f"{leg}@{rate}"))
                 results.setdefault(leg, []).append(row)
@@ -182,15 +211,23 @@ def main(argv: list[str] | None = None) -> int:
                       f"p99 {row['itl_chat_p99'] * 1e3:7.1f} ms  long TTFT p50 {row['ttft_long_p50']:.3f} s  "
                       f"{row['tok_s']:.1f} tok/s", flush=True)
             if decode is not None:
-                after = disagg_stats(decode)
+                after, prefill_after = disagg_stats(decode), disagg_stats(prefill)
                 n = after["transfers"] - before["transfers"]
                 moved = after["bytes"] - before["bytes"]
                 secs = after["seconds"] - before["seconds"]
                 transfer = {"transfers": n, "bytes_per_request": moved / n, "seconds_per_request": secs / n,
+                            "segments_per_request": (after["segments"] - before["segments"]) / n,
+                            # of which inside the transfer engine's write call (the rest: thread hand-off on a
+                            # busy prefill process, segment planning)
+                            "write_seconds_per_request":
+                                (prefill_after["write_seconds"] - prefill_before["write_seconds"]) / n,
                             "gib_s": moved / secs / (1 << 30) if secs else None}
-    transfer["raw"] = raw_bandwidth(max(int(transfer["bytes_per_request"]), 1))
+    same = max(int(transfer["bytes_per_request"]), 1)
+    transfer["raw_same_size_one_segment"] = raw_bandwidth(same)
+    transfer["raw_same_size_same_segments"] = raw_bandwidth(same, max(round(transfer["segments_per_request"]), 1))
     transfer["raw_64mib"] = raw_bandwidth(64 << 20)
-    transfer["share_of_raw_same_size"] = transfer["gib_s"] / transfer["raw"]["gib_s"]
+    transfer["share_of_raw_same_size_same_segments"] = \
+        transfer["gib_s"] / transfer["raw_same_size_same_segments"]["gib_s_median"]
     compare = {"itl_p99_colocated_over_pd": [c["itl_chat_p99"] / p["itl_chat_p99"] for p, c in
                                              zip(results["pd_1p1d"], results["colocated_2x"])],
                "tok_s_pd_over_colocated": [p["tok_s"] / c["tok_s"] for p, c in

@@ -35,7 +35,8 @@ class DecodeRole:
                                        thread_name_prefix="deepinfer-kv-fetch")
         self.lock = threading.Lock()
         self.routes: dict[tuple[str, int], dict] = {}  # prefill bootstrap servers already checked
-        self.counters = {"transfers": 0, "failed": 0, "bytes": 0, "seconds": 0.0, "pages": 0, "skipped_pages": 0}
+        self.counters = {"transfers": 0, "failed": 0, "bytes": 0, "seconds": 0.0, "pages": 0, "skipped_pages": 0,
+                         "segments": 0}
         self.receiving = 0
 
     # ------------------------------------------------------------ engine thread
@@ -93,6 +94,7 @@ class DecodeRole:
             c["bytes"] += answer["bytes"]
             c["pages"] += answer["pages"]
             c["skipped_pages"] += answer["skipped_pages"]
+            c["segments"] += answer["segments"]
             c["seconds"] += answer["seconds"]
             self.receiving -= 1
         self.post(lambda: self.engine.kv_arrived(rid, answer, None))
