@@ -69,7 +69,8 @@ async def _request(session, url: str, text: str, max_tokens: int, start: float, 
 async def _drive(url: str, rate: float, args, tag: str) -> dict:
     import aiohttp
 
-    rng = random.Random(f"{tag}/{args.seed}")
+    rng = random.Random(f"{tag}/{args.seed}")  # texts of this leg's own (no leg is served from another's cache)
+    arrivals = random.Random(f"{rate}/{args.seed}")  # the same arrival times in every leg
     t0 = time.perf_counter() + 0.2
     jobs = []
     for i in range(args.decoders):  # short prompts with long replies, all at the start
@@ -77,7 +78,7 @@ async def _drive(url: str, rate: float, args, tag: str) -> dict:
                      "chat"))
     t = t0
     for i in range(args.long_prompts):  # long prompts, Poisson arrivals while the chats decode
-        t += rng.expovariate(rate)
+        t += arrivals.expovariate(rate)
         jobs.append((f"[{tag} long {i}] " + " ".join(rng.choice(WORDS) for _ in range(args.long_words)),
                      args.long_tokens, t, "long"))
     samples: list[dict] = []
