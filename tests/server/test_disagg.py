@@ -175,6 +175,7 @@ def test_mismatched_peer_is_refused(pd):
         call("POST", f"{base}/rooms/9003", {"layout": layout, "pages": [], "slot": 0})
 
 
+@pytest.mark.slow  # a third worker starts (and is killed)
 def test_prefill_killed_decode_fails_in_bounded_time_and_keeps_serving(pd):
     """A second prefill is killed (-9) while decode waits for its state: decode's request fails within
     the transfer timeout naming the cause, frees its pages, and the pair behind smg still serves."""
