@@ -52,13 +52,37 @@ def _engine_flags(parser: argparse.ArgumentParser) -> list[str]:
 
 def _serve(args: argparse.Namespace, engine_names: list[str]) -> int:
     from deepinfer.entrypoints.api_server import serve
+    from deepinfer.kv.disagg import DisaggregationConfig
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    disaggregation = DisaggregationConfig(
+        args.disaggregation_mode, args.disaggregation_bootstrap_port, args.disaggregation_transfer_backend,
+        args.disaggregation_transfer_protocol, args.disaggregation_ib_device, args.disaggregation_transfer_timeout)
     serve(args.model, host=args.host, port=args.port, api_key=args.api_key, served_model_name=args.served_model_name,
           chat_format=args.chat_format, max_waiting_requests=args.max_waiting_requests,
           max_body_bytes=args.max_body_bytes, shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
-          access_log=args.access_log, **{name: getattr(args, name) for name in engine_names})
+          access_log=args.access_log, disaggregation=disaggregation, **{name: getattr(args, name) for name in engine_names})
     return 0
+
+
+def _disaggregation_flags(parser: argparse.ArgumentParser) -> None:
+    """SGLang's prefill/decode flags (docs/disaggregation.md)."""
+    from deepinfer.kv.disagg import DEFAULT_BOOTSTRAP_PORT, MODES
+    from deepinfer.kv.transfer import BACKENDS, PROTOCOLS
+
+    group = parser.add_argument_group("prefill/decode disaggregation (behind smg --pd-disaggregation)")
+    group.add_argument("--disaggregation-mode", default="null", choices=MODES,
+                       help="prefill: run prompts and first tokens, ship the decode state; decode: continue from it; "
+                            "null: both (default)")
+    group.add_argument("--disaggregation-bootstrap-port", type=int, default=DEFAULT_BOOTSTRAP_PORT,
+                       help="prefill: the bootstrap server's port (the router's --prefill URL PORT)")
+    group.add_argument("--disaggregation-transfer-backend", default="mooncake", choices=BACKENDS)
+    group.add_argument("--disaggregation-transfer-protocol", default="tcp", choices=PROTOCOLS,
+                       help="the transfer engine's protocol (tcp here; rdma on a cluster)")
+    group.add_argument("--disaggregation-ib-device", default="", help="RDMA device(s) for the transfer engine")
+    group.add_argument("--disaggregation-transfer-timeout", type=float, default=30.0,
+                       help="seconds a side waits for the other before the request fails (decode) or its pages "
+                            "are freed (prefill)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
                      help="on SIGTERM, seconds running requests may finish before they are aborted")
     srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     srv.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    _disaggregation_flags(srv)
     engine_names = _engine_flags(srv)
     args = parser.parse_args(argv)
     try:

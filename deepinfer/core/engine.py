@@ -20,7 +20,7 @@ from deepinfer.core.loader import load_checkpoint
 from deepinfer.core.model_runner import ModelRunner
 from deepinfer.core.postprocess import PostProcessor
 from deepinfer.core.prefix_replay import OFF, BoundedReplay
-from deepinfer.core.request import Request, validate_request
+from deepinfer.core.request import KV_TRANSFER_FAILED, Request, validate_request
 from deepinfer.core.sampler import Sampler
 from deepinfer.core.scheduler import ScheduledChunk, Scheduler
 from deepinfer.core.speculative.decoder import SpecDecoder
@@ -30,6 +30,10 @@ from deepinfer.models.base import ParallelContext
 from deepinfer.models.registry import load_config
 
 logger = logging.getLogger("deepinfer")
+
+NOT_DISAGGREGATED = ("bootstrap_room: this worker is not disaggregated; start it with --disaggregation-mode prefill or "
+                     "decode (docs/disaggregation.md), or send the request without bootstrap_host, bootstrap_port and "
+                     "bootstrap_room")
 
 
 class LLMEngine:
@@ -89,6 +93,11 @@ class LLMEngine:
         self.num_encoded_items = 0  # multimodal items (images) run through the model's encoder
         self.timeline: collections.defaultdict[str, float] = collections.defaultdict(float)  # seconds per phase
         self.kv_events = None  # core/kv_event_publisher.py's KVEventPublisher while KV events are published
+        # prefill/decode disaggregation (kv/disagg.py): the worker's role, None when it runs prompts and decodes
+        self.disagg = None
+        self.held: dict[str, Request] = {}  # prefill: finished requests whose slot and pages decode has not taken
+        self.arriving: collections.deque[Request] = collections.deque()  # decode: waiting for a slot and pages
+        self.receiving: dict[str, Request] = {}  # decode: slot and pages reserved, state on its way from prefill
         if config.kv_events is not None:
             self.start_kv_events(config.kv_events)
 
@@ -118,6 +127,12 @@ class LLMEngine:
             raise RuntimeError("KV events are already published by this engine")
         self.kv_events = KVEventPublisher(config)
         self.cache.prefix.record_events(medium_of(self.cache.device))
+
+    def attach_disaggregation(self, role) -> None:
+        """Serve as a prefill or decode worker (kv/disagg.py make_role builds `role` for this engine)."""
+        if self.disagg is not None:
+            raise RuntimeError("this engine already has a disaggregation role")
+        self.disagg = role
 
     def _publish_kv_events(self) -> None:
         if self.kv_events is not None:
@@ -160,10 +175,15 @@ class LLMEngine:
         return self.structured
 
     def add_request(self, prompt_token_ids: list[int], params, prompt: str | None = None,
-                    request_id: str | None = None, mm_items=None) -> Request:
-        """mm_items: from process_multimodal (prompt_token_ids is then the expanded prompt)."""
+                    request_id: str | None = None, mm_items=None, disagg=None) -> Request:
+        """mm_items: from process_multimodal (prompt_token_ids is then the expanded prompt). `disagg`
+        (kv/disagg.py Bootstrap): on a prefill worker, the room whose decode worker takes the request
+        after its first token; on a decode worker, the prefill worker that runs its prompt."""
         self.validate_request(prompt_token_ids, params, mm_items=mm_items or ())
+        if disagg is not None:
+            self.check_disaggregated(params, mm_items)
         req = Request(prompt_token_ids, params, prompt, request_id, mm_items)
+        req.disagg = disagg
         if req.request_id in self.requests:
             raise ValueError(f"request_id {req.request_id!r} is already in use")
         if self.tokenizer is not None:
@@ -172,15 +192,29 @@ class LLMEngine:
         if params.bad_words:
             req.bad_words_ids = self.tokenizer.bad_words_ids(params.bad_words)
         self.requests[req.request_id] = req
-        if params.so_args is not None:  # structured outputs: reaches the scheduler once its grammar is ready
+        if disagg is not None and self.disagg.mode == "decode":  # its prompt runs on the prefill worker
+            self.arriving.append(req)
+            self._admit_arriving()
+        elif params.so_args is not None:  # structured outputs: reaches the scheduler once its grammar is ready
             self._structured().submit(req)
         else:
             self.scheduler.add(req)
         return req
 
+    def check_disaggregated(self, params, mm_items) -> None:
+        """Raise a clear ValueError for a request this worker cannot serve across prefill and decode."""
+        if self.disagg is None:
+            raise ValueError(NOT_DISAGGREGATED)
+        if params.so_args is not None or params.adjusts_logits or mm_items:
+            raise ValueError("a disaggregated request takes plain sampling (temperature, top_p, top_k, seed, stop, "
+                             "max_tokens): structured outputs, penalties, logit_bias, bad_words and images are not "
+                             "served across prefill and decode yet; send it to a colocated worker")
+
     def abort_request(self, request_id: str) -> None:
         req = self.requests.get(request_id)
         if req is None or req.is_finished:
+            return
+        if req.disagg is not None and self._abort_disaggregated(req):
             return
         if self.structured is not None:  # structured outputs
             self.structured.discard(req)
@@ -190,6 +224,73 @@ class LLMEngine:
         self.scheduler.finish(req)
         req.finish("abort")
         self._publish_kv_events()  # its pages entered the cache: the engine may be idle until the next step
+
+    def _abort_disaggregated(self, req: Request) -> bool:
+        """Abort a request of a disaggregated worker; True when it is done with (no scheduler state)."""
+        if self.disagg.mode == "prefill":
+            self.disagg.dropped(req)  # still prefilling: decode hears of it now, not at its timeout
+            return False
+        if req in self.arriving:  # nothing reserved yet
+            self.arriving.remove(req)
+        elif req.request_id in self.receiving:  # pages are freed once prefill can no longer write into them
+            self.disagg.cancel(req)
+        else:  # decoding here: a plain abort
+            return False
+        req.finish("abort")
+        return True
+
+    def release_held(self, request_id: str) -> None:
+        """Prefill: decode has the request's state (or will never take it): free its slot and pages."""
+        req = self.held.pop(request_id, None)
+        if req is not None:
+            self.scheduler.release(req)
+            self._publish_kv_events()
+
+    def _admit_arriving(self) -> None:
+        """Decode: reserve a slot and pages for each arriving request while they fit, and ask its
+        prefill worker for its state. Leading pages this cache already holds for the prompt are kept
+        (not asked for): the prompt's paged state is a function of its tokens."""
+        cache = self.cache
+        while self.arriving and cache.num_free_slots:
+            req = self.arriving[0]
+            prompt = req.num_prompt_tokens
+            cached = []
+            if cache.prefix is not None:
+                req.page_keys = cache.prefix.keys(req.page_keys, req.tokens(0, prompt), req.mm_spans())
+                cached = cache.prefix.match(req.page_keys[:prompt // cache.page_tokens])
+            if not cache.can_admit(cached, prompt):
+                return
+            self.arriving.popleft()
+            req.slot = cache.allocate_slot(cached)
+            cache.grow(req.slot, prompt)
+            req.num_computed = len(cached) * cache.page_tokens  # what holds valid state (a release caches it)
+            self.receiving[req.request_id] = req
+            self.disagg.receive(req, list(cache.slot_pages[req.slot]), len(cached))
+
+    def kv_arrived(self, request_id: str, result: dict | None, error: str | None) -> None:
+        """Decode: prefill's answer for a receiving request (`result`: first token, logprobs, bytes), or
+        why there is none. The request then decodes here, or fails with `error`."""
+        req = self.receiving.pop(request_id, None)
+        if req is None:
+            return
+        if req.is_finished or error is not None:
+            self.scheduler.release(req)
+            if not req.is_finished:
+                req.finish("abort", KV_TRANSFER_FAILED, error=error)
+            self._admit_arriving()
+            return
+        req.num_computed = req.num_prompt_tokens
+        token = result["first_token"]
+        req.output_token_ids.append(token)
+        if req.output_logprobs is not None and result.get("logprobs"):
+            req.output_logprobs.append({int(t): v for t, v in result["logprobs"].items()})
+        req.metrics.first_token_time = req.metrics.first_scheduled_time = time.perf_counter()
+        self.post.check_stop(req, token)
+        if req.is_finished:
+            self._retire(req)
+        else:
+            self.scheduler.resume(req)
+        self._admit_arriving()
 
     def close(self) -> None:
         """Finish the step in flight and stop the worker thread and the KV event publisher."""
@@ -204,6 +305,8 @@ class LLMEngine:
             self._publish_kv_events()
             self.kv_events.close()
             self.kv_events = None
+        if self.disagg is not None:
+            self.disagg.close()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or self.in_flight is not None or (self.structured is not None and self.structured.has_pending())
@@ -231,6 +334,8 @@ class LLMEngine:
         """Run one step (_step); returns the requests that finished in it. The step's KV events
         go out as one batch."""
         finished = self._step()
+        if self.arriving:  # decode worker: pages freed by this step may admit requests whose prompt ran elsewhere
+            self._admit_arriving()
         self._publish_kv_events()
         return finished
 
@@ -327,6 +432,12 @@ class LLMEngine:
         if self.spec is not None:
             self.spec.forget(req.request_id)
         self.sampler.release(req)
+        if req.disagg is not None and req.slot is not None and self.disagg is not None \
+                and self.disagg.mode == "prefill":
+            self.scheduler.detach(req)  # its slot and pages stay until decode has them (release_held)
+            self.held[req.request_id] = req
+            self.disagg.hold(req)
+            return
         self.scheduler.finish(req)
 
     def _needs_sync(self) -> bool:

@@ -11,6 +11,10 @@ from deepinfer.sampling_params import SamplingParams
 
 _ids = itertools.count()
 
+# the stop_reason of a request aborted because its decode state never came from its prefill worker
+# (prefill/decode disaggregation): an upstream failure, not a fault of the request
+KV_TRANSFER_FAILED = "kv_transfer_failed"
+
 
 class Status(enum.Enum):
     WAITING = "waiting"
@@ -50,6 +54,9 @@ class Request:
         self.detok = None  # incremental detokenizer state, owned by the engine
         self.grammar = None  # structured-output state (core/structured.py RequestGrammar), owned by the engine
         self.bad_words_ids: list[list[int]] = []  # params.bad_words as token sequences (the engine tokenizes them)
+        # prefill/decode disaggregation (kv/disagg.py Bootstrap): the prefill worker's bootstrap server and
+        # this request's room there; None: the request runs here from its prompt
+        self.disagg = None
 
     @property
     def num_tokens(self) -> int:

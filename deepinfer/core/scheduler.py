@@ -101,6 +101,20 @@ class Scheduler:
             self.cache.release(req.slot, self.replay.computed_page_keys(req), req)
             req.slot = None
 
+    def detach(self, req: Request) -> None:
+        """Take a finished request out of the batch but keep its slot and pages (a prefill worker holds
+        them until decode has them: kv/disagg_prefill.py); `release` frees them later."""
+        self.running.remove(req)
+
+    def resume(self, req: Request) -> None:
+        """Run a request whose slot, pages and state were filled elsewhere (a decode worker's transfer)."""
+        req.status = Status.RUNNING
+        bisect.insort(self.running, req, key=lambda r: r.metrics.arrival_time)
+
+    def release(self, req: Request) -> None:
+        """Free the slot and pages of a request the scheduler no longer runs."""
+        self._release(req)
+
     def finish(self, req: Request) -> None:
         """Free a finished or aborted request's slot and pages."""
         if req in self.running:

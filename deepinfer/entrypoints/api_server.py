@@ -349,19 +349,23 @@ class _Server(uvicorn.Server):
 
 
 def _load(startup: Startup, server: _Server, model: str, name: str, metrics: ServerMetrics, api_key: str | None,
-          chat_format: str, max_waiting_requests: int, max_body_bytes: int, engine_args: dict) -> None:
+          chat_format: str, max_waiting_requests: int, max_body_bytes: int, engine_args: dict, disaggregation,
+          host: str) -> None:
     """The loading thread: build the engine and the app, then open the server (or stop it with the error)."""
     from deepinfer.llm import LLM
 
     engine = None
     try:
         if engine_args.get("data_parallel_size", 1) > 1:  # one rank process per data-parallel rank
+            if disaggregation is not None and disaggregation.enabled:
+                raise ValueError("--disaggregation-mode with --data-parallel-size > 1 is not served yet: run one "
+                                 "worker per rank behind the router")
             engine = DataParallelClient(model, max_waiting_requests=max_waiting_requests, metrics=metrics,
                                         **engine_args)
         else:
             llm = LLM(model, **engine_args)
             try:
-                engine = AsyncLLM(llm, max_waiting_requests, metrics)
+                engine = AsyncLLM(llm, max_waiting_requests, metrics, disaggregation, host, model)
             except ValueError:
                 llm.close()  # e.g. a parallel layout: its worker processes go too
                 raise
@@ -382,8 +386,11 @@ def _load(startup: Startup, server: _Server, model: str, name: str, metrics: Ser
 def serve(model: str | None = None, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           served_model_name: str | None = None, chat_format: str = "auto", max_waiting_requests: int = 1024,
           max_body_bytes: int = 32 << 20, shutdown_timeout: float = 10.0, log_level: str = "info",
-          access_log: bool = False, **engine_args) -> None:
-    """Listen, load the model behind the listener, serve until SIGTERM / Ctrl-C (then drain)."""
+          access_log: bool = False, disaggregation=None, **engine_args) -> None:
+    """Listen, load the model behind the listener, serve until SIGTERM / Ctrl-C (then drain).
+    `disaggregation` (kv/disagg.py DisaggregationConfig): serve as a prefill or decode worker."""
+    if disaggregation is not None:
+        disaggregation.validate()
     from deepinfer.llm import default_model
 
     model = os.fspath(model) if model is not None else default_model()
@@ -397,7 +404,7 @@ def serve(model: str | None = None, *, host: str = "127.0.0.1", port: int = 8000
     logger.info("loading %s as %r; http://%s:%d/health answers 200 once it is ready", model, name, host, port)
     loader = threading.Thread(target=_load, name="deepinfer-load", daemon=True, args=(
         startup, server, model, name, metrics, api_key, chat_format, max_waiting_requests, max_body_bytes,
-        engine_args))
+        engine_args, disaggregation, host))
     loader.start()
     try:
         server.run()

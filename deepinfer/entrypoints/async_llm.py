@@ -19,6 +19,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from deepinfer.core.engine import NOT_DISAGGREGATED
 from deepinfer.core.request import Request, Status
 from deepinfer.entrypoints.metrics import engine_load
 from deepinfer.entrypoints.streams import RequestGroup, next_delta
@@ -49,6 +50,12 @@ class InvalidDataParallelRank(InvalidRequest):
     """A `data_parallel_rank` this instance does not have (HTTP 400 on that field)."""
 
     param = "data_parallel_rank"
+
+
+class NotDisaggregated(InvalidRequest):
+    """PD bootstrap fields sent to a worker without a prefill/decode role (HTTP 400 on bootstrap_room)."""
+
+    param = "bootstrap_room"
 
 
 class RequestIdInUse(InvalidRequest):
@@ -91,7 +98,10 @@ class _Live:
 class AsyncLLM:
     dp_size = 1  # one engine: data_parallel_rank 0 or none
 
-    def __init__(self, llm, max_waiting_requests: int = 1024, metrics=None):
+    def __init__(self, llm, max_waiting_requests: int = 1024, metrics=None, disaggregation=None,
+                 host: str = "127.0.0.1", model_dir: str = ""):
+        """`disaggregation` (kv/disagg.py DisaggregationConfig): serve `model_dir`'s model as a prefill
+        or decode worker, its bootstrap server and transfer engine on `host`."""
         if llm.engine is None:
             raise ValueError("the server runs one engine in this process; parallel layouts "
                              "(expert/data/context_parallel_size > 1) are not served yet")
@@ -108,8 +118,26 @@ class AsyncLLM:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_deadline: float | None = None
         self._stopped = False
+        if disaggregation is not None and disaggregation.enabled:
+            from deepinfer.kv.disagg import make_role
+
+            self.engine.attach_disaggregation(make_role(disaggregation, self.engine, model_dir, host,
+                                                        self.call_soon_on_engine))
         self._thread = threading.Thread(target=self._run, name="deepinfer-engine", daemon=True)
         self._thread.start()
+
+    @property
+    def disaggregation_mode(self) -> str:
+        """"prefill", "decode", or "null" (SGLang's name for a worker that does both)."""
+        return self.engine.disagg.mode if self.engine.disagg is not None else "null"
+
+    def disaggregation_stats(self) -> dict:
+        return self.engine.disagg.stats() if self.engine.disagg is not None else {"mode": "null"}
+
+    def call_soon_on_engine(self, fn) -> None:
+        """Run fn() on the engine thread, between steps (the disaggregation roles' threads change the
+        engine only this way)."""
+        self._commands.put(("call", fn))
 
     # ------------------------------------------------------------ event-loop side
     @property
@@ -126,19 +154,20 @@ class AsyncLLM:
         return [dict(self._load)]
 
     async def add(self, prompts: list[tuple], arrival: float, request_ids: list[str],
-                  data_parallel_rank: int | None = None) -> RequestGroup:
+                  data_parallel_rank: int | None = None, disagg=None) -> RequestGroup:
         """Queue every prompt of an HTTP request, or none: raises InvalidRequest (naming the
         prompt, or a subclass naming its field), QueueFull or EngineDead. If the caller is cancelled
         meanwhile, the requests are aborted again. A prompt is (token ids, SamplingParams, text or
         None) and, for a multimodal one, its MultimodalItems (the engine's process_multimodal).
-        `data_parallel_rank` may only be 0 (or None): this is one engine."""
+        `data_parallel_rank` may only be 0 (or None): this is one engine. `disagg` (kv/disagg.py
+        Bootstrap, one prompt only): the request's prefill/decode room."""
         check_data_parallel_rank(data_parallel_rank, self.dp_size)
         if not self.alive:
             raise EngineDead(self._dead_reason())
         self._loop = asyncio.get_running_loop()
         group = RequestGroup(request_ids)
         answer = self._loop.create_future()
-        self._commands.put(("add", prompts, group, arrival, answer))
+        self._commands.put(("add", prompts, group, arrival, answer, disagg))
         try:
             await answer
         except asyncio.CancelledError:
@@ -207,12 +236,14 @@ class AsyncLLM:
                 self._drain_deadline = command[1]
             elif kind == "stop":
                 self._stopped = True
+            elif kind == "call":
+                command[1]()
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
 
-    def _add(self, prompts, group: RequestGroup, arrival: float, answer: asyncio.Future) -> None:
+    def _add(self, prompts, group: RequestGroup, arrival: float, answer: asyncio.Future, disagg=None) -> None:
         try:
             if self._drain_deadline is not None or self._stopped:
                 raise EngineDead("the server is shutting down")
@@ -222,13 +253,20 @@ class AsyncLLM:
                                 f"--max-waiting-requests={self.max_waiting_requests}); retry later")
             check_request_ids_free(group.request_ids, self._live)
             prompts = [p if len(p) == 4 else (*p, None) for p in prompts]  # (ids, params, text[, mm_items])
+            if disagg is not None and self.engine.disagg is None:
+                raise NotDisaggregated(NOT_DISAGGREGATED, 0)
+            if disagg is not None and self.disaggregation_mode == "prefill":  # the prompt and first token only
+                prefill = self.engine.disagg.prefill_params
+                prompts = [(ids, prefill(params), text, mm) for ids, params, text, mm in prompts]
             for i, (ids, params, _, mm_items) in enumerate(prompts):  # all or nothing
                 try:
                     self.engine.validate_request(ids, params, mm_items=mm_items or ())
+                    if disagg is not None:
+                        self.engine.check_disaggregated(params, mm_items)
                 except ValueError as exc:
                     raise InvalidRequest(str(exc), i) from None
             for i, ((ids, params, text, mm_items), rid) in enumerate(zip(prompts, group.request_ids)):
-                req = self.engine.add_request(ids, params, text, request_id=rid, mm_items=mm_items)
+                req = self.engine.add_request(ids, params, text, request_id=rid, mm_items=mm_items, disagg=disagg)
                 req.metrics.arrival_time = arrival  # latency counts from the HTTP request, not the queue
                 stops = params.stop_strings
                 self._live[rid] = _Live(req, group, i, arrival, max(map(len, stops)) - 1 if stops else 0)

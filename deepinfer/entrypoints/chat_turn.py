@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from deepinfer.entrypoints.async_llm import EngineDead
 from deepinfer.entrypoints.chat import ChatDelta, ChatFormatError, OutputParser
-from deepinfer.entrypoints.serving import APIError, ServerState, submit
+from deepinfer.entrypoints.serving import APIError, ServerState, delta_error, submit
 from deepinfer.entrypoints.streams import Delta, RequestGroup
 from deepinfer.sampling_params import SamplingParams
 
@@ -157,7 +157,7 @@ async def parsed_deltas(turn: Turn):
     with the last one. A grammar that failed to compile is a 400 under the field it came from."""
     async for _, delta in turn.group.deltas():
         if delta.error:
-            raise APIError(400, delta.error, turn.so_field)
+            raise delta_error(delta, turn.so_field)
         parsed: ChatDelta = turn.parser.feed(delta.text)
         if delta.finished:
             parsed.extend(turn.parser.finish())

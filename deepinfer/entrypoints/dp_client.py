@@ -31,8 +31,9 @@ from multiprocessing.connection import Pipe, wait
 
 import torch
 
-from deepinfer.entrypoints.async_llm import EngineDead, InvalidRequest, QueueFull, _deliver, call_soon, \
-    check_data_parallel_rank, check_request_ids_free
+from deepinfer.core.engine import NOT_DISAGGREGATED
+from deepinfer.entrypoints.async_llm import EngineDead, InvalidRequest, NotDisaggregated, QueueFull, _deliver, \
+    call_soon, check_data_parallel_rank, check_request_ids_free
 from deepinfer.entrypoints.dp_balancer import LeastWorkBalancer
 from deepinfer.entrypoints.metrics import combine_snapshots
 from deepinfer.entrypoints.streams import RequestGroup
@@ -92,6 +93,11 @@ def _engine_configs(**engine_args):
 
 
 class DataParallelClient:
+    disaggregation_mode = "null"  # prefill/decode roles run one engine per worker (api_server refuses both)
+
+    def disaggregation_stats(self) -> dict:
+        return {"mode": "null"}
+
     def __init__(self, model: str, tokenizer=None, *, max_waiting_requests: int = 1024, metrics=None,
                  start_timeout_s: float = 600.0, **engine_args):
         from deepinfer.core.tokenizer import Tokenizer
@@ -218,9 +224,11 @@ class DataParallelClient:
             return sum(live.sent_tokens == 0 for live in self._live.values())
 
     async def add(self, prompts: list[tuple], arrival: float, request_ids: list[str],
-                  data_parallel_rank: int | None = None) -> RequestGroup:
+                  data_parallel_rank: int | None = None, disagg=None) -> RequestGroup:
         """AsyncLLM.add, on one rank: `data_parallel_rank`, or the least loaded one. Raises
         InvalidRequest (naming the prompt, or InvalidDataParallelRank), QueueFull or EngineDead."""
+        if disagg is not None:  # no prefill/decode role with several ranks (api_server refuses the pair)
+            raise NotDisaggregated(NOT_DISAGGREGATED, 0)
         pinned = check_data_parallel_rank(data_parallel_rank, self.dp_size)
         prompts = [p if len(p) == 4 else (*p, None) for p in prompts]
         for i, (*_, mm_items) in enumerate(prompts):

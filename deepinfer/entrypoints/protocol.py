@@ -57,6 +57,10 @@ class _Sampling(_Request):
     skip_special_tokens: bool = True
     # the data-parallel rank to run on (SGLang's field; smg --dp-aware adds it); none: the instance chooses
     data_parallel_rank: int | None = None
+    # prefill/decode disaggregation: smg --pd-disaggregation adds them (docs/disaggregation.md)
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None
     # accepted and ignored: they steer OpenAI's service, not the model
     user: str | None = None
     store: bool | None = None

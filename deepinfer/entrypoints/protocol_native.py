@@ -48,6 +48,10 @@ class GenerateRequest(_Request):
     sampling_params: GenerateSampling = Field(default_factory=GenerateSampling)
     stream: bool = False
     data_parallel_rank: int | None = None  # smg --dp-aware adds it
+    # prefill/decode disaggregation: smg --pd-disaggregation adds them (docs/disaggregation.md)
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None
     # smg re-serializes the body with its defaults for these; accepted and ignored (model: SGLang's
     # /generate has none, smg sends "unknown"; nothing here logs prompts or labels metrics per request)
     model: str | None = None

@@ -20,6 +20,7 @@ import anyio
 from fastapi import Request
 from starlette.responses import StreamingResponse
 
+from deepinfer.core.request import KV_TRANSFER_FAILED
 from deepinfer.entrypoints.async_llm import AsyncLLM, EngineDead, InvalidRequest, QueueFull
 from deepinfer.entrypoints.streams import Delta, RequestGroup
 from deepinfer.entrypoints.chat import ChatFormat
@@ -93,14 +94,16 @@ def engine_request_ids(n: int) -> list[str]:
 
 
 async def submit(state: ServerState, items: list[tuple], prompt_field: str, arrival: float,
-                 max_tokens_field: str, so_field: str, data_parallel_rank: int | None = None) -> RequestGroup:
-    """Queue every prompt x choice (on `data_parallel_rank` when given), mapping the engine's refusals
-    to HTTP errors."""
+                 max_tokens_field: str, so_field: str, data_parallel_rank: int | None = None,
+                 disagg=None) -> RequestGroup:
+    """Queue every prompt x choice (on `data_parallel_rank` when given; `disagg`: its prefill/decode
+    room, kv/disagg.py Bootstrap), mapping the engine's refusals to HTTP errors."""
     ids = engine_request_ids(len(items))
     logger.debug("request %s: %d engine request(s), data_parallel_rank=%s", REQUEST_ID.get(), len(ids),
                  data_parallel_rank)
     try:
-        return await state.engine.add(items, arrival, ids, data_parallel_rank=data_parallel_rank)
+        extra = {} if disagg is None else {"disagg": disagg}
+        return await state.engine.add(items, arrival, ids, data_parallel_rank=data_parallel_rank, **extra)
     except InvalidRequest as exc:
         text = str(exc)
         first = text.split(" ", 1)[0]
@@ -111,6 +114,24 @@ async def submit(state: ServerState, items: list[tuple], prompt_field: str, arri
         raise APIError(503, str(exc), None, "queue_full", "server_error") from None
     except EngineDead as exc:
         raise APIError(503, str(exc), None, "unavailable", "server_error") from None
+
+
+def bootstrap_of(body, num_requests: int):
+    """The request's prefill/decode room (kv/disagg.py Bootstrap) when a PD router sent one (its body's
+    bootstrap_host, bootstrap_port, bootstrap_room), else None."""
+    given = [name for name in ("bootstrap_host", "bootstrap_port", "bootstrap_room") if getattr(body, name) is not None]
+    if not given:
+        return None
+    if len(given) < 3:
+        missing = sorted({"bootstrap_host", "bootstrap_port", "bootstrap_room"} - set(given))
+        raise APIError(400, f"{', '.join(missing)} missing: a prefill/decode request names all three bootstrap "
+                            "fields (smg --pd-disaggregation adds them)", missing[0])
+    if num_requests != 1:
+        raise APIError(400, "a prefill/decode request carries one prompt with n=1 (one bootstrap_room); send "
+                            "the others as their own requests", "bootstrap_room")
+    from deepinfer.kv.disagg import Bootstrap
+
+    return Bootstrap(body.bootstrap_host, body.bootstrap_port, body.bootstrap_room)
 
 
 def sse(payload) -> str:
@@ -198,7 +219,15 @@ async def collect(state: ServerState, group: RequestGroup, so_field: str = "so_a
     finally:
         if not group.finished:
             state.engine.abort(group.request_ids)
-    failed = next((r.error for r in results if r.error), None)
+    failed = next((r for r in results if r.error), None)
     if failed:
-        raise APIError(400, failed, so_field)
+        raise delta_error(failed, so_field)
     return results
+
+
+def delta_error(delta, so_field: str) -> APIError:
+    """The HTTP error of a request the engine ended with an error: its grammar failed (400 on the
+    grammar's field), or its decode state never came from the prefill worker (502, an upstream fault)."""
+    if delta.stop_reason == KV_TRANSFER_FAILED:
+        return APIError(502, delta.error, None, "kv_transfer_failed", "server_error")
+    return APIError(400, delta.error, so_field)

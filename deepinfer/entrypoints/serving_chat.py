@@ -17,8 +17,8 @@ from deepinfer.entrypoints.chat_images import place_images
 from deepinfer.entrypoints.protocol import AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, \
     ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, DeltaMessage, FunctionCall, TokenLogprob, \
     ToolCallDelta, ToolCallOut, TopLogprob, UsageInfo
-from deepinfer.entrypoints.serving import REQUEST_ID, APIError, EventStream, ServerState, collect, event_stream, \
-    make_params, sse, sse_error, submit, unless_disconnected
+from deepinfer.entrypoints.serving import REQUEST_ID, APIError, EventStream, ServerState, bootstrap_of, collect, \
+    delta_error, event_stream, make_params, sse, sse_error, submit, unless_disconnected
 
 
 def _so_args(body: ChatCompletionRequest) -> tuple[dict | None, str]:
@@ -122,7 +122,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
                          top_logprobs=max(k, 1) if body.logprobs else 0, so_args=so_args, so_field=so_field,
                          logprobs_field="top_logprobs")
     group = await submit(state, [(ids, p, None, mm_items) for p in params], "messages", arrival, max_field, so_field,
-                         body.data_parallel_rank)
+                         body.data_parallel_rank, bootstrap_of(body, len(params)))
     parsers = [fmt.parser(prompt, tools is not None) for _ in params]
     rid = f"chatcmpl-{REQUEST_ID.get()}"
     if body.stream:
@@ -160,8 +160,8 @@ async def _stream(body: ChatCompletionRequest, state: ServerState, group, rid: s
     yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
                  for i in range(len(parsers))])
     async for index, delta in group.deltas():
-        if delta.error:  # its grammar did not compile in time
-            yield sse_error(APIError(400, delta.error, so_field))
+        if delta.error:  # its grammar did not compile in time, or its prefill worker failed
+            yield sse_error(delta_error(delta, so_field))
         parsed: ChatDelta = parsers[index].feed(delta.text)
         if delta.finished:
             parsed.extend(parsers[index].finish())

@@ -11,8 +11,8 @@ from fastapi.responses import JSONResponse
 from deepinfer.core.tokenizer import Tokenizer
 from deepinfer.entrypoints.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, \
     CompletionResponse, UsageInfo
-from deepinfer.entrypoints.serving import REQUEST_ID, APIError, EventStream, ServerState, collect, event_stream, \
-    make_params, sse, sse_error, submit, unless_disconnected
+from deepinfer.entrypoints.serving import REQUEST_ID, APIError, EventStream, ServerState, bootstrap_of, collect, \
+    delta_error, event_stream, make_params, sse, sse_error, submit, unless_disconnected
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 
@@ -75,7 +75,8 @@ async def create_completion(body: CompletionRequest, request: Request, state: Se
                          top_logprobs=0 if k is None else max(k, 1),
                          prompt_logprobs=k if k is not None and body.echo else None, so_args=body.so_args)
     items = [(ids, p, text) for ids, text in prompts for p in params]
-    group = await submit(state, items, "prompt", arrival, "max_tokens", "so_args", body.data_parallel_rank)
+    group = await submit(state, items, "prompt", arrival, "max_tokens", "so_args", body.data_parallel_rank,
+                         bootstrap_of(body, len(items)))
     rid = f"cmpl-{REQUEST_ID.get()}"
     writers = [LogprobWriter(tokenizer, k) if k is not None else None for _ in items]
     if body.stream:
@@ -111,8 +112,8 @@ async def _stream(body: CompletionRequest, state: ServerState, group, rid: str, 
                                       choices=[choice] if choice else [], usage=usage))
 
     async for index, delta in group.deltas():
-        if delta.error:  # its grammar did not compile in time
-            yield sse_error(APIError(400, delta.error, "so_args"))
+        if delta.error:  # its grammar did not compile in time, or its prefill worker failed
+            yield sse_error(delta_error(delta, "so_args"))
         ids, _, prompt_text = items[index]
         text, logprobs, writer = delta.text, None, writers[index]
         if not echoed[index]:  # the prompt comes first, with the first delta (which has its logprobs)

@@ -18,8 +18,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from deepinfer.entrypoints.protocol_native import GenerateRequest, GenerateSampling
-from deepinfer.entrypoints.serving import _UINT64, APIError, EventStream, ServerState, collect, event_stream, sse, \
-    sse_error, submit, unless_disconnected
+from deepinfer.entrypoints.serving import _UINT64, APIError, EventStream, ServerState, bootstrap_of, collect, \
+    delta_error, event_stream, sse, sse_error, submit, unless_disconnected
 from deepinfer.entrypoints.streams import Delta
 from deepinfer.sampling_params import SamplingParams
 
@@ -111,7 +111,7 @@ async def create_generate(body: GenerateRequest, request: Request, state: Server
     params = _params(sp, so_args, so_field)
     items = [(ids, p, text) for ids, text in prompts for p in params]
     group = await submit(state, items, field, arrival, "sampling_params.max_new_tokens", so_field,
-                         body.data_parallel_rank)
+                         body.data_parallel_rank, bootstrap_of(body, len(items)))
     prompt_tokens = [len(ids) for ids, _, _ in items]
     if body.stream:
         return EventStream(event_stream(state, group, _stream(group, prompt_tokens, sp, arrival, so_field)))
@@ -127,8 +127,8 @@ async def _stream(group, prompt_tokens: list[int], sp: GenerateSampling, arrival
     so_far = [Delta() for _ in group.request_ids]
     many = len(so_far) > 1
     async for index, delta in group.deltas():
-        if delta.error:  # its grammar did not compile in time
-            yield sse_error(APIError(400, delta.error, so_field))
+        if delta.error:  # its grammar did not compile in time, or its prefill worker failed
+            yield sse_error(delta_error(delta, so_field))
         so_far[index].merge(delta)
         out = _output(group.request_ids[index], prompt_tokens[index], so_far[index], sp.max_new_tokens, arrival)
         if many:

@@ -42,13 +42,19 @@ def server_info(state: ServerState) -> dict:
             "served_model_name": state.served_model_names[0], "version": __version__, "engine": "deepinfer",
             "tp_size": 1, "pp_size": 1, "dp_size": state.engine.dp_size,
             "load_balance_method": "least_work" if state.engine.dp_size > 1 else "none",
-            "disaggregation_mode": "null", "is_embedding": False,
+            "disaggregation_mode": state.engine.disaggregation_mode, "is_embedding": False,
+            "disaggregation": disaggregation_stats(state),
             "context_length": state.engine.engine.max_model_len,
             # per data-parallel rank, as SGLang reports them
             "max_total_num_tokens": first.get("max_total_num_tokens"),
             "max_total_tokens": first.get("max_total_num_tokens"),
             "max_running_requests": first.get("max_running_requests"),
             "internal_states": loads}
+
+
+def disaggregation_stats(state: ServerState) -> dict:
+    """The worker's prefill/decode role and its transfer counters (kv/disagg_*.py stats)."""
+    return state.engine.disaggregation_stats()
 
 
 def model_info(state: ServerState) -> dict:
@@ -76,7 +82,7 @@ def loads(state: ServerState, include: str | None) -> dict:
         if "queues" in sections:  # grammar compiles and preempted requests wait in the one queue
             entry["queues"] = {"waiting": load["num_waiting_reqs"]}
         if "disagg" in sections:
-            entry["disaggregation"] = {"mode": "null"}
+            entry["disaggregation"] = disaggregation_stats(state)
         out.append(entry)
     return {"timestamp": datetime.now(timezone.utc).isoformat(), "version": __version__,
             "dp_rank_count": len(out), "loads": out}

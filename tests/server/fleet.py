@@ -68,13 +68,15 @@ class Router:
 
 
 @contextmanager
-def running_smg(worker_urls: list[str], policy: str, *extra: str, startup_timeout: float = 60):
-    """`smg launch` over these workers; ready once it lists every one of them healthy."""
+def running_smg(worker_urls: list[str], policy: str, *extra: str, startup_timeout: float = 60,
+                worker_flags: list[str] | None = None):
+    """`smg launch` over these workers; ready once it lists every one of them healthy. `worker_flags`:
+    how smg is told of them, if not `--worker-urls` (e.g. --pd-disaggregation --prefill URL PORT --decode URL)."""
     port, metrics_port = free_port(), free_port()
     log = tempfile.NamedTemporaryFile("w", prefix="smg-", suffix=".log", delete=False)
     # health probes every second, one failure marks a worker down: a killed or draining worker leaves the
     # rotation within a second or two instead of smg's production defaults (tens of seconds)
-    cmd = [smg_binary(), "launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *worker_urls,
+    cmd = [smg_binary(), "launch", "--host", "127.0.0.1", "--port", str(port), *(worker_flags or ["--worker-urls", *worker_urls]),
            "--policy", policy, "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
            "--health-check-interval-secs", "1", "--health-failure-threshold", "1", "--log-level", "info", *extra]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,

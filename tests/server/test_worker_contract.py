@@ -74,7 +74,11 @@ def test_generate_refusals_name_the_field(server):
                         ({"text": "x", "return_logprob": True}, "return_logprob"),
                         ({"text": "x", "rid": "r1"}, "rid"),
                         ({"text": "x", "input_ids": [1]}, "text"),
-                        ({"text": "x", "data_parallel_rank": 1}, "data_parallel_rank")]:
+                        ({"text": "x", "data_parallel_rank": 1}, "data_parallel_rank"),
+                        # PD bootstrap fields: all three, and only on a prefill or decode worker
+                        ({"text": "x", "bootstrap_room": 7}, "bootstrap_host"),
+                        ({"text": "x", "bootstrap_host": "127.0.0.1", "bootstrap_port": 8998, "bootstrap_room": 7},
+                         "bootstrap_room")]:
         status, out = server.post("/generate", body)
         assert status == 400 and out["error"]["param"] == param, (body, out)
     # what smg adds to every /generate body is accepted
