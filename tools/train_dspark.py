@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 from deepinfer.backends.cpu import CpuAccelerator  # noqa: E402
 from deepinfer.core.cache import StateCache  # noqa: E402
 from deepinfer.core.loader import load_checkpoint  # noqa: E402
-from deepinfer.models.base import StepInput  # noqa: E402
+from deepinfer.models.base import FeaturesRequest, StepInput  # noqa: E402
 from deepinfer.models.deepseek_v4 import DeepseekV4Model  # noqa: E402
 from deepinfer.models.deepseek_v4.dspark import DSparkConfig, DSparkDrafter, fuse_experts, stage_names  # noqa: E402
 from deepinfer.models.registry import load_config  # noqa: E402
@@ -92,7 +92,7 @@ class Target:
         t = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
         inp = StepInput(x.flatten(), torch.arange(b), t([0] * b), t([s] * b))
         rows = torch.arange(b * s)
-        logits, feats = self.model.forward(inp, self.cache, rows, None, self.layers, rows)
+        logits, feats = self.model.forward(inp, self.cache, rows, None, FeaturesRequest(self.layers, rows))
         # forward() runs in inference mode; autograd may only see ordinary tensors
         return logits.view(b, s, -1).clone(), feats.view(b, s, len(self.layers), -1).clone()
 

@@ -148,7 +148,7 @@ def test_dspark_drafts(config):
     bound, and their log-probs / confidence logits lie within dspark_logprob / dspark_confidence.
     Measured over 115 drafted tokens each: ced10 max |d logprob| 0.13 (bound 0.44), |d confidence| 0.23
     (1.15); mini6 0.05 (0.27), 0.08 (0.46): the backbone's tie-broken picks reach the context rows."""
-    from deepinfer.models.base import StepInput
+    from deepinfer.models.base import FeaturesRequest, StepInput
     from deepinfer.models.deepseek_v41.dspark import DSparkDrafter
 
     g = load(f"e2e_{config}")
@@ -167,7 +167,7 @@ def test_dspark_drafts(config):
             cache.grow(slot, start + len(fed))
             inp = StepInput(torch.tensor(fed), torch.tensor([slot]), torch.tensor([start]), torch.tensor([len(fed)]))
             rows = torch.arange(max(0, len(fed) - drafter.ring), len(fed))
-            logits, features = m.forward(inp, cache, torch.tensor([len(fed) - 1]), None, targets, rows)
+            logits, features = m.forward(inp, cache, torch.tensor([len(fed) - 1]), None, FeaturesRequest(targets, rows))
             drafter.absorb(features, torch.full((len(rows),), slot), start + rows)
             start += len(fed)
             token = int(logits[0].argmax())
