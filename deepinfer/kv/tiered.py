@@ -294,7 +294,7 @@ class TieredKVStore:
     def _write(self, keys: list[bytes], payloads: list[torch.Tensor], events: list) -> None:
         records = [page_record.encode(self.fingerprint, k, p.numpy()) for k, p in zip(keys, payloads)]
         try:
-            self.store.batch_put([self._name(k) for k in keys], records)
+            evicted = self.store.batch_put([self._name(k) for k in keys], records)
         except Exception as exc:  # full, read-only, unreachable: the pages stay in L1 / L2 only
             self._warn_once("write", "kv_store: writing pages failed (%s); serving goes on", exc)
             with self._lock:
@@ -305,6 +305,15 @@ class TieredKVStore:
             self.stats.written_bytes += sum(len(r) for r in records)
             if self.prefix.events is not None:
                 self._events += events
+            for key in self._keys_of(evicted):
+                self._written.discard(key)  # gone from the store: a later write-back puts it again
+                if self.prefix.events is not None:
+                    kv_events.removed(self._events, key, self.store.medium)
+
+    def _keys_of(self, names: list[str]) -> list[bytes]:
+        """The page keys of this model's records among store names (`_name`'s inverse)."""
+        suffix = "-" + self.fingerprint.hex()
+        return [bytes.fromhex(n[:-len(suffix)]) for n in names if n.endswith(suffix)]
 
     def _store_size(self) -> int:
         try:

@@ -178,3 +178,32 @@ def test_evictions_from_a_small_pool_come_back_from_host_memory(tiny_model_dir, 
     want = [_run(big, [p])[0] for p in prompts]
     assert _same(got, want)
     small.close()
+
+
+def test_store_evictions_are_kv_events(tiny_model_dir, monkeypatch, tmp_path):
+    """A file store over its byte budget (file:///dir?max_bytes=N) drops its least recently used
+    records; with KV events on, every page written is a BlockStored and every record dropped a
+    BlockRemoved, both with medium DISK, so a router's view of the store matches the directory."""
+    from deepinfer.core.kv_events import BlockRemoved, BlockStored, external_hash, medium_of
+
+    path = tiny_model_dir[0]
+    docs = [_doc(300, seed=50 + i) for i in range(4)]
+    sizer = _llm(path, monkeypatch, kv_store=f"file://{tmp_path / 'sizer'}")
+    _run(sizer, docs[:1])
+    _kv(sizer)
+    sizer.close()
+    record = max(f.stat().st_size for f in (tmp_path / "sizer").rglob("*") if f.is_file())
+    llm = _llm(path, monkeypatch, kv_store=f"file://{tmp_path / 'store'}?max_bytes={3 * record}")
+    llm.engine.cache.prefix.record_events(medium_of(llm.engine.cache.device))  # as start_kv_events does
+    for d in docs:
+        _run(llm, [d])
+    stats = _kv(llm)
+    events = llm.engine.kv_store.take_events()
+    stored = [h for e in events if isinstance(e, BlockStored) and e.medium == "DISK" for h in e.block_hashes]
+    removed = [h for e in events if isinstance(e, BlockRemoved) and e.medium == "DISK" for h in e.block_hashes]
+    left = {external_hash(bytes.fromhex(f.name.split("-")[0]))
+            for f in (tmp_path / "store").rglob("*") if f.is_file()}
+    assert len(stored) == stats["written_pages"] >= 8
+    assert removed and set(removed) <= set(stored)
+    assert left == set(stored) - set(removed) and len(left) <= 3
+    llm.close()
