@@ -14,6 +14,8 @@
     TTFT p50 / p99 over all turns and throughput (requests per second; the workload is the same).
 
     python benchmarks/kv_store.py [--model deepinfer/assets/tiny-dsv41]
+    python benchmarks/kv_store.py --context 384 --pool-pages 10 \
+        --json benchmarks/results/kv_store_short_context.json     # shorter histories: replay weighs more
 
 Writes benchmarks/results/kv_store.json (and kv_store.png when matplotlib is installed). Compact
 replay (the default), drafting off (DEEPINFER_USE_NEXTN_DECODE=0: the drafter's acceptance would
@@ -235,10 +237,11 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3, help="(a) prompts measured per way")
     parser.add_argument("--conversations", type=int, default=12)
     parser.add_argument("--turns", type=int, default=5)
-    parser.add_argument("--context", type=int, default=384, help="a conversation's first prompt")
+    parser.add_argument("--context", type=int, default=1024, help="a conversation's first prompt")
     parser.add_argument("--turn-tokens", type=int, default=128, help="prompt tokens each later turn adds")
     parser.add_argument("--reply", type=int, default=16)
-    parser.add_argument("--pool-pages", type=int, default=10, help="the cache pool (L1), in pages")
+    parser.add_argument("--pool-pages", type=int, default=14,
+                        help="the cache pool (L1), in pages: one conversation's longest history fits")
     parser.add_argument("--host-bytes", type=int, default=256 << 20, help="L2's budget (holds the working set)")
     parser.add_argument("--skip-mooncake", action="store_true")
     parser.add_argument("--json", default=os.path.join("benchmarks", "results", "kv_store.json"))
@@ -250,7 +253,7 @@ def main() -> None:
 
     accel = get_accelerator(None)
     device = (torch.cuda.get_device_name() if accel.name == "nvidia" else f"{accel.name}, {torch.get_num_threads()} threads")
-    result = dict(model=args.model, device=device, args=vars(args))
+    result = dict(model=args.model, device=device, args=vars(args), load_average_before=os.getloadavg())
     result["long_prompt"] = long_prompt(args)
     print(json.dumps(result["long_prompt"], indent=1))
     rows = [multi_turn(args, "no store"), multi_turn(args, "L2", kv_host_cache_bytes=args.host_bytes)]
@@ -268,6 +271,7 @@ def main() -> None:
         r["throughput_vs_no_store"] = r["requests_per_s"] / base
         print(json.dumps(r))
     result["multi_turn"] = rows
+    result["load_average_after"] = os.getloadavg()
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(result, f, indent=2)
