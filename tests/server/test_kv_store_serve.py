@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 
 import pytest
 
-from conftest import running_server
+from conftest import REPO, running_server
 from deepinfer.core.tokenizer import Tokenizer
 from deepinfer.llm import TINY_DSV4_DIR
-from heldout import corpus
 
 PAGE = 128  # tiny-dsv4's page
 HIT = 3 * PAGE  # the prompt's cached prefix
@@ -43,7 +43,12 @@ def _complete(server, prompt: list[int]) -> tuple[list[float | None], list[str]]
 def test_a_second_server_serves_the_prefix_from_the_file_store(tmp_path):
     bos = 0
     tokenizer = Tokenizer(TINY_DSV4_DIR, bos_token_id=bos)
-    _, _, held = corpus()
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    try:
+        from train_tiny import collect_corpus  # the held-out files the shipped models never saw
+    finally:
+        sys.path.pop(0)
+    _, _, held = collect_corpus()
     doc = next(d for d in (tokenizer.encode(t) for _, t in held) if len(d) > HIT + MORE)
     prompt = [bos] + doc[:HIT + MORE - 1]
     args = ("--model", TINY_DSV4_DIR, "--kv-store", f"file://{tmp_path}", "--max-num-seqs", "2")
