@@ -124,6 +124,29 @@ class TieredKVStore:
     # ------------------------------------------------------------ L1 hooks (core/prefix_cache.py)
     def on_stored(self, keys: list[bytes], pages: list[int], new: list[int], seq) -> None:
         """Pages `new` (indices into keys / pages) of `seq` just entered the pool's prefix cache."""
+        self._write_back(keys, pages, new, seq)
+
+    def on_step(self, plan) -> None:
+        """A step finished (core/engine.py's _finish; its device work is done): write back the prompt
+        pages its chunks completed, so a long prompt's prefix reaches the page store as its prefill
+        goes, not when the request ends. Prompt pages only: a drafted output token may be rolled
+        back, a prompt token never; output pages are written on release. On a GPU the gather would
+        wait for the step running meanwhile (zero-overhead scheduling), so there pages are written
+        on release only (a side stream and pinned buffers would lift that)."""
+        if self._writes is None or self.cache.device.type != "cpu":
+            return
+        page = self.cache.page_tokens
+        for chunk, (start, _, _) in zip(plan.chunks, plan.prompt_rows):
+            req = chunk.request
+            end = min(start + chunk.num_tokens, req.num_prompt_tokens)
+            first = max(start, req.num_restored) // page  # pages restored from a hit are in the tiers
+            if req.slot is None or end // page <= first:
+                continue
+            req.page_keys = self.prefix.keys(req.page_keys, req.tokens(0, end), req.mm_spans())
+            self._write_back(req.page_keys, self.cache.slot_pages[req.slot], range(first, end // page), req)
+
+    def _write_back(self, keys: list[bytes], pages: list[int], new, seq) -> None:
+        """Copy pages `new` (indices into keys / pages) of `seq` to L2 and queue them for L3."""
         todo = [i for i in new if keys[i] not in self._written and (self.host is None or keys[i] not in self.host)]
         if not todo:
             return

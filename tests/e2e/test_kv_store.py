@@ -207,3 +207,34 @@ def test_store_evictions_are_kv_events(tiny_model_dir, monkeypatch, tmp_path):
     assert removed and set(removed) <= set(stored)
     assert left == set(stored) - set(removed) and len(left) <= 3
     llm.close()
+
+
+def test_prompt_pages_are_written_as_the_prefill_goes(tiny_model_dir, monkeypatch, tmp_path):
+    """A long prompt prefilled in chunks reaches the store page by page: while its request is still
+    decoding, a second engine on the same directory already restores the prompt's prefix from L3,
+    and computes what the first engine computes after a hit in its own pool."""
+    from deepinfer import SamplingParams as Params
+
+    path = tiny_model_dir[0]
+    store = f"file://{tmp_path}"
+    doc = _doc(700, seed=60)
+    a = _llm(path, monkeypatch, kv_store=store, max_num_seqs=1, max_num_batched_tokens=128)
+    page = a.engine.cache.page_tokens
+    req = a.engine.add_request(doc[:600], Params(temperature=0.0, ignore_eos=True, max_tokens=200))
+    while req.num_computed < req.num_prompt_tokens + 2:
+        a.engine.step()
+    assert not req.is_finished
+    assert _kv(a)["written_pages"] == 600 // page  # the prompt's full pages, before the request ends
+    b = _llm(path, monkeypatch, kv_store=store, max_num_seqs=1)
+    warm_b = _run(b, [doc[:620]])  # as many full pages as the first prompt (page 64 or 128)
+    assert _kv(b)["l3_hit_tokens"] == 600 // page * page
+    b.close()
+    a.engine.abort_request(req.request_id)
+    while a.engine.has_unfinished():
+        a.engine.step()
+    a.engine.pop_finished()
+    hit0 = a.stats()["prefix_cache_hit_tokens"]
+    warm_a = _run(a, [doc[:620]])
+    assert a.stats()["prefix_cache_hit_tokens"] - hit0 == 600 // page * page
+    assert _same(warm_b, warm_a)
+    a.close()
