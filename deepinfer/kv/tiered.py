@@ -3,7 +3,8 @@
 
 - Write-back: pages entering the pool's prefix cache (a sequence's full, computed pages, as it ends or
   is preempted) are copied to the host on the engine thread, kept in L2, and queued for a writer
-  thread that encodes them (kv/page_record.py) and puts them in L3: no step waits for the store.
+  thread that encodes them (kv/page_record.py) and puts them in L3: no step waits for the store. On
+  cpu a prompt's full pages are written the same way as soon as a finished step completes them.
 - Prefetch on admission: before the scheduler admits a request, `ready` extends its pool hit with
   pages from L2 (host -> pool copies), and if pages after those may be in L3, starts a fetch on a
   fetch thread and answers False: the request waits in the queue (others are admitted meanwhile)
