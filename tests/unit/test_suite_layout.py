@@ -1,6 +1,6 @@
 """The suite's test directories are not packages, so pytest imports each test file by its basename:
 two files with one name in different directories stop the whole run at collection ("import file
-mismatch"), which is how a merge once left CI with no test run at all."""
+mismatch"), as happened when two branches each added a test_kv_events.py."""
 
 import collections
 import pathlib
