@@ -574,6 +574,8 @@ class LLMEngine:
         """Post-process a step on the CPU (core/postprocess.py), then retire the requests it finished."""
         with self._timed("postprocess"):
             logits, tokens = plan.future.result()
+            if self.kv_store is not None:  # the prompt pages this step completed go to the page store
+                self.kv_store.on_step(plan)
             finished = self.post.step(plan, logits, tokens, self.structured)
             for req in finished:
                 self._retire(req)

@@ -98,7 +98,7 @@ def stored(keys: Sequence[bytes], new: Sequence[int], seq, page_tokens: int, med
 
 def removed(events: list, key: bytes, medium: str) -> None:
     """Record that the page keyed `key` was evicted (evictions in a row make one event)."""
-    if events and isinstance(events[-1], BlockRemoved):
+    if events and isinstance(events[-1], BlockRemoved) and events[-1].medium == medium:
         events[-1].block_hashes.append(external_hash(key))
     else:
         events.append(BlockRemoved([external_hash(key)], medium))

@@ -69,7 +69,7 @@ class FileStore:
                 pass
         return out
 
-    def batch_put(self, keys: Sequence[str], records: Sequence[bytes]) -> None:
+    def batch_put(self, keys: Sequence[str], records: Sequence[bytes]) -> list[str]:
         written = 0
         for key, record in zip(keys, records):
             path = self._path(key)
@@ -93,24 +93,29 @@ class FileStore:
                 self._bytes += written
                 over = self._bytes > self.budget
             if over:
-                self._evict()
+                return self._evict()
+        return []
 
-    def _evict(self) -> None:
-        """Delete least recently used records until the directory is at 90% of its budget."""
+    def _evict(self) -> list[str]:
+        """Delete least recently used records until the directory is at 90% of its budget; returns
+        their keys."""
         records = sorted(self._records(), key=lambda r: r[2])
         total = sum(size for _, size, _ in records)
+        evicted = []
         for path, size, _ in records:
             if total <= self.budget * 0.9:
                 break
             try:
                 os.unlink(path)
                 total -= size
-            except FileNotFoundError:
+                evicted.append(os.path.basename(path))
+            except FileNotFoundError:  # another replica evicted it
                 total -= size
             except OSError:
                 break
         with self._lock:
             self._bytes = total
+        return evicted
 
     def size_bytes(self) -> int:
         return self._bytes

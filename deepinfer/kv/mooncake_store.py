@@ -49,11 +49,12 @@ class MooncakeStore:
     def batch_get(self, keys: Sequence[str]) -> list[bytes | None]:
         return [record or None for record in self._store.get_batch(list(keys))]  # b"": missing or failed
 
-    def batch_put(self, keys: Sequence[str], records: Sequence[bytes]) -> None:
+    def batch_put(self, keys: Sequence[str], records: Sequence[bytes]) -> list[str]:
         for key, record in zip(keys, records):
             rc = self._store.put(key, record)
             if rc != 0:
                 raise StoreError(f"Mooncake put of {key} failed (error {rc}): the store is full or unreachable")
+        return []  # the master evicts; a client is not told
 
     def size_bytes(self) -> int:
         return 0  # the master's metrics endpoint has the pool's usage

@@ -8,7 +8,7 @@ counts a miss; it never returns a record it did not store (the record's checksum
 from __future__ import annotations
 
 from typing import Protocol, Sequence
-from urllib.parse import urlparse
+from urllib.parse import parse_qs, urlparse
 
 
 class StoreError(RuntimeError):
@@ -24,8 +24,10 @@ class PageStore(Protocol):
     def batch_get(self, keys: Sequence[str]) -> list[bytes | None]:
         """The records of `keys` (None where missing)."""
 
-    def batch_put(self, keys: Sequence[str], records: Sequence[bytes]) -> None:
-        """Store records; a key that exists is left as it is (its record is the same page)."""
+    def batch_put(self, keys: Sequence[str], records: Sequence[bytes]) -> list[str]:
+        """Store records; a key that exists is left as it is (its record is the same page). Returns the
+        keys of records the store dropped to make room (for KV events; [] where the backend's
+        evictions happen elsewhere, as in Mooncake's master)."""
 
     def size_bytes(self) -> int:
         """Bytes the store holds for this process's view (0 when the backend does not say)."""
@@ -33,16 +35,22 @@ class PageStore(Protocol):
     def close(self) -> None: ...
 
 
-def open_page_store(url: str, budget_bytes: int | None = None) -> PageStore:
-    """`file:///dir` (a directory: local disk, NFS, a 3FS mount) or `mooncake://host:port` (a
-    Mooncake Store master)."""
+def open_page_store(url: str) -> PageStore:
+    """`file:///dir[?max_bytes=N]` (a directory: local disk, NFS, a 3FS mount; N its byte budget) or
+    `mooncake://host:port` (a Mooncake Store master)."""
     parsed = urlparse(url)
     if parsed.scheme == "file":
         from deepinfer.kv.file_store import FileStore
 
         if not parsed.path:
             raise ValueError(f"kv_store {url!r}: a file store needs a directory, e.g. file:///var/cache/deepinfer")
-        return FileStore(parsed.path, budget_bytes)
+        query = parse_qs(parsed.query)
+        if set(query) - {"max_bytes"}:
+            raise ValueError(f"kv_store {url!r}: a file store takes only ?max_bytes=N (its byte budget)")
+        budget = query.get("max_bytes", [None])[-1]
+        if budget is not None and not (budget.isdigit() and int(budget) > 0):
+            raise ValueError(f"kv_store {url!r}: max_bytes must be a positive integer (bytes), got {budget!r}")
+        return FileStore(parsed.path, int(budget) if budget is not None else None)
     if parsed.scheme == "mooncake":
         from deepinfer.kv.mooncake_store import MooncakeStore
 

@@ -3,7 +3,8 @@
 
 - Write-back: pages entering the pool's prefix cache (a sequence's full, computed pages, as it ends or
   is preempted) are copied to the host on the engine thread, kept in L2, and queued for a writer
-  thread that encodes them (kv/page_record.py) and puts them in L3: no step waits for the store.
+  thread that encodes them (kv/page_record.py) and puts them in L3: no step waits for the store. On
+  cpu a prompt's full pages are written the same way as soon as a finished step completes them.
 - Prefetch on admission: before the scheduler admits a request, `ready` extends its pool hit with
   pages from L2 (host -> pool copies), and if pages after those may be in L3, starts a fetch on a
   fetch thread and answers False: the request waits in the queue (others are admitted meanwhile)
@@ -124,6 +125,29 @@ class TieredKVStore:
     # ------------------------------------------------------------ L1 hooks (core/prefix_cache.py)
     def on_stored(self, keys: list[bytes], pages: list[int], new: list[int], seq) -> None:
         """Pages `new` (indices into keys / pages) of `seq` just entered the pool's prefix cache."""
+        self._write_back(keys, pages, new, seq)
+
+    def on_step(self, plan) -> None:
+        """A step finished (core/engine.py's _finish; its device work is done): write back the prompt
+        pages its chunks completed, so a long prompt's prefix reaches the page store as its prefill
+        goes, not when the request ends. Prompt pages only: a drafted output token may be rolled
+        back, a prompt token never; output pages are written on release. On a GPU the gather would
+        wait for the step running meanwhile (zero-overhead scheduling), so there pages are written
+        on release only (a side stream and pinned buffers would lift that)."""
+        if self._writes is None or self.cache.device.type != "cpu":
+            return
+        page = self.cache.page_tokens
+        for chunk, (start, _, _) in zip(plan.chunks, plan.prompt_rows):
+            req = chunk.request
+            end = min(start + chunk.num_tokens, req.num_prompt_tokens)
+            first = max(start, req.num_restored) // page  # pages restored from a hit are in the tiers
+            if req.slot is None or end // page <= first:
+                continue
+            req.page_keys = self.prefix.keys(req.page_keys, req.tokens(0, end), req.mm_spans())
+            self._write_back(req.page_keys, self.cache.slot_pages[req.slot], range(first, end // page), req)
+
+    def _write_back(self, keys: list[bytes], pages: list[int], new, seq) -> None:
+        """Copy pages `new` (indices into keys / pages) of `seq` to L2 and queue them for L3."""
         todo = [i for i in new if keys[i] not in self._written and (self.host is None or keys[i] not in self.host)]
         if not todo:
             return
@@ -294,7 +318,7 @@ class TieredKVStore:
     def _write(self, keys: list[bytes], payloads: list[torch.Tensor], events: list) -> None:
         records = [page_record.encode(self.fingerprint, k, p.numpy()) for k, p in zip(keys, payloads)]
         try:
-            self.store.batch_put([self._name(k) for k in keys], records)
+            evicted = self.store.batch_put([self._name(k) for k in keys], records)
         except Exception as exc:  # full, read-only, unreachable: the pages stay in L1 / L2 only
             self._warn_once("write", "kv_store: writing pages failed (%s); serving goes on", exc)
             with self._lock:
@@ -305,6 +329,15 @@ class TieredKVStore:
             self.stats.written_bytes += sum(len(r) for r in records)
             if self.prefix.events is not None:
                 self._events += events
+            for key in self._keys_of(evicted):
+                self._written.discard(key)  # gone from the store: a later write-back puts it again
+                if self.prefix.events is not None:
+                    kv_events.removed(self._events, key, self.store.medium)
+
+    def _keys_of(self, names: list[str]) -> list[bytes]:
+        """The page keys of this model's records among store names (`_name`'s inverse)."""
+        suffix = "-" + self.fingerprint.hex()
+        return [bytes.fromhex(n[:-len(suffix)]) for n in names if n.endswith(suffix)]
 
     def _store_size(self) -> int:
         try:

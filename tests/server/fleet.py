@@ -1,7 +1,7 @@
 """deepinfer workers behind a real router on 127.0.0.1: smg (the SGLang model gateway) and
 vllm-router (its kv_aware policy fed by the workers' KV events), both from the test extra, started
 on free ports and stopped by their context managers, and a multi-turn workload whose prefix-cache
-hit rate the workers' /metrics report. Used by test_router.py, test_kv_events.py and
+hit rate the workers' /metrics report. Used by test_router.py, test_kv_aware_routing.py and
 benchmarks/router.py."""
 
 from __future__ import annotations
