@@ -1,23 +1,24 @@
 """Routing benchmark: a multi-turn chat workload (conversations sharing long system prompts, each
-turn extending its history) at several arrival rates, through smg (the SGLang model gateway) over
-two deepinfer workers with round_robin and cache_aware, and against one replica alone, in one run.
-Per leg and rate: the workers' prefix-cache hit rate (cached prompt tokens / prompt tokens, from
-their /metrics), TTFT and TPOT p50/p99 at the client, output throughput. Writes JSON (and a plot
-when matplotlib is installed).
+turn extending its history) at several arrival rates, through smg (the SGLang model gateway) with
+round_robin and cache_aware and through vllm-router with kv_aware (routing on the KV events the
+workers publish, --kv-events-config) and round_robin, over two deepinfer workers, and against one
+replica alone, in one run. Per leg and rate: the workers' prefix-cache hit rate (cached prompt
+tokens / prompt tokens, from their /metrics), TTFT and TPOT p50/p99 at the client, output
+throughput. Writes JSON (and a plot when matplotlib is installed).
 
     python benchmarks/router.py                                   # tiny-dsv4, rates 0.25,0.5,1
-    python benchmarks/router.py --rates 0.5,1,2 --conversations 12 --legs one_replica,smg_cache_aware
+    python benchmarks/router.py --rates 0.5,1,2 --conversations 12 --legs one_replica,vllm_kv_aware
 
 A rate is conversation arrivals per second (Poisson); a conversation's turns follow one another
 (the next is sent when the reply is in), so requests arrive at up to rate x turns per second.
 Every reply is greedy with `ignore_eos` and exactly --max-tokens tokens. Each leg and rate gets
 texts of its own (a tag in every message), so no run is served from another's cache; each worker
-first serves a warm-up of its own texts, outside every leg.
+first serves a warm-up of its own texts, outside every leg. Every worker publishes KV events for
+the whole run (the same workers serve every leg); each vllm-router leg starts its own router, which
+learns what is cached only from events published after it subscribed, that is from its own leg's
+texts.
 
-Legs are entries of LEGS: a context manager from the worker URLs to a base URL. A vllm-router
-`kv_aware` leg (routing on the KV events of workers started with --kv-events-config, issue 38
-item 3) belongs there: start `vllm-router --policy kv_aware --kv-event-source URL=ENDPOINT ...`
-over the workers and yield its URL.
+Legs are entries of LEGS: a context manager from the workers (URL, event ports) to a base URL.
 
 Everything runs on this machine: on a few shared cores two replicas compete with each other, the
 router and the client for the same CPUs, so their throughput cannot approach twice one replica's
@@ -34,31 +35,52 @@ import random
 import sys
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [REPO, os.path.join(REPO, "tests", "server")]  # fleet.py and the conftest it imports
-from fleet import conversations, hit_rate, prefix_counters, running_servers, running_smg  # noqa: E402
+from conftest import free_port  # noqa: E402
+from fleet import (conversations, events_config, hit_rate, prefix_counters, running_servers,  # noqa: E402
+                   running_smg, running_vllm_router)
 
 from deepinfer.llm import TINY_DSV4_DIR  # noqa: E402
 
 
-@contextmanager
-def _one_replica(urls: list[str]):
-    yield urls[0]
+@dataclass
+class Worker:
+    url: str
+    events: tuple[int, int]  # the loopback ports its KV events are published on: (PUB, replay)
 
 
 @contextmanager
-def _smg(policy: str, urls: list[str]):
-    with running_smg(urls, policy) as router:
+def _one_replica(workers: list[Worker], model: str):
+    yield workers[0].url
+
+
+@contextmanager
+def _smg(policy: str, workers: list[Worker], model: str):
+    with running_smg([w.url for w in workers], policy) as router:
         yield router.url
 
 
-# leg name -> (workers it routes over, context manager: worker URLs -> the base URL to send to)
+@contextmanager
+def _vllm_router(policy: str, workers: list[Worker], model: str):
+    sources = [w.events for w in workers] if policy == "kv_aware" else None
+    with running_vllm_router([w.url for w in workers], policy, model, sources) as router:
+        yield router.url
+
+
+# leg name -> (workers it routes over, context manager: (workers, served model name) -> the base URL to send to)
 LEGS = {
     "one_replica": (1, _one_replica),
-    "smg_round_robin": (2, lambda urls: _smg("round_robin", urls)),
-    "smg_cache_aware": (2, lambda urls: _smg("cache_aware", urls)),
+    "smg_round_robin": (2, lambda workers, model: _smg("round_robin", workers, model)),
+    "smg_cache_aware": (2, lambda workers, model: _smg("cache_aware", workers, model)),
+    "vllm_round_robin": (2, lambda workers, model: _vllm_router("round_robin", workers, model)),
+    "vllm_kv_aware": (2, lambda workers, model: _vllm_router("kv_aware", workers, model)),
 }
+# (numerator leg, denominator leg) of the TTFT p50 ratios the JSON compares at each rate: > 1 = the second is faster
+TTFT_COMPARISONS = [("smg_round_robin", "smg_cache_aware"), ("vllm_round_robin", "vllm_kv_aware"),
+                    ("smg_round_robin", "vllm_kv_aware")]
 
 
 def _percentile(values: list[float], q: float) -> float | None:
@@ -144,6 +166,25 @@ def _plot(results: dict, path: str) -> str | None:
     return path
 
 
+def _shown(path: str) -> str:
+    """A path as the JSON records it: relative to the repository when inside it (no machine's paths)."""
+    full = os.path.abspath(path)
+    return os.path.relpath(full, REPO) if full.startswith(REPO + os.sep) else path
+
+
+def _router_versions(legs: list[str]) -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for package, prefix in (("smg", "smg_"), ("vllm-router", "vllm_")):
+        if any(leg.startswith(prefix) for leg in legs):
+            try:
+                out[package] = version(package)
+            except PackageNotFoundError:
+                out[package] = None
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=TINY_DSV4_DIR)
@@ -167,34 +208,40 @@ def main(argv: list[str] | None = None) -> int:
     model = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     num_workers = max(LEGS[leg][0] for leg in legs)
     worker_args = ("--model", args.model, "--served-model-name", model, "--max-num-seqs", str(args.max_num_seqs))
+    event_ports = [(free_port(), free_port()) for _ in range(num_workers)]
     results: dict[str, list[dict]] = {}
-    with running_servers(num_workers, *worker_args) as workers:
-        urls = [w.url for w in workers]
-        for url in urls:  # a worker's first steps build its kernels and step graphs: not part of any leg
-            warm = conversations(f"warm-up {url}", 2, 1, 1, args.system_words)
-            asyncio.run(_drive(url, model, warm, 100.0, args.max_tokens, args.seed))
+    with running_servers(num_workers, *worker_args,
+                         own_args=lambda i: ("--kv-events-config", events_config(*event_ports[i]))) as servers:
+        workers = [Worker(s.url, ports) for s, ports in zip(servers, event_ports)]
+        for w in workers:  # a worker's first steps build its kernels and step graphs: not part of any leg
+            warm = conversations(f"warm-up {w.url}", 2, 1, 1, args.system_words)
+            asyncio.run(_drive(w.url, model, warm, 100.0, args.max_tokens, args.seed))
         for leg in legs:
-            used = urls[:LEGS[leg][0]]
-            with LEGS[leg][1](used) as base_url:
+            used = workers[:LEGS[leg][0]]
+            urls = [w.url for w in used]
+            with LEGS[leg][1](used, model) as base_url:
                 for rate in rates:
                     convs = conversations(f"{leg}@{rate}", args.conversations, args.turns, args.system_prompts,
                                           args.system_words, seed=args.seed)
-                    before = prefix_counters(used)
+                    before = prefix_counters(urls)
                     row = asyncio.run(_drive(base_url, model, convs, rate, args.max_tokens, args.seed))
-                    row.update(rate=rate, hit_rate=hit_rate(before, prefix_counters(used)))
+                    row.update(rate=rate, hit_rate=hit_rate(before, prefix_counters(urls)))
                     results.setdefault(leg, []).append(row)
                     print(f"{leg:16s} rate {rate:5.2f}/s  hit {row['hit_rate']:.2f}  TTFT p50 {row['ttft_p50']:.3f}s "
                           f"p99 {row['ttft_p99']:.3f}s  TPOT p50 {row['tpot_p50']:.4f}s  {row['tok_s']:.1f} tok/s",
                           flush=True)
     compare = {}
-    if "smg_round_robin" in results and "smg_cache_aware" in results:
-        compare["ttft_p50_round_robin_over_cache_aware"] = [
-            rr["ttft_p50"] / ca["ttft_p50"] for rr, ca in zip(results["smg_round_robin"], results["smg_cache_aware"])]
-    if "one_replica" in results and "smg_cache_aware" in results:
-        compare["tok_s_two_replicas_over_one"] = [
-            two["tok_s"] / one["tok_s"] for two, one in zip(results["smg_cache_aware"], results["one_replica"])]
-    report = {"config": {**vars(args), "legs": legs, "rates": rates, "cpu_count": os.cpu_count(),
-                         "load_average_at_end": os.getloadavg()},
+    for slow, fast in TTFT_COMPARISONS:
+        if slow in results and fast in results:
+            compare[f"ttft_p50_{slow}_over_{fast}"] = [
+                a["ttft_p50"] / b["ttft_p50"] for a, b in zip(results[slow], results[fast])]
+    for two_legs in ("smg_cache_aware", "vllm_kv_aware"):
+        if "one_replica" in results and two_legs in results:
+            compare[f"tok_s_{two_legs}_over_one_replica"] = [
+                two["tok_s"] / one["tok_s"] for two, one in zip(results[two_legs], results["one_replica"])]
+    report = {"config": {**vars(args), "model": _shown(args.model), "out": _shown(args.out), "legs": legs,
+                         "rates": rates, "cpu_count": os.cpu_count(), "load_average_at_end": os.getloadavg(),
+                         "routers": _router_versions(legs)},
               "results": results, "compare": compare}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:

@@ -1,13 +1,15 @@
-"""deepinfer workers behind a real router on 127.0.0.1: smg (the SGLang model gateway, from the
-`smg` package of the test extra) started on free ports and stopped by its context manager, and a
-multi-turn workload whose prefix-cache hit rate the workers' /metrics report. Used by
-test_router.py and benchmarks/router.py."""
+"""deepinfer workers behind a real router on 127.0.0.1: smg (the SGLang model gateway) and
+vllm-router (its kv_aware policy fed by the workers' KV events), both from the test extra, started
+on free ports and stopped by their context managers, and a multi-turn workload whose prefix-cache
+hit rate the workers' /metrics report. Used by test_router.py, test_kv_aware_routing.py and
+benchmarks/router.py."""
 
 from __future__ import annotations
 
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -29,9 +31,10 @@ def smg_binary() -> str:
 
 
 @contextmanager
-def running_servers(n: int, *args: str):
-    """n servers started at once (each still killed when the context ends)."""
-    managers = [running_server(*args) for _ in range(n)]
+def running_servers(n: int, *args: str, own_args=None):
+    """n servers started at once (each still killed when the context ends); `own_args(i)`: flags for
+    server i alone (e.g. its KV events' ports)."""
+    managers = [running_server(*args, *(own_args(i) if own_args else ())) for i in range(n)]
     with ExitStack() as stack, ThreadPoolExecutor(n) as pool:
         futures = [pool.submit(m.__enter__) for m in managers]
         servers, failure = [], None
@@ -44,7 +47,6 @@ def running_servers(n: int, *args: str):
         if failure is not None:
             raise failure
         yield servers
-
 
 
 @dataclass
@@ -64,7 +66,7 @@ class Router:
 
     def log(self) -> str:
         with open(self.log_path, errors="replace") as f:
-            return f.read()
+            return re.sub(r"\x1b\[[0-9;]*m", "", f.read())  # vllm-router colours its log even without a tty
 
 
 @contextmanager
@@ -96,6 +98,60 @@ def running_smg(worker_urls: list[str], policy: str, *extra: str, startup_timeou
         yield router
     finally:
         stop_process(proc, log, 15)
+
+
+def vllm_router_binary() -> str:
+    """vllm-router next to this Python (the test extra installs it)."""
+    here = os.path.join(os.path.dirname(sys.executable), "vllm-router")
+    if not os.path.exists(here):
+        raise RuntimeError("vllm-router is not installed: pip install -e '.[test]' (PyPI `vllm-router`)")
+    return here
+
+
+def events_config(port: int, replay_port: int) -> str:
+    """A worker's --kv-events-config: vLLM's ZMQ publisher on these loopback ports."""
+    return json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{port}",
+                       "replay_endpoint": f"tcp://127.0.0.1:{replay_port}", "topic": ""})
+
+
+@contextmanager
+def running_vllm_router(worker_urls: list[str], policy: str, model: str,
+                        event_sources: list[tuple[int, int]] | None = None, startup_timeout: float = 60):
+    """vllm-router over these workers; `event_sources`: per worker, the (event port, replay port) its
+    --kv-events-config publishes on, which kv_aware subscribes to (block size: the prefix cache's page,
+    model: the served name). Ready once it subscribed to every source and answers /health."""
+    from deepinfer.core.model_runner import PAGE_TOKENS
+
+    port = free_port()
+    log = tempfile.NamedTemporaryFile("w", prefix="vllm-router-", suffix=".log", delete=False)
+    cmd = [vllm_router_binary(), "--worker-urls", *worker_urls, "--policy", policy, "--host", "127.0.0.1",
+           "--port", str(port), "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+           "--log-level", "debug"]
+    if event_sources:
+        cmd += ["--kv-event-block-size", str(PAGE_TOKENS), "--kv-event-model", model]
+        for url, (ev, rp) in zip(worker_urls, event_sources):
+            cmd += ["--kv-event-source", f"{url}=tcp://127.0.0.1:{ev}",
+                    "--kv-event-replay-source", f"{url}=tcp://127.0.0.1:{rp}"]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, "NO_COLOR": "1", "RUST_LOG_STYLE": "never"})
+    router = Router(f"http://127.0.0.1:{port}", proc, log.name)
+    try:
+        def subscribed():
+            if proc.poll() is not None:
+                raise AssertionError(f"vllm-router exited with {proc.returncode}:\n{router.log()}")
+            return all(f"kv_index subscriber for {url} rank0 on" in router.log()
+                       for url in worker_urls[:len(event_sources or [])])
+
+        def up():
+            try:
+                return subscribed() and http(router.url + "/health", timeout=2)[0] == 200
+            except OSError:
+                return False
+        wait_until(up, startup_timeout, "vllm-router to subscribe to the workers' events and answer /health",
+                   interval=0.2)
+        yield router
+    finally:
+        stop_process(proc, log, 10)
 
 
 # ------------------------------------------------------------------ the multi-turn workload

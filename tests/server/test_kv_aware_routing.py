@@ -7,66 +7,19 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import re
-import subprocess
-import sys
-import tempfile
 import time
 from contextlib import ExitStack, contextmanager
 
 import pytest
 
-from conftest import SHIPPED, free_port, http, running_server, stop, wait_until
+from conftest import SHIPPED, free_port, http, running_server, wait_until
 from deepinfer import SamplingParams
+from deepinfer.core.model_runner import PAGE_TOKENS
 from deepinfer.llm import default_model
+from fleet import events_config, running_vllm_router
 from kv_event_client import EventClient, events
 
-PAGE = 128
-ROUTER = os.path.join(os.path.dirname(sys.executable), "vllm-router")
-
-
-def _events_config(port: int, replay_port: int) -> str:
-    return json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{port}",
-                       "replay_endpoint": f"tcp://127.0.0.1:{replay_port}", "topic": ""})
-
-
-@contextmanager
-def _router(workers: list[tuple[str, int, int]]):
-    """vllm-router, kv_aware, subscribed to each (url, event port, replay port); yields (url, log path)."""
-    port = free_port()
-    log = tempfile.NamedTemporaryFile("w", prefix="vllm-router-", suffix=".log", delete=False)
-    args = [ROUTER, "--worker-urls", *[w for w, _, _ in workers], "--policy", "kv_aware", "--host", "127.0.0.1",
-            "--port", str(port), "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
-            "--kv-event-block-size", str(PAGE), "--kv-event-model", SHIPPED, "--log-level", "debug"]
-    for url, ev, rp in workers:
-        args += ["--kv-event-source", f"{url}=tcp://127.0.0.1:{ev}", "--kv-event-replay-source",
-                 f"{url}=tcp://127.0.0.1:{rp}"]
-    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, "NO_COLOR": "1", "RUST_LOG_STYLE": "never"})
-    try:
-        def text() -> str:
-            with open(log.name) as f:
-                return re.sub(r"\x1b\[[0-9;]*m", "", f.read())
-
-        def subscribed():
-            if proc.poll() is not None:
-                raise AssertionError(f"vllm-router exited with {proc.returncode}:\n{text()}")
-            return all(f"kv_index subscriber for {url} rank0 on" in text() for url, _, _ in workers)
-        wait_until(subscribed, 60, "vllm-router to subscribe to both workers' events", interval=0.2)
-        wait_until(lambda: _up(f"http://127.0.0.1:{port}"), 60, "vllm-router to answer /health", interval=0.2)
-        yield f"http://127.0.0.1:{port}", text
-    finally:
-        stop(proc, grace=10)
-        log.close()
-        os.unlink(log.name)
-
-
-def _up(url: str) -> bool:
-    try:
-        return http(url + "/health", timeout=2)[0] == 200
-    except OSError:
-        return False
+PAGE = PAGE_TOKENS  # the prefix cache's page: the events' block size
 
 
 def _looked_up(server) -> float:
@@ -81,10 +34,11 @@ def _hits(server) -> float:
 def test_vllm_router_kv_aware_sends_each_prompt_to_the_worker_that_cached_its_prefix():
     ports = [(free_port(), free_port()) for _ in range(2)]
     with ExitStack() as stack:
-        workers = [stack.enter_context(running_server("--max-num-seqs", "4", "--kv-events-config", _events_config(*p)))
+        workers = [stack.enter_context(running_server("--max-num-seqs", "4", "--kv-events-config", events_config(*p)))
                    for p in ports]
         subs = [stack.enter_context(_closing(EventClient(f"tcp://127.0.0.1:{ev}"))) for ev, _ in ports]
-        url, router_log = stack.enter_context(_router([(w.url, *p) for w, p in zip(workers, ports)]))
+        router = stack.enter_context(running_vllm_router([w.url for w in workers], "kv_aware", SHIPPED, ports))
+        url, router_log = router.url, router.log
         # two long prefixes (3+ pages each), each computed on one worker directly, behind the router's back:
         # it learns where they are cached only from the events
         doc = "the quick brown fox jumps over the lazy dog. " * 40
@@ -141,7 +95,7 @@ def test_each_data_parallel_rank_publishes_its_own_events():
 
     port, replay = _consecutive_free_ports(), _consecutive_free_ports()
     client = DataParallelClient(default_model(), data_parallel_size=2, max_num_seqs=4,
-                                max_num_batched_tokens=64, kv_events_config=_events_config(port, replay))
+                                max_num_batched_tokens=64, kv_events_config=events_config(port, replay))
     subs = []
     try:
         subs = [EventClient(f"tcp://127.0.0.1:{port + r}", f"tcp://127.0.0.1:{replay + r}") for r in range(2)]
