@@ -233,7 +233,7 @@ class LLMEngine:
         """Run one step (_step); returns the requests that finished in it. The step's KV events
         go out as one batch."""
         finished = self._step()
-        if self.disagg is not None:  # decode worker: pages freed by this step may admit requests whose prompt ran elsewhere
+        if self.disagg is not None:  # decode: pages freed by this step may admit requests whose prompt ran elsewhere
             self.disagg.admit_arriving()
         self._publish_kv_events()
         return finished
