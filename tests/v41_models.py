@@ -45,7 +45,7 @@ def new_cache(m, max_seqs: int = 8, max_step_tokens: int = 512, max_model_len: i
 
 def page_rows(meta, rate: int, entries: torch.Tensor) -> torch.Tensor:
     """Entry indices [n, k] (-1 none) of the step's single sequence -> rows of its pages."""
-    rows = meta.rows["all"]["entries"][rate][-1]  # the last token sees every entry of the step
+    rows = meta.rows["all"].entries[rate][-1]  # the last token sees every entry of the step
     return torch.where(entries >= 0, rows[entries.clamp(min=0)], -1)
 
 
@@ -81,7 +81,7 @@ def run_block(m, config: str, layer: int, recorded_picks: bool = False,
         state.picks[role.index_source] = (meta.all, page_rows(meta, role.rate, torch.where(picks >= 0, picks - n, -1)))
     if role.reindex:
         mask = g[f"L{layer}.state_in.candidates"][0]  # padded as the step's candidate rows are
-        width = meta.rows["all"]["entries"][role.rate].shape[1]
+        width = meta.rows["all"].entries[role.rate].shape[1]
         state.candidates = (meta.all, torch.nn.functional.pad(mask, (0, width - mask.shape[1])))
     return _block(m, g, meta, layer, state, recorded_picks, pre_in)
 

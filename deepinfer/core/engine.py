@@ -15,26 +15,23 @@ from deepinfer import envs
 from deepinfer.backends.base import Accelerator
 from deepinfer.core import memory
 from deepinfer.core.config import EngineConfig
-from deepinfer.core.kv_events import KVEventsConfig, medium_of
+from deepinfer.core.disaggregated import DisaggregatedRequests, check_disaggregated
+from deepinfer.core.kv_events import KVEventsConfig
 from deepinfer.core.loader import load_checkpoint
 from deepinfer.core.model_runner import ModelRunner
 from deepinfer.core.postprocess import PostProcessor
 from deepinfer.core.prefix_replay import OFF, BoundedReplay
-from deepinfer.core.request import KV_TRANSFER_FAILED, Request, validate_request
+from deepinfer.core.request import Request, validate_request
 from deepinfer.core.sampler import Sampler
 from deepinfer.core.scheduler import ScheduledChunk, Scheduler
 from deepinfer.core.speculative.decoder import SpecDecoder
 from deepinfer.core.step_plan import Done, StepPlan, StepStats
 from deepinfer.core.tokenizer import IncrementalDetokenizer, Tokenizer
+from deepinfer.kv.tiered import open_kv_store
 from deepinfer.models.base import ParallelContext
 from deepinfer.models.registry import load_config
 
 logger = logging.getLogger("deepinfer")
-
-NOT_DISAGGREGATED = ("bootstrap_room: this worker is not disaggregated; start it with --disaggregation-mode prefill or "
-                     "decode (docs/disaggregation.md), or send the request without bootstrap_host, bootstrap_port and "
-                     "bootstrap_room")
-
 
 class LLMEngine:
     def __init__(self, model_dir: str | os.PathLike, accel: Accelerator, config: EngineConfig,
@@ -74,8 +71,8 @@ class LLMEngine:
         if self.spec is not None:
             self.spec.start(self.runner, config.max_num_batched_tokens)
         replay = BoundedReplay.from_env(self.model.replay_window, self.cache)
-        self.kv_store = self._open_kv_store(model_dir, tokenizer, dtype, replay) \
-            if config.kv_store or config.kv_host_cache_bytes else None
+        # the tiers below the cache pool (kv/tiered.py): host memory, a page store
+        self.kv_store = open_kv_store(self.cache, config, model_dir, tokenizer, dtype, restores=replay.mode != OFF)
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens, replay,
                                    self.kv_store)
         self.sampler = Sampler(accel, cfg.vocab_size, cfg.eos_token_ids)
@@ -93,46 +90,25 @@ class LLMEngine:
         self.num_encoded_items = 0  # multimodal items (images) run through the model's encoder
         self.timeline: collections.defaultdict[str, float] = collections.defaultdict(float)  # seconds per phase
         self.kv_events = None  # core/kv_event_publisher.py's KVEventPublisher while KV events are published
-        # prefill/decode disaggregation (kv/disagg.py): the worker's role, None when it runs prompts and decodes
-        self.disagg = None
-        self.held: dict[str, Request] = {}  # prefill: finished requests whose slot and pages decode has not taken
-        self.arriving: collections.deque[Request] = collections.deque()  # decode: waiting for a slot and pages
-        self.receiving: dict[str, Request] = {}  # decode: slot and pages reserved, state on its way from prefill
+        # prefill/decode disaggregation (core/disaggregated.py), None when this worker runs prompts and decodes
+        self.disagg: DisaggregatedRequests | None = None
         if config.kv_events is not None:
             self.start_kv_events(config.kv_events)
-
-    def _open_kv_store(self, model_dir, tokenizer, dtype, replay: BoundedReplay):
-        """The tiers below the cache pool (deepinfer/kv): host memory, a page store."""
-        from deepinfer.kv.fingerprint import model_fingerprint
-        from deepinfer.kv.page_store import open_page_store
-        from deepinfer.kv.tiered import TieredKVStore
-
-        if self.cache.prefix is None:
-            raise ValueError("kv_store / kv_host_cache_bytes: this model keeps no paged decode state, so it has no "
-                             "prefix pages to store; leave them out")
-        config = self.engine_config
-        fingerprint = model_fingerprint(model_dir, tokenizer, self.cache.spec, self.cache.page_tokens, dtype)
-        store = open_page_store(config.kv_store) if config.kv_store else None
-        return TieredKVStore(self.cache, fingerprint, store, config.kv_host_cache_bytes,
-                             restores=replay.mode != OFF)
 
     def start_kv_events(self, config: KVEventsConfig) -> None:
         """Publish the prefix cache's KV events as `config` says, one batch per step (core/kv_events.py)."""
         from deepinfer.core.kv_event_publisher import KVEventPublisher
 
-        if self.cache.prefix is None:
-            raise ValueError("kv_events_config: this model keeps no paged decode state, so it has no prefix cache "
-                             "whose pages could be reported; leave kv_events_config out")
         if self.kv_events is not None:
             raise RuntimeError("KV events are already published by this engine")
-        self.kv_events = KVEventPublisher(config)
-        self.cache.prefix.record_events(medium_of(self.cache.device))
+        self.kv_events = KVEventPublisher.of_cache(config, self.cache)
 
     def attach_disaggregation(self, role) -> None:
         """Serve as a prefill or decode worker (kv/disagg.py make_role builds `role` for this engine)."""
         if self.disagg is not None:
             raise RuntimeError("this engine already has a disaggregation role")
-        self.disagg = role
+        self.disagg = DisaggregatedRequests(role, self.cache, self.scheduler, self.post, self._retire,
+                                            self._publish_kv_events)
 
     def _publish_kv_events(self) -> None:
         if self.kv_events is not None:
@@ -181,7 +157,7 @@ class LLMEngine:
         after its first token; on a decode worker, the prefill worker that runs its prompt."""
         self.validate_request(prompt_token_ids, params, mm_items=mm_items or ())
         if disagg is not None:
-            self.check_disaggregated(params, mm_items)
+            check_disaggregated(self.disagg, params, mm_items)
         req = Request(prompt_token_ids, params, prompt, request_id, mm_items)
         req.disagg = disagg
         if req.request_id in self.requests:
@@ -192,29 +168,19 @@ class LLMEngine:
         if params.bad_words:
             req.bad_words_ids = self.tokenizer.bad_words_ids(params.bad_words)
         self.requests[req.request_id] = req
-        if disagg is not None and self.disagg.mode == "decode":  # its prompt runs on the prefill worker
-            self.arriving.append(req)
-            self._admit_arriving()
-        elif params.so_args is not None:  # structured outputs: reaches the scheduler once its grammar is ready
+        if disagg is not None and self.disagg.add(req):  # decode: its prompt runs on the prefill worker
+            return req
+        if params.so_args is not None:  # structured outputs: reaches the scheduler once its grammar is ready
             self._structured().submit(req)
         else:
             self.scheduler.add(req)
         return req
 
-    def check_disaggregated(self, params, mm_items) -> None:
-        """Raise a clear ValueError for a request this worker cannot serve across prefill and decode."""
-        if self.disagg is None:
-            raise ValueError(NOT_DISAGGREGATED)
-        if params.so_args is not None or params.adjusts_logits or mm_items:
-            raise ValueError("a disaggregated request takes plain sampling (temperature, top_p, top_k, seed, stop, "
-                             "max_tokens): structured outputs, penalties, logit_bias, bad_words and images are not "
-                             "served across prefill and decode yet; send it to a colocated worker")
-
     def abort_request(self, request_id: str) -> None:
         req = self.requests.get(request_id)
         if req is None or req.is_finished:
             return
-        if req.disagg is not None and self._abort_disaggregated(req):
+        if req.disagg is not None and self.disagg.abort(req):
             return
         if self.structured is not None:  # structured outputs
             self.structured.discard(req)
@@ -224,73 +190,6 @@ class LLMEngine:
         self.scheduler.finish(req)
         req.finish("abort")
         self._publish_kv_events()  # its pages entered the cache: the engine may be idle until the next step
-
-    def _abort_disaggregated(self, req: Request) -> bool:
-        """Abort a request of a disaggregated worker; True when it is done with (no scheduler state)."""
-        if self.disagg.mode == "prefill":
-            self.disagg.dropped(req)  # still prefilling: decode hears of it now, not at its timeout
-            return False
-        if req in self.arriving:  # nothing reserved yet
-            self.arriving.remove(req)
-        elif req.request_id in self.receiving:  # pages are freed once prefill can no longer write into them
-            self.disagg.cancel(req)
-        else:  # decoding here: a plain abort
-            return False
-        req.finish("abort")
-        return True
-
-    def release_held(self, request_id: str) -> None:
-        """Prefill: decode has the request's state (or will never take it): free its slot and pages."""
-        req = self.held.pop(request_id, None)
-        if req is not None:
-            self.scheduler.release(req)
-            self._publish_kv_events()
-
-    def _admit_arriving(self) -> None:
-        """Decode: reserve a slot and pages for each arriving request while they fit, and ask its
-        prefill worker for its state. Leading pages this cache already holds for the prompt are kept
-        (not asked for): the prompt's paged state is a function of its tokens."""
-        cache = self.cache
-        while self.arriving and cache.num_free_slots:
-            req = self.arriving[0]
-            prompt = req.num_prompt_tokens
-            cached = []
-            if cache.prefix is not None:
-                req.page_keys = cache.prefix.keys(req.page_keys, req.tokens(0, prompt), req.mm_spans())
-                cached = cache.prefix.match(req.page_keys[:prompt // cache.page_tokens])
-            if not cache.can_admit(cached, prompt):
-                return
-            self.arriving.popleft()
-            req.slot = cache.allocate_slot(cached)
-            cache.grow(req.slot, prompt)
-            req.num_computed = len(cached) * cache.page_tokens  # what holds valid state (a release caches it)
-            self.receiving[req.request_id] = req
-            self.disagg.receive(req, list(cache.slot_pages[req.slot]), len(cached))
-
-    def kv_arrived(self, request_id: str, result: dict | None, error: str | None) -> None:
-        """Decode: prefill's answer for a receiving request (`result`: first token, logprobs, bytes), or
-        why there is none. The request then decodes here, or fails with `error`."""
-        req = self.receiving.pop(request_id, None)
-        if req is None:
-            return
-        if req.is_finished or error is not None:
-            self.scheduler.release(req)
-            if not req.is_finished:
-                req.finish("abort", KV_TRANSFER_FAILED, error=error)
-            self._admit_arriving()
-            return
-        req.num_computed = req.num_prompt_tokens
-        token = result["first_token"]
-        req.output_token_ids.append(token)
-        if req.output_logprobs is not None and result.get("logprobs"):
-            req.output_logprobs.append({int(t): v for t, v in result["logprobs"].items()})
-        req.metrics.first_token_time = req.metrics.first_scheduled_time = time.perf_counter()
-        self.post.check_stop(req, token)
-        if req.is_finished:
-            self._retire(req)
-        else:
-            self.scheduler.resume(req)
-        self._admit_arriving()
 
     def close(self) -> None:
         """Finish the step in flight and stop the worker thread and the KV event publisher."""
@@ -334,8 +233,8 @@ class LLMEngine:
         """Run one step (_step); returns the requests that finished in it. The step's KV events
         go out as one batch."""
         finished = self._step()
-        if self.arriving:  # decode worker: pages freed by this step may admit requests whose prompt ran elsewhere
-            self._admit_arriving()
+        if self.disagg is not None:  # decode: pages freed by this step may admit requests whose prompt ran elsewhere
+            self.disagg.admit_arriving()
         self._publish_kv_events()
         return finished
 
@@ -432,12 +331,8 @@ class LLMEngine:
         if self.spec is not None:
             self.spec.forget(req.request_id)
         self.sampler.release(req)
-        if req.disagg is not None and req.slot is not None and self.disagg is not None \
-                and self.disagg.mode == "prefill":
-            self.scheduler.detach(req)  # its slot and pages stay until decode has them (release_held)
-            self.held[req.request_id] = req
-            self.disagg.hold(req)
-            return
+        if req.disagg is not None and self.disagg is not None and self.disagg.hold(req):
+            return  # prefill: its slot and pages stay until decode has them
         self.scheduler.finish(req)
 
     def _needs_sync(self) -> bool:

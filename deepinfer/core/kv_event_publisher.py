@@ -25,7 +25,7 @@ from collections import deque
 import msgpack
 import zmq
 
-from deepinfer.core.kv_events import AllBlocksCleared, KVEventsConfig
+from deepinfer.core.kv_events import AllBlocksCleared, KVEventsConfig, medium_of
 
 logger = logging.getLogger("deepinfer")
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
@@ -66,6 +66,16 @@ class KVEventPublisher:
         logger.info("KV events: publishing on %s%s (data-parallel rank %d)", config.endpoint,
                     f", replay on {config.replay_endpoint}" if config.replay_endpoint else "",
                     config.data_parallel_rank)
+
+    @classmethod
+    def of_cache(cls, config: KVEventsConfig, cache) -> "KVEventPublisher":
+        """A publisher of `cache`'s prefix-cache events as `config` says; the cache records them from now on."""
+        if cache.prefix is None:
+            raise ValueError("kv_events_config: this model keeps no paged decode state, so it has no prefix cache "
+                             "whose pages could be reported; leave kv_events_config out")
+        publisher = cls(config)
+        cache.prefix.record_events(medium_of(cache.device))
+        return publisher
 
     def publish(self, events: list) -> None:
         """Queue one step's events as a batch (called by the engine thread; returns at once)."""

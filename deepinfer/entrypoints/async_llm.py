@@ -19,7 +19,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from deepinfer.core.engine import NOT_DISAGGREGATED
+from deepinfer.core.disaggregated import NOT_DISAGGREGATED, check_disaggregated
 from deepinfer.core.request import Request, Status
 from deepinfer.entrypoints.metrics import engine_load
 from deepinfer.entrypoints.streams import RequestGroup, next_delta
@@ -132,7 +132,7 @@ class AsyncLLM:
         return self.engine.disagg.mode if self.engine.disagg is not None else "null"
 
     def disaggregation_stats(self) -> dict:
-        return self.engine.disagg.stats() if self.engine.disagg is not None else {"mode": "null"}
+        return self.engine.disagg.role.stats() if self.engine.disagg is not None else {"mode": "null"}
 
     def call_soon_on_engine(self, fn) -> None:
         """Run fn() on the engine thread, between steps (the disaggregation roles' threads change the
@@ -256,13 +256,13 @@ class AsyncLLM:
             if disagg is not None and self.engine.disagg is None:
                 raise NotDisaggregated(NOT_DISAGGREGATED, 0)
             if disagg is not None and self.disaggregation_mode == "prefill":  # the prompt and first token only
-                prefill = self.engine.disagg.prefill_params
+                prefill = self.engine.disagg.role.prefill_params
                 prompts = [(ids, prefill(params), text, mm) for ids, params, text, mm in prompts]
             for i, (ids, params, _, mm_items) in enumerate(prompts):  # all or nothing
                 try:
                     self.engine.validate_request(ids, params, mm_items=mm_items or ())
                     if disagg is not None:
-                        self.engine.check_disaggregated(params, mm_items)
+                        check_disaggregated(self.engine.disagg, params, mm_items)
                 except ValueError as exc:
                     raise InvalidRequest(str(exc), i) from None
             for i, ((ids, params, text, mm_items), rid) in enumerate(zip(prompts, group.request_ids)):

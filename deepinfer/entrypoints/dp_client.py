@@ -31,7 +31,7 @@ from multiprocessing.connection import Pipe, wait
 
 import torch
 
-from deepinfer.core.engine import NOT_DISAGGREGATED
+from deepinfer.core.disaggregated import NOT_DISAGGREGATED
 from deepinfer.entrypoints.async_llm import EngineDead, InvalidRequest, NotDisaggregated, QueueFull, _deliver, \
     call_soon, check_data_parallel_rank, check_request_ids_free
 from deepinfer.entrypoints.dp_balancer import LeastWorkBalancer

@@ -3,10 +3,10 @@ here (pages this side's prefix cache already holds are kept and not asked for), 
 to write, wait for the state and the first token, then decode as if the prompt had run here.
 
 A fetch thread per request talks to prefill's bootstrap server (kv/bootstrap.py); its outcome goes
-back to the engine thread (`engine.kv_arrived`), which alone touches the cache. The wait is bounded
-by the transfer timeout; a prefill that dies or refuses fails the request with the reason and frees
-its slot and pages. A cancelled request is freed only after prefill has confirmed that no write into
-its pages is in flight (or cannot be reached)."""
+back to the engine thread (`engine.disagg.kv_arrived`, core/disaggregated.py), which alone touches
+the cache. The wait is bounded by the transfer timeout; a prefill that dies or refuses fails the
+request with the reason and frees its slot and pages. A cancelled request is freed only after
+prefill has confirmed that no write into its pages is in flight (or cannot be reached)."""
 
 from __future__ import annotations
 
@@ -86,7 +86,7 @@ class DecodeRole:
             with self.lock:
                 self.counters["failed"] += 1
                 self.receiving -= 1
-            self.post(lambda: self.engine.kv_arrived(rid, None, error))
+            self.post(lambda: self.engine.disagg.kv_arrived(rid, None, error))
             return
         with self.lock:
             c = self.counters
@@ -97,7 +97,7 @@ class DecodeRole:
             c["segments"] += answer["segments"]
             c["seconds"] += answer["seconds"]
             self.receiving -= 1
-        self.post(lambda: self.engine.kv_arrived(rid, answer, None))
+        self.post(lambda: self.engine.disagg.kv_arrived(rid, answer, None))
 
     def _cancel(self, rid: str, source) -> None:
         try:
@@ -105,7 +105,7 @@ class DecodeRole:
                  timeout=self.config.transfer_timeout + 5)
         except BootstrapError as exc:  # prefill unreachable: no write can come from it either
             logger.info("request %s: cancel at prefill: %s", rid, exc)
-        self.post(lambda: self.engine.kv_arrived(rid, None, "cancelled"))
+        self.post(lambda: self.engine.disagg.kv_arrived(rid, None, "cancelled"))
 
     # ------------------------------------------------------------ reports
     def stats(self) -> dict:

@@ -62,7 +62,7 @@ class PrefillRole:
         return dataclasses.replace(params, max_tokens=1, min_tokens=0)
 
     def hold(self, req) -> None:
-        """`req` finished its first token; the engine keeps its slot and pages for us (engine.held)."""
+        """`req` finished its first token; the engine keeps its slot and pages for us (core/disaggregated.py)."""
         pages = list(self.cache.slot_pages[req.slot])
         held = {"rid": req.request_id, "slot": req.slot, "pages": pages, "prompt_tokens": req.num_prompt_tokens,
                 "first_token": req.output_token_ids[0] if req.output_token_ids else None,
@@ -191,7 +191,7 @@ class PrefillRole:
                 return
             room.released = True
             rid = room.held["rid"]
-        self.post(lambda: self.engine.release_held(rid))
+        self.post(lambda: self.engine.disagg.release_held(rid))
 
     def _reap(self) -> None:
         """Rooms past the transfer timeout fail (and free what they hold); answered ones are dropped."""

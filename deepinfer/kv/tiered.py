@@ -31,7 +31,8 @@ from deepinfer.core import kv_events
 from deepinfer.core.cache import StateCache
 from deepinfer.kv import page_record
 from deepinfer.kv.host_cache import HostCache
-from deepinfer.kv.page_store import PageStore
+from deepinfer.kv.fingerprint import model_fingerprint
+from deepinfer.kv.page_store import PageStore, open_page_store
 
 logger = logging.getLogger("deepinfer")
 
@@ -368,3 +369,18 @@ class TieredKVStore:
             self.store.close()
             self._writer = None
         self.prefix.lower_tier = None
+
+
+def open_kv_store(cache: StateCache, config, model_dir, tokenizer, dtype: torch.dtype,
+                  restores: bool) -> TieredKVStore | None:
+    """The tiers below `cache`'s pool that the engine's `config` asks for (kv_store: a page store URL,
+    kv_host_cache_bytes: host memory), None when it asks for neither. `restores`: whether bounded
+    replay rebuilds the window state after a hit (else lookups are skipped)."""
+    if not (config.kv_store or config.kv_host_cache_bytes):
+        return None
+    if cache.prefix is None:
+        raise ValueError("kv_store / kv_host_cache_bytes: this model keeps no paged decode state, so it has no "
+                         "prefix pages to store; leave them out")
+    fingerprint = model_fingerprint(model_dir, tokenizer, cache.spec, cache.page_tokens, dtype)
+    store = open_page_store(config.kv_store) if config.kv_store else None
+    return TieredKVStore(cache, fingerprint, store, config.kv_host_cache_bytes, restores=restores)

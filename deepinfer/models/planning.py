@@ -5,8 +5,20 @@ only what is its own (its layer kinds, compressed entries, attention lists)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
+
+from deepinfer.models.base import StepData
+
+
+@dataclass(slots=True)
+class RopeTables(StepData):
+    """cos/sin of every token's position, for the window's RoPE and the compressed entries'."""
+
+    main: tuple[np.ndarray, np.ndarray]
+    compress: tuple[np.ndarray, np.ndarray]
 
 
 def arange_within(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -12,8 +12,8 @@ import torch
 from deepinfer.models.base import (CacheSpec, DecodeCache, Pool, PoolSpec, StepData, StepInput, size_bucket,
                                    to_device)
 from deepinfer.models.deepseek_v4.config import CSA, DeepseekV4Config
-from deepinfer.models.planning import (OwnedRows, arange_within, commit_rows, decode_tokens, first_step_ids,
-                                      per_step, ring_rows)
+from deepinfer.models.planning import (OwnedRows, RopeTables, arange_within, commit_rows, decode_tokens,
+                                      first_step_ids, per_step, ring_rows)
 
 
 def cache_spec(cfg: DeepseekV4Config, margin: int) -> CacheSpec:
@@ -116,14 +116,6 @@ def _wrapped_window(ring: int, window: int) -> np.ndarray:
     table = (np.arange(ring)[:, None] + np.arange(-(window - 1), 1)) % ring
     table.flags.writeable = False
     return table
-
-
-@dataclass(slots=True)
-class RopeTables(StepData):
-    """cos/sin of every token's position, for the window's RoPE and the compressed entries'."""
-
-    main: tuple[np.ndarray, np.ndarray]
-    compress: tuple[np.ndarray, np.ndarray]
 
 
 @dataclass(slots=True)

@@ -65,8 +65,8 @@ class StepState:
         if source is rows or rows.tokens is None:
             return t
         if source.tokens is None:
-            return t[rows.dev["tokens"]]
-        index = torch.searchsorted(source.dev["flat"], rows.dev["flat"])
+            return t[rows.dev.tokens]
+        index = torch.searchsorted(source.dev.flat, rows.dev.flat)
         return t[index]
 
 
@@ -256,11 +256,11 @@ class DeepseekV41Model(CausalLM):
     @staticmethod
     def _local_rows(rows: Rows, flat: torch.Tensor) -> torch.Tensor:
         """Flat token indices -> positions within `rows` (which must hold them)."""
-        flat = flat.to(rows.dev["flat"].device)
+        flat = flat.to(rows.dev.flat.device)
         if rows.tokens is None:
             return flat
-        at = torch.searchsorted(rows.dev["flat"], flat)
-        if bool((at >= rows.count).any()) or not torch.equal(rows.dev["flat"][at.clamp(max=rows.count - 1)], flat):
+        at = torch.searchsorted(rows.dev.flat, flat)
+        if bool((at >= rows.count).any()) or not torch.equal(rows.dev.flat[at.clamp(max=rows.count - 1)], flat):
             raise RuntimeError("a requested row was not computed by the decoder layers (CED split)")
         return at
 
@@ -270,15 +270,15 @@ class DeepseekV41Model(CausalLM):
         role, view, dev = cfg.roles[i], meta.cache.layers[i], rows.dev
         p = f"layers.{i}.attn."
         n, heads, hd = h.shape[0], cfg.num_attention_heads, cfg.head_dim
-        cos, sin = dev["rope"]["compress" if role.rate else "main"]
+        cos, sin = dev.rope.compress if role.rate else dev.rope.main
         qr = self.norm(self.qlinear(h, w[p + "wq_a.weight"]), w[p + "q_norm.weight"])
         q = self.rope(self.qlinear(qr, w[p + "wq_b.weight"]).view(n, heads, hd), cos, sin)
         kv = self.norm(self.qlinear(h, w[p + "wkv.weight"]), w[p + "kv_norm.weight"])
         kv = ops.fp8_qdq(self.rope(kv, cos, sin), ACT_BLOCK)
         pool = view.pool  # every rank writes the keys of every row (context parallelism gathers them)
-        pool.data[pool.scratch_base + rows.write.dev["flat"]] = rows.gather(kv).to(pool.data.dtype)
+        pool.data[pool.scratch_base + rows.write.dev.flat] = rows.gather(kv).to(pool.data.dtype)
         ring_offset = view.member * meta.cache.ring
-        window, in_ring = dev["window"][view.members]
+        window, in_ring = dev.window[view.members]
         indices = window + in_ring * ring_offset
         if role.rate:
             if role.owns_kv:
@@ -288,7 +288,7 @@ class DeepseekV41Model(CausalLM):
             indices = torch.cat([indices, torch.where(picks >= 0, picks + pool.page_base, picks)], dim=1)
         out = bf16(ops.sparse_attention_bf16(q, pool.data, indices, w[p + "attn_sink"], hd ** -0.5))
         out = self.rope(out, cos, sin, inverse=True)
-        src, dst = rows.write.dev["commit"][view.members]
+        src, dst = rows.write.dev.commit[view.members]
         pool.data.index_copy_(0, dst + ring_offset, pool.data.index_select(0, src))
         out = bf16(ops.grouped_linear(out.reshape(n, cfg.o_groups, heads * hd // cfg.o_groups), w[p + "wo_a.weight"]))
         return self.qlinear(out.flatten(1), w[p + "wo_b.weight"])
@@ -303,27 +303,27 @@ class DeepseekV41Model(CausalLM):
         info = meta.writes[role.rate]
         p = f"layers.{i}.attn.compressor."
         if role.rate == 1 and rows.split is None:
-            latent = bf16(ops.linear(h[info["tok_rows"]], w[p + "wkv.weight"]))
+            latent = bf16(ops.linear(h[info.tok_rows], w[p + "wkv.weight"]))
         elif role.rate == 1:
-            latent = rows.gather(bf16(ops.linear(h, w[p + "wkv.weight"])))[info["tok_rows"]]
+            latent = rows.gather(bf16(ops.linear(h, w[p + "wkv.weight"])))[info.tok_rows]
         else:  # stage every token's [kv | gate], pool each finished pair with a per-channel softmax
             ring = view.compressor.data
             staged = torch.cat([ops.linear(h, w[p + "wkv.weight"]), ops.linear(h, w[p + "wgate.weight"])], dim=-1)
-            ring[info["scratch"] + meta.rows["all"]["flat"]] = rows.gather(staged).to(ring.dtype)
-            raw = ring[info["tok_rows"].clamp(min=0)].float()
+            ring[info.scratch + meta.rows["all"].flat] = rows.gather(staged).to(ring.dtype)
+            raw = ring[info.tok_rows.clamp(min=0)].float()
             latent = bf16(ops.compress_windows(raw[..., :cfg.head_dim], raw[..., cfg.head_dim:]))
-            src, dst = info["commit"]
+            src, dst = info.commit
             ring.index_copy_(0, dst, ring.index_select(0, src))
         if not latent.shape[0]:
             return
         latent = self.norm(latent, w[p + "norm.weight"])
-        cos, sin = info["cos_sin"]
+        cos, sin = info.cos_sin
         x = f"layers.{i}.attn.indexer."
         keys = self.norm(bf16(ops.linear(latent, w[x + "wk.weight"])), w[x + "k_norm.weight"])
         keys = ops.fp4_qdq(self.rope(keys, cos, sin), 32)
-        view.index_keys.data[view.index_keys.page_base + info["out_rows"]] = keys.to(view.index_keys.data.dtype)
+        view.index_keys.data[view.index_keys.page_base + info.out_rows] = keys.to(view.index_keys.data.dtype)
         entries = ops.fp4_qdq(self.rope(latent, cos, sin), 16, e4m3_scale=True)
-        view.pool.data[view.pool.page_base + info["out_rows"]] = entries.to(view.pool.data.dtype)
+        view.pool.data[view.pool.page_base + info.out_rows] = entries.to(view.pool.data.dtype)
 
     def _picks(self, i: int, h: torch.Tensor, qr: torch.Tensor, rows: Rows, state: StepState) -> torch.Tensor:
         """An index source's top-k entries per token (page rows, -1 = none), published for its readers."""
@@ -331,14 +331,14 @@ class DeepseekV41Model(CausalLM):
         role, view, dev = cfg.roles[i], rows.meta.cache.layers[i], rows.dev
         x = f"layers.{i}.attn.indexer."
         heads, dim = cfg.index_n_heads, cfg.index_head_dim
-        cos, sin = dev["rope"]["compress"]
+        cos, sin = dev.rope.compress
         q = ops.fp4_qdq(self.rope(self.qlinear(qr, w[x + "wq_b.weight"]).view(h.shape[0], heads, dim), cos, sin), 32)
         weights = bf16(bf16(ops.linear(h, w[x + "weights_proj.weight"])) * (dim ** -0.5 * heads ** -0.5))
-        candidates = dev["entries"][role.rate]
+        candidates = dev.entries[role.rate]
         keys = view.index_keys.data[view.index_keys.page_base:]
         scores = ops.indexer_scores(q, weights, keys, candidates)
         if role.candidates:
-            mask = select_candidate_blocks(scores, dev["visible"][role.rate], cfg.candidate_topk_blocks,
+            mask = select_candidate_blocks(scores, dev.visible[role.rate], cfg.candidate_topk_blocks,
                                            cfg.candidate_block_size)
             state.candidates = (rows, mask)
         elif role.reindex:
@@ -346,7 +346,7 @@ class DeepseekV41Model(CausalLM):
             # index_topk attends every one, candidate or not (its top-k runs past the finite scores into
             # all the -inf rest); the others pick among candidates only (config.py refuses the configs
             # where one could see fewer candidates than index_topk, but more entries).
-            keep = state.gather(state.candidates, rows) | (dev["visible"][role.rate] <= cfg.index_topk)[:, None]
+            keep = state.gather(state.candidates, rows) | (dev.visible[role.rate] <= cfg.index_topk)[:, None]
             scores = scores.masked_fill(~keep, float("-inf"))
         picks = topk_picks(scores, candidates, cfg.index_topk)
         state.picks[i] = (rows, picks)
@@ -356,7 +356,7 @@ class DeepseekV41Model(CausalLM):
     def _of_rows(mask: torch.Tensor | None, rows: Rows) -> torch.Tensor | None:
         """A per-token tensor of the whole step, for the tokens of `rows` (the CED split's subset, or this
         rank's share under context parallelism)."""
-        return mask if mask is None or rows.tokens is None else mask[rows.dev["tokens"]]
+        return mask if mask is None or rows.tokens is None else mask[rows.dev.tokens]
 
     # ------------------------------------------------------------ MoE
     def _moe(self, i: int, h: torch.Tensor, image: torch.Tensor | None = None) -> torch.Tensor:
@@ -388,10 +388,10 @@ class DeepseekV41Model(CausalLM):
         classes = self.engram.classes(meta.ids)
         if image is not None:
             classes = torch.where(image, DEAD, classes)
-        pool.data[pool.scratch_base + dev["flat"], 0] = classes
-        back = dev["engram"]
+        pool.data[pool.scratch_base + dev.flat, 0] = classes
+        back = dev.engram
         history = torch.where(back >= 0, pool.data[back.clamp(min=0), 0], torch.full_like(back, self.engram.pad))
-        src, dst = dev["engram_commit"]
+        src, dst = dev.engram_commit
         pool.data.index_copy_(0, dst, pool.data.index_select(0, src))
         grams = torch.cat([classes.unsqueeze(1), history], dim=1)
         if self.config.vision is not None:

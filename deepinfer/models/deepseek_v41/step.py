@@ -18,10 +18,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from deepinfer.models.base import (CacheSpec, DecodeCache, Pool, PoolSpec, StepInput, size_bucket, step_inputs,
-                                   to_device, with_step_tensors)
+from deepinfer.models.base import (CacheSpec, DecodeCache, Pool, PoolSpec, StepData, StepInput, size_bucket,
+                                   step_inputs, to_device, with_step_tensors)
 from deepinfer.models.deepseek_v41.config import DeepseekV41Config
-from deepinfer.models.planning import arange_within, commit_rows, ring_rows
+from deepinfer.models.planning import RopeTables, arange_within, commit_rows, ring_rows
 
 
 def kv_groups(cfg: DeepseekV41Config) -> dict[int, list[int]]:
@@ -97,6 +97,35 @@ class CacheView:
 
 _MIN_ENTRIES = 64  # compressed entries a token's candidate row holds at least (fewer decode buckets)
 
+RowPair = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(slots=True)
+class RowTensors(StepData):
+    """A Rows' device tensors (StepMeta.rows[key]); the fields after `flat` only where the Rows
+    plans queries (`rope`..`visible`) or Engram's look-back (`engram`, `engram_commit`: every token's)."""
+
+    commit: dict[int, RowPair]  # ring members per slot -> (scratch rows, member-0 ring rows) the ring keeps
+    tokens: torch.Tensor | None  # flat token indices of the set (None: every token)
+    flat: torch.Tensor  # the set's flat token rows
+    rope: RopeTables | None = None  # cos/sin at each token's position
+    window: dict[int, RowPair] | None = None  # ring members -> (window key rows, in the ring) per token
+    entries: dict[int, torch.Tensor] | None = None  # rate -> [n, M] page rows of the entries a token may see
+    visible: dict[int, torch.Tensor] | None = None  # rate -> entries visible to each token
+    engram: torch.Tensor | None = None  # [n, ngram - 1] ring rows of the classes of positions p - 1, p - 2, ...
+    engram_commit: RowPair | None = None  # (scratch rows, ring rows) of the classes the ring keeps
+
+
+@dataclass(slots=True)
+class EntryWrites(StepData):
+    """The compressed entries the KV sources of one rate finish in a step (StepMeta.writes[rate])."""
+
+    out_rows: torch.Tensor  # page row of each entry (relative to the page region; unfinished: the trash page)
+    cos_sin: RowPair  # RoPE at each entry's position
+    tok_rows: torch.Tensor  # rows of each entry's tokens (ratio 1: flat rows; ratio 2: the staging ring)
+    commit: RowPair | None = None  # ratio 2: (scratch rows, ring rows) the staging ring keeps
+    scratch: int | None = None  # ratio 2: the staging ring's first scratch row
+
 
 class Rows:
     """The index arrays of a set of the step's tokens (all of them, or the decoder's subset under the
@@ -110,6 +139,8 @@ class Rows:
     share of its rows and writes the keys of all of them. The share is a Rows whose `write` is the whole
     set (which then plans only what writes need: `queries` False) and whose `split` gathers every
     rank's rows of the set; in one process a Rows is its own `write` set and `gather` returns its input."""
+
+    dev: RowTensors
 
     def __init__(self, meta: "StepMeta", key: str, tokens: np.ndarray | None, floor: np.ndarray | None,
                  queries: bool = True):
@@ -133,8 +164,7 @@ class Rows:
         if not queries:
             self.dev = self._to_device(cache.device)
             return
-        self.rope = {"main": cfg.rope_main.cos_sin(self.positions),
-                     "compress": cfg.rope_compress.cos_sin(self.positions)}
+        self.rope = RopeTables(cfg.rope_main.cos_sin(self.positions), cfg.rope_compress.cos_sin(self.positions))
         # window keys oldest first, absent ones (-1) last: the order of DeepSeek's prefill index lists,
         # which decides what falls in each 64-index block of the online softmax
         pos = self.key_positions(cfg.sliding_window - 1)
@@ -170,21 +200,20 @@ class Rows:
         rows = meta.cache.cache.page_rows(pool, meta.slots[self.seq][:, None], j)
         return np.where(j < visible[:, None], rows, -1)
 
-    def _to_device(self, device: torch.device) -> dict:
+    def _to_device(self, device: torch.device) -> RowTensors:
         move = functools.partial(to_device, device=device)
 
-        out = {"commit": {m: tuple(map(move, v)) for m, v in self.commit.items()},
-               "tokens": None if self.tokens is None else move(self.tokens),
-               "flat": move(self.flat)}
+        out = RowTensors({m: tuple(map(move, v)) for m, v in self.commit.items()},
+                         None if self.tokens is None else move(self.tokens), move(self.flat))
         if self.queries:
-            out |= {"rope": {k: tuple(map(move, v)) for k, v in self.rope.items()},
-                    "window": {m: tuple(map(move, v)) for m, v in self.window.items()},
-                    "entries": {r: move(v) for r, v in self.entries.items()},
-                    "visible": {r: move(v) for r, v in self.visible.items()}}
+            out.rope = self.rope.mapped(move)
+            out.window = {m: tuple(map(move, v)) for m, v in self.window.items()}
+            out.entries = {r: move(v) for r, v in self.entries.items()}
+            out.visible = {r: move(v) for r, v in self.visible.items()}
         if hasattr(self, "engram"):
-            out["engram"] = move(self.engram)
+            out.engram = move(self.engram)
         if hasattr(self, "engram_commit"):
-            out["engram_commit"] = tuple(map(move, self.engram_commit))
+            out.engram_commit = tuple(map(move, self.engram_commit))
         self.meta.rows[self.key] = out
         return out
 
@@ -195,7 +224,7 @@ class BoundRows:
     recorded step with another step's metadata (core/graphs.with_step_tensors swaps the tensors of
     StepMeta.rows, not those a Rows holds), so the forward reads tensors only through these."""
 
-    def __init__(self, rows: Rows, tensors: dict, bound: dict):
+    def __init__(self, rows: Rows, tensors: dict[str, RowTensors], bound: dict):
         self.rows, self.dev = rows, tensors[rows.key]
         bound[rows.key] = self
         self.write = self if rows.write is rows else bound.get(rows.write.key) or BoundRows(rows.write, tensors, bound)
@@ -236,7 +265,7 @@ class StepMeta:
         # read the block table now: overlapped scheduling may hand a freed page to another request
         # context parallelism: `split` (deepinfer/parallel) says which rows this rank computes
         self.split = split
-        self.rows: dict[str, dict] = {}  # each Rows' device tensors, by its key
+        self.rows: dict[str, RowTensors] = {}  # each Rows' device tensors, by its key
         self.all = Rows(self, "all", None, self.floor, queries=split is None)  # every token: the keys written
         self.encoder = self.all if split is None else self._share(self.all, split, "encoder")  # computed here
         self.decoder = self.encoder  # split_decoder: the decoder layers' rows under the CED split
@@ -262,7 +291,7 @@ class StepMeta:
         plans = [cls(StepInput(inp.ids, inp.slots, inp.starts + s, inp.lens), cache, config, split)
                  for s in range(steps)]
         for rate in plans[0].rates:
-            entries = [p.rows["all"]["entries"] for p in plans]
+            entries = [p.rows["all"].entries for p in plans]
             width = max(e[rate].shape[1] for e in entries)
             for e in entries:
                 e[rate] = torch.nn.functional.pad(e[rate], (0, width - e[rate].shape[1]), value=-1)
@@ -287,7 +316,7 @@ class StepMeta:
         return commit_rows(rows.positions, self.ends[rows.seq], rows.flat, self.slots[rows.seq], ring,
                            self.cache.ring_slots, members)
 
-    def _entry_writes(self, rate: int) -> dict:
+    def _entry_writes(self, rate: int) -> EntryWrites:
         """The compressed entries finished in this step (KV sources of `rate`): their page rows, the rows
         of their tokens (ratio 1: the step's flat row; ratio 2: the staging ring), RoPE at each entry's
         position (entry j stands for position j * rate)."""
@@ -305,23 +334,21 @@ class StepMeta:
         out_rows = self.cache.cache.page_rows(pool, self.slots[seq], entry)
         if finished is not None:
             out_rows = np.where(finished, out_rows, self.cache.cache.trash_page * pool.page_rows)
-        info = {"out_rows": out_rows, "cos_sin": self.config.rope_compress.cos_sin(entry * rate)}
+        cos_sin = self.config.rope_compress.cos_sin(entry * rate)
+        commit = scratch = None
         if rate > 1:
             ring = rate + self.cache.ring - self.config.sliding_window  # rate + rollback margin
             tok_pos = entry[:, None] * rate + np.arange(rate)
-            info["tok_rows"] = self.ring_rows(tok_pos, seq[:, None], ring, 1)[0]
+            tok_rows = self.ring_rows(tok_pos, seq[:, None], ring, 1)[0]
             if finished is not None:
-                info["tok_rows"] = np.where(finished[:, None], info["tok_rows"], -1)
-            info["commit"] = self.commit(ring, 1, self.all)
-            info["scratch"] = self.cache.ring_slots * ring
+                tok_rows = np.where(finished[:, None], tok_rows, -1)
+            commit = self.commit(ring, 1, self.all)
+            scratch = self.cache.ring_slots * ring
         else:
-            info["tok_rows"] = self.first[seq] + (entry - self.starts[seq])
-        device = self.cache.device
-
-        move = functools.partial(to_device, device=device)
-
-        return {k: (tuple(map(move, v)) if isinstance(v, tuple) else v if isinstance(v, int) else move(v))
-                for k, v in info.items()}
+            tok_rows = self.first[seq] + (entry - self.starts[seq])
+        move = functools.partial(to_device, device=self.cache.device)
+        return EntryWrites(move(out_rows), tuple(map(move, cos_sin)), move(tok_rows),
+                           None if commit is None else tuple(map(move, commit)), scratch)
 
     def split_decoder(self, logit_rows: torch.Tensor, mode: str, keep: int) -> None:
         """The CED split (model.py's doc): the decoder layers run on each long chunk's last `keep` rows
