@@ -8,6 +8,9 @@ token's result must not depend on the rest of its batch.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -308,6 +311,26 @@ def test_a_failed_build_warns_and_keeps_the_reference(monkeypatch, tmp_path):
     monkeypatch.setattr(cpp_extension, "load", no_compiler)
     with pytest.warns(RuntimeWarning, match="command not found.*DEEPINFER_CPU_KERNELS=0"):
         assert kernels._try_load(str(tmp_path)) is False
+
+
+def test_a_build_killed_midway_does_not_hang_the_next_one(tmp_path):
+    """torch's loader leaves its `lock` file behind when the process holding it dies; a later load of
+    that directory used to wait on it forever (a CI run hung its whole limit so). A build directory
+    with such a file, as a killed first compile leaves it, still builds and loads, in a process
+    given a deadline so that this test fails instead of hanging."""
+    source = tmp_path / "tiny.cpp"
+    source.write_text('extern "C" int deepinfer_tiny() { return 7; }\n')
+    build = tmp_path / "build"
+    build.mkdir()
+    (build / "lock").touch()  # the dead builder's baton
+    script = ("import ctypes, os, sys\n"
+              "from deepinfer.backends.cpu.extension_build import load_extension\n"
+              f"load_extension({str(build)!r}, name='tiny', sources=[{str(source)!r}], is_python_module=False)\n"
+              f"print(ctypes.CDLL(os.path.join({str(build)!r}, 'tiny.so')).deepinfer_tiny())\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "7"
+    assert not (build / "lock").exists()
 
 
 @pytest.mark.parametrize("seed", range(3))

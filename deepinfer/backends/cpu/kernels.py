@@ -33,6 +33,7 @@ import torch
 from deepinfer import envs
 from deepinfer.backends import reference as ops
 from deepinfer.backends.cpu import quant_kernels as quant
+from deepinfer.backends.cpu.extension_build import load_extension
 
 _HERE = os.path.dirname(__file__)
 _SOURCES = [os.path.join(_HERE, name) for name in ("fused_ops.cpp", "quant_ops.cpp", "sampling_ops.cpp", "pool_ops.cpp")]
@@ -75,14 +76,12 @@ def load() -> bool:
 
 
 def _try_load(path: str) -> bool:
-    from torch.utils import cpp_extension
-
     built = os.path.exists(os.path.join(path, "deepinfer_cpu_kernels.so"))
     if not built:
         print("deepinfer: compiling the cpu backend's C++ kernels (once, ~30 s)...", file=sys.stderr, flush=True)
     try:
-        cpp_extension.load(name="deepinfer_cpu_kernels", sources=_SOURCES, extra_cflags=_FLAGS,
-                           extra_ldflags=["-fopenmp"], build_directory=path, is_python_module=False, verbose=False)
+        load_extension(path, name="deepinfer_cpu_kernels", sources=_SOURCES, extra_cflags=_FLAGS,
+                       extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except Exception as exc:  # no compiler, no ninja, a broken toolchain: the reference ops still work
         warnings.warn(f"deepinfer: the cpu C++ kernels could not be built ({type(exc).__name__}: "
                       f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}); using the reference "

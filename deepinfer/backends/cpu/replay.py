@@ -36,6 +36,7 @@ import torch
 
 from deepinfer.backends.base import Const, Instruction, ReplayError, Var
 from deepinfer.backends.cpu import kernels
+from deepinfer.backends.cpu.extension_build import load_extension
 
 _HERE = os.path.dirname(__file__)
 _SOURCE = os.path.join(_HERE, "replay.cpp")
@@ -62,14 +63,12 @@ def load():
 
 
 def _build():
-    from torch.utils import cpp_extension
-
     path = kernels.build_dir("replay", [_SOURCE])
     if not os.path.exists(os.path.join(path, "deepinfer_cpu_replay.so")):
         print("deepinfer: compiling the cpu backend's step replay (once, ~40 s)...", file=sys.stderr, flush=True)
     try:
-        return cpp_extension.load(name="deepinfer_cpu_replay", sources=[_SOURCE], extra_cflags=["-O2"],
-                                  build_directory=path, verbose=False)
+        return load_extension(path, name="deepinfer_cpu_replay", sources=[_SOURCE], extra_cflags=["-O2"],
+                              verbose=False)
     except Exception as exc:  # no compiler: steps run eagerly, op by op
         warnings.warn(f"deepinfer: the cpu step replay could not be built ({type(exc).__name__}); steps run "
                       "op by op", RuntimeWarning, stacklevel=3)
