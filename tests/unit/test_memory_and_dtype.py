@@ -16,6 +16,7 @@ from deepinfer.backends.cpu import CpuAccelerator
 from deepinfer.core import memory
 from deepinfer.core.engine import EngineConfig
 from deepinfer.llm import TINY_DSV4_DIR, TINY_DSV41_DIR
+from benchmark_modules import benchmarks_importable
 
 GiB = 1 << 30
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -173,12 +174,8 @@ def _v4_upstream_fp4(path) -> None:
     """benchmarks/real_shapes.py's V4-Flash writer at small widths: per-expert FP4 w1 / w3 / w2
     (ue8m0 scales per 32) in the file of their layer's FP8 and bf16 tensors."""
     pytest.importorskip("transformers", reason="the writer takes V4's config from transformers")
-    saved = list(sys.path)  # the benchmark puts the repository on sys.path: not for other tests
-    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
-    try:
+    with benchmarks_importable():
         import real_shapes
-    finally:
-        sys.path[:] = saved
     real_shapes.write_checkpoint(path, real_shapes.Shapes(
         hidden=512, heads=8, head_dim=128, q_rank=256, o_groups=2, o_rank=256, experts=128, inter=1024, vocab=4096,
         index_heads=16, index_dim=128, experts_per_shard=0))

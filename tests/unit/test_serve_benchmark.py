@@ -3,16 +3,20 @@ arguments, its figures from the client's records, its greedy comparison and the 
 on a fake run whose two "servers" stream known text at known times."""
 
 import json
-import os
-import sys
 
 import pytest
+from benchmark_modules import benchmarks_importable
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+with benchmarks_importable():
+    import serve
+    import serve_peer
 
-import serve  # noqa: E402
-import serve_peer  # noqa: E402
+
+@pytest.fixture(autouse=True)
+def _benchmarks_importable():
+    """The scripts import their siblings lazily (serve_peer: peers, real_shapes) during a test."""
+    with benchmarks_importable():
+        yield
 
 
 def _parse(argv):
