@@ -134,6 +134,13 @@ class AsyncLLM:
     def disaggregation_stats(self) -> dict:
         return self.engine.disagg.role.stats() if self.engine.disagg is not None else {"mode": "null"}
 
+    def kv_transfer_params(self, room: int) -> dict:
+        """A prefill worker's vLLM-style kv_transfer_params for the request it keeps in `room`."""
+        from deepinfer.entrypoints.kv_transfer_params import answer
+
+        role = self.engine.disagg.role
+        return answer(role.host, role.server.port, role.transport.session_id, room)
+
     def call_soon_on_engine(self, fn) -> None:
         """Run fn() on the engine thread, between steps (the disaggregation roles' threads change the
         engine only this way)."""

@@ -61,6 +61,14 @@ class _Sampling(_Request):
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
     bootstrap_room: int | None = None
+    # vLLM's prefill/decode protocol (vllm-router --vllm-pd-disaggregation): {"do_remote_decode": true} asks a
+    # prefill worker to keep the prompt's state for a decode worker, whose request then carries the
+    # kv_transfer_params the prefill's response returned ({"do_remote_prefill": true, "remote_host", ...})
+    kv_transfer_params: dict | None = None
+    # SGLang's fields, which vllm-router writes into the completions and chat bodies it forwards: accepted
+    # at the values that mean what deepinfer does (stop strings trimmed, no hidden states returned)
+    no_stop_trim: Literal[False] = False
+    return_hidden_states: Literal[False] = False
     # accepted and ignored: they steer OpenAI's service, not the model
     user: str | None = None
     store: bool | None = None
@@ -159,13 +167,11 @@ class ChatCompletionRequest(_Sampling):
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: str | None = None
     # SGLang's chat fields, which vllm-router writes into every chat body it forwards: accepted at the
-    # values that mean what deepinfer does (stop strings trimmed, reasoning parsed out and streamed)
-    no_stop_trim: Literal[False] = False
+    # values that mean what deepinfer does (reasoning parsed out and streamed)
     continue_final_message: Literal[False] = False
     separate_reasoning: Literal[True] = True
     stream_reasoning: Literal[True] = True
     include_reasoning: Literal[True] = True
-    return_hidden_states: Literal[False] = False
 
 
 # ------------------------------------------------------------------ responses
@@ -197,6 +203,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+    kv_transfer_params: dict | None = None  # a prefill worker's answer to {"do_remote_decode": true} (vLLM's)
 
 
 class TopLogprob(BaseModel):
@@ -250,6 +257,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    kv_transfer_params: dict | None = None  # a prefill worker's answer to {"do_remote_decode": true} (vLLM's)
 
 
 class DeltaMessage(BaseModel):

@@ -116,10 +116,25 @@ async def submit(state: ServerState, items: list[tuple], prompt_field: str, arri
         raise APIError(503, str(exc), None, "unavailable", "server_error") from None
 
 
-def bootstrap_of(body, num_requests: int):
-    """The request's prefill/decode room (kv/disagg.py Bootstrap) when a PD router sent one (its body's
-    bootstrap_host, bootstrap_port, bootstrap_room), else None."""
+def bootstrap_of(body, num_requests: int, state: ServerState):
+    """The request's prefill/decode room (kv/disagg.py Bootstrap) when a PD router sent one: SGLang's
+    bootstrap_host, bootstrap_port and bootstrap_room (smg --pd-disaggregation), or vLLM's
+    kv_transfer_params (vllm-router --vllm-pd-disaggregation; entrypoints/kv_transfer_params.py); else None."""
+    from deepinfer.entrypoints import kv_transfer_params as vllm_pd
+
     given = [name for name in ("bootstrap_host", "bootstrap_port", "bootstrap_room") if getattr(body, name) is not None]
+    kv = getattr(body, "kv_transfer_params", None)
+    if vllm_pd.requested(kv):
+        if given:
+            raise APIError(400, "kv_transfer_params (vLLM's prefill/decode protocol) and bootstrap_host/port/room "
+                                "(SGLang's) both name a room: send one of them", "kv_transfer_params")
+        if num_requests != 1:
+            raise APIError(400, "a prefill/decode request carries one prompt with n=1; send the others as their "
+                                "own requests", "kv_transfer_params")
+        try:
+            return vllm_pd.room_of(kv, state.engine.disaggregation_mode, bool(getattr(body, "stream", False)))
+        except vllm_pd.KVTransferError as exc:
+            raise APIError(400, str(exc), exc.param) from None
     if not given:
         return None
     if len(given) < 3:
@@ -132,6 +147,16 @@ def bootstrap_of(body, num_requests: int):
     from deepinfer.kv.disagg import Bootstrap
 
     return Bootstrap(body.bootstrap_host, body.bootstrap_port, body.bootstrap_room)
+
+
+def kv_transfer_answer(body, state: ServerState, room) -> dict | None:
+    """What a prefill worker's response carries for vLLM's decode worker (kv_transfer_params), else None."""
+    from deepinfer.entrypoints import kv_transfer_params as vllm_pd
+
+    kv = getattr(body, "kv_transfer_params", None)
+    if room is None or not vllm_pd.requested(kv) or not kv.get("do_remote_decode"):
+        return None
+    return state.engine.kv_transfer_params(room.room)
 
 
 def sse(payload) -> str:

@@ -18,7 +18,7 @@ from deepinfer.entrypoints.protocol import AssistantMessage, ChatChoice, ChatChu
     ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, DeltaMessage, FunctionCall, TokenLogprob, \
     ToolCallDelta, ToolCallOut, TopLogprob, UsageInfo
 from deepinfer.entrypoints.serving import REQUEST_ID, APIError, EventStream, ServerState, bootstrap_of, collect, \
-    delta_error, event_stream, make_params, sse, sse_error, submit, unless_disconnected
+    delta_error, event_stream, kv_transfer_answer, make_params, sse, sse_error, submit, unless_disconnected
 
 
 def _so_args(body: ChatCompletionRequest) -> tuple[dict | None, str]:
@@ -121,8 +121,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     params = make_params(body, body.n, max_tokens=max_tokens, max_tokens_field=max_field,
                          top_logprobs=max(k, 1) if body.logprobs else 0, so_args=so_args, so_field=so_field,
                          logprobs_field="top_logprobs")
+    room = bootstrap_of(body, len(params), state)
     group = await submit(state, [(ids, p, None, mm_items) for p in params], "messages", arrival, max_field, so_field,
-                         body.data_parallel_rank, bootstrap_of(body, len(params)))
+                         body.data_parallel_rank, room)
     parsers = [fmt.parser(prompt, tools is not None) for _ in params]
     rid = f"chatcmpl-{REQUEST_ID.get()}"
     if body.stream:
@@ -144,7 +145,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
             stop_reason=res.stop_reason))
     completion = sum(len(r.token_ids) for r in results)
     return ChatCompletionResponse(id=rid, model=body.model, choices=choices, usage=UsageInfo(
-        prompt_tokens=len(ids), completion_tokens=completion, total_tokens=len(ids) + completion))
+        prompt_tokens=len(ids), completion_tokens=completion, total_tokens=len(ids) + completion),
+        kv_transfer_params=kv_transfer_answer(body, state, room))
 
 
 async def _stream(body: ChatCompletionRequest, state: ServerState, group, rid: str, parsers, num_prompt: int, k: int,

@@ -12,7 +12,7 @@ from deepinfer.core.tokenizer import Tokenizer
 from deepinfer.entrypoints.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, \
     CompletionResponse, UsageInfo
 from deepinfer.entrypoints.serving import REQUEST_ID, APIError, EventStream, ServerState, bootstrap_of, collect, \
-    delta_error, event_stream, make_params, sse, sse_error, submit, unless_disconnected
+    delta_error, event_stream, kv_transfer_answer, make_params, sse, sse_error, submit, unless_disconnected
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 
@@ -75,8 +75,8 @@ async def create_completion(body: CompletionRequest, request: Request, state: Se
                          top_logprobs=0 if k is None else max(k, 1),
                          prompt_logprobs=k if k is not None and body.echo else None, so_args=body.so_args)
     items = [(ids, p, text) for ids, text in prompts for p in params]
-    group = await submit(state, items, "prompt", arrival, "max_tokens", "so_args", body.data_parallel_rank,
-                         bootstrap_of(body, len(items)))
+    room = bootstrap_of(body, len(items), state)
+    group = await submit(state, items, "prompt", arrival, "max_tokens", "so_args", body.data_parallel_rank, room)
     rid = f"cmpl-{REQUEST_ID.get()}"
     writers = [LogprobWriter(tokenizer, k) if k is not None else None for _ in items]
     if body.stream:
@@ -93,7 +93,8 @@ async def create_completion(body: CompletionRequest, request: Request, state: Se
             logprobs = writer.write(res.token_ids, res.logprobs or [], logprobs)
         choices.append(CompletionChoice(index=i, text=(text if body.echo else "") + res.text, logprobs=logprobs,
                                         finish_reason=res.finish_reason, stop_reason=res.stop_reason))
-    return CompletionResponse(id=rid, model=body.model, choices=choices, usage=_usage(prompts, body.n, results))
+    return CompletionResponse(id=rid, model=body.model, choices=choices, usage=_usage(prompts, body.n, results),
+                              kv_transfer_params=kv_transfer_answer(body, state, room))
 
 
 def _usage(prompts, n: int, results) -> UsageInfo:

@@ -111,7 +111,7 @@ async def create_generate(body: GenerateRequest, request: Request, state: Server
     params = _params(sp, so_args, so_field)
     items = [(ids, p, text) for ids, text in prompts for p in params]
     group = await submit(state, items, field, arrival, "sampling_params.max_new_tokens", so_field,
-                         body.data_parallel_rank, bootstrap_of(body, len(items)))
+                         body.data_parallel_rank, bootstrap_of(body, len(items), state))
     prompt_tokens = [len(ids) for ids, _, _ in items]
     if body.stream:
         return EventStream(event_stream(state, group, _stream(group, prompt_tokens, sp, arrival, so_field)))

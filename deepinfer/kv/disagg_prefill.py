@@ -50,6 +50,7 @@ class PrefillRole:
         self.counters = {"transfers": 0, "failed": 0, "bytes": 0, "seconds": 0.0, "write_seconds": 0.0, "pages": 0}
         self._closed = False
         self.server = BootstrapServer(host, config.bootstrap_port, self)
+        self.host = _reachable(host)  # where a decode worker finds the bootstrap server (vLLM's remote_host)
         self.reaper = threading.Thread(target=self._reap, name="deepinfer-kv-reaper", daemon=True)
         self.reaper.start()
         logger.info("prefill: bootstrap server on %s:%d, transfer session %s", host, self.server.port,
@@ -222,6 +223,19 @@ class PrefillRole:
     def close(self) -> None:
         self._closed = True
         self.server.close()
+
+
+def _reachable(host: str) -> str:
+    """An address of this host a peer can connect to: `host`, or for a wildcard bind the address the
+    host name resolves to."""
+    if host not in ("", "0.0.0.0", "::"):
+        return host
+    import socket
+
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
 
 
 def _jsonable(logprobs: dict | None) -> dict | None:

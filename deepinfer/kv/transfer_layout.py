@@ -15,7 +15,6 @@ pool's shape) and refuse a peer whose description differs; the addresses are eac
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from dataclasses import dataclass
 

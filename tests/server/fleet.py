@@ -116,15 +116,19 @@ def events_config(port: int, replay_port: int) -> str:
 
 @contextmanager
 def running_vllm_router(worker_urls: list[str], policy: str, model: str,
-                        event_sources: list[tuple[int, int]] | None = None, startup_timeout: float = 60):
+                        event_sources: list[tuple[int, int]] | None = None, startup_timeout: float = 60,
+                        worker_flags: list[str] | None = None):
     """vllm-router over these workers; `event_sources`: per worker, the (event port, replay port) its
     --kv-events-config publishes on, which kv_aware subscribes to (block size: the prefix cache's page,
-    model: the served name). Ready once it subscribed to every source and answers /health."""
+    model: the served name). `worker_flags`: how it is told of the workers, if not `--worker-urls`
+    (e.g. --vllm-pd-disaggregation --prefill URL --decode URL). Ready once it subscribed to every
+    source and answers /health."""
     from deepinfer.core.model_runner import PAGE_TOKENS
 
     port = free_port()
     log = tempfile.NamedTemporaryFile("w", prefix="vllm-router-", suffix=".log", delete=False)
-    cmd = [vllm_router_binary(), "--worker-urls", *worker_urls, "--policy", policy, "--host", "127.0.0.1",
+    cmd = [vllm_router_binary(), *(worker_flags or ["--worker-urls", *worker_urls]), "--policy", policy,
+           "--host", "127.0.0.1",
            "--port", str(port), "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
            "--log-level", "debug"]
     if event_sources:

@@ -7,7 +7,7 @@ import json
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from conftest import Server, free_port, http, running_server
+from conftest import Server, free_port, http, running_server, wait_until
 from fleet import running_smg
 
 # short timeouts, so that a fault test ends in seconds (the default is 30 s)
@@ -45,6 +45,14 @@ def disagg_stats(server: Server | Prefill) -> dict:
 def used_tokens(server: Server | Prefill) -> int:
     """Cache tokens held by requests (pages x page size; idle prefix-cache pages are free)."""
     return json.loads(http(server.url + "/v1/loads")[1])["loads"][0]["num_used_tokens"]
+
+
+def settled(prefill: Prefill, decode: Server) -> None:
+    """Nothing held on either side once every request has ended (pages, slots, rooms)."""
+    def clean():
+        p, d = disagg_stats(prefill), disagg_stats(decode)
+        return p["held_requests"] == 0 and d["receiving"] == 0 and used_tokens(prefill) == 0 and used_tokens(decode) == 0
+    wait_until(clean, TRANSFER_TIMEOUT_S * 3, "prefill and decode to hold no pages, slots or rooms", interval=0.2)
 
 
 def running_pd_smg(prefill: Prefill, decode: Server):

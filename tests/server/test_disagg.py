@@ -18,7 +18,7 @@ import pytest
 
 from conftest import http, running_server, wait_until
 from fleet import prefix_counters
-from pd import (TRANSFER_TIMEOUT_S, disagg_stats, generate, pd_args, running_pd_smg, running_prefill,
+from pd import (TRANSFER_TIMEOUT_S, disagg_stats, generate, pd_args, running_pd_smg, running_prefill, settled,
                 used_tokens)
 
 from deepinfer.llm import TINY_DSV4_DIR
@@ -56,12 +56,7 @@ def _reference(llm, prompt: str, sampling: dict) -> str:
 
 
 def _settled(pd) -> None:
-    """Nothing held on either side once every request has ended (pages, slots, rooms)."""
-    def clean():
-        p, d = disagg_stats(pd.prefill), disagg_stats(pd.decode)
-        return p["held_requests"] == 0 and d["receiving"] == 0 and used_tokens(pd.prefill) == 0 \
-            and used_tokens(pd.decode) == 0
-    wait_until(clean, TRANSFER_TIMEOUT_S * 3, "prefill and decode to hold no pages, slots or rooms", interval=0.2)
+    settled(pd.prefill, pd.decode)
 
 
 def test_roles_reported(pd):
