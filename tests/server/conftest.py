@@ -153,6 +153,17 @@ def client(server):
         yield c
 
 
+@pytest.fixture(scope="module")
+def colocated():
+    """tiny-dsv4 in this process: what text through a prefill/decode pair must equal."""
+    from deepinfer import LLM
+    from deepinfer.llm import TINY_DSV4_DIR
+
+    llm = LLM(TINY_DSV4_DIR, max_num_seqs=1)
+    yield llm
+    llm.close()
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     from deepinfer.core.tokenizer import Tokenizer

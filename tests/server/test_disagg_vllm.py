@@ -36,15 +36,6 @@ def pd():
             yield SimpleNamespace(prefill=prefill, decode=decode, router=router)
 
 
-@pytest.fixture(scope="module")
-def colocated():
-    from deepinfer import LLM
-
-    llm = LLM(TINY_DSV4_DIR, max_num_seqs=1)
-    yield llm
-    llm.close()
-
-
 def _reference(llm, prompt: str, max_tokens: int, seed: int | None = None) -> str:
     from deepinfer import SamplingParams
 
