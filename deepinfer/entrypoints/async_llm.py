@@ -308,10 +308,10 @@ class AsyncLLM:
             batch.append((live.group, live.index, delta))
             if self.metrics is not None:
                 self.metrics.on_progress(live, delta, now)
-        waiting = self.num_waiting()
-        self._load = engine_load(self.engine, 0, waiting, self._prompt_tokens_total)
+        waiting, stats = self.num_waiting(), self.engine.stats()  # one read of the counters for both
+        self._load = engine_load(self.engine, 0, waiting, self._prompt_tokens_total, stats)
         if self.metrics is not None:
-            self.metrics.update_engine(self.engine, waiting)
+            self.metrics.update_engine(self.engine, waiting, stats)
         if batch:
             self._call_soon(_deliver, batch)
 

@@ -51,8 +51,8 @@ class ServerMetrics:
             if live.first_token_time is not None and live.sent_tokens > 1:
                 self.tpot.labels(**self._labels).observe((now - live.first_token_time) / (live.sent_tokens - 1))
 
-    def update_engine(self, engine, num_waiting: int) -> None:
-        self.snapshot = engine_snapshot(engine, num_waiting)
+    def update_engine(self, engine, num_waiting: int, stats: dict | None = None) -> None:
+        self.snapshot = engine_snapshot(engine, num_waiting, stats)
 
     def set_snapshot(self, snapshot: dict) -> None:
         """Engine state taken elsewhere (the ranks of a data-parallel instance, summed)."""
@@ -62,12 +62,13 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
-def engine_snapshot(engine, num_waiting: int) -> dict:
-    """The engine state the gauges show, read by the thread that steps `engine`."""
+def engine_snapshot(engine, num_waiting: int, stats: dict | None = None) -> dict:
+    """The engine state the gauges show, read by the thread that steps `engine` (`stats`: its
+    engine.stats() when the caller has them, as every step's publishing does for engine_load too)."""
     cache = engine.cache
     free = len(cache.free_pages)
     cached = len(cache.prefix.idle) if cache.prefix is not None else 0
-    stats = engine.stats()
+    stats = engine.stats() if stats is None else stats
     return {
         "running": len(engine.scheduler.running), "waiting": num_waiting,
         "pages_total": cache.num_pages, "pages_free": free, "pages_cached": cached,
@@ -82,7 +83,7 @@ def engine_snapshot(engine, num_waiting: int) -> dict:
     }
 
 
-def engine_load(engine, dp_rank: int, num_waiting: int, prompt_tokens_total: int) -> dict:
+def engine_load(engine, dp_rank: int, num_waiting: int, prompt_tokens_total: int, stats: dict | None = None) -> dict:
     """One data-parallel rank's load as SGLang's /v1/loads reports it (its `core` fields), read by the
     thread that steps `engine`. Tokens are cache pages x page size: pages held by running sequences
     count as used, idle prefix-cache pages do not (they are free to evict)."""
@@ -90,7 +91,7 @@ def engine_load(engine, dp_rank: int, num_waiting: int, prompt_tokens_total: int
     idle = len(cache.prefix.idle) if cache.prefix is not None else 0
     used = (cache.num_pages - len(cache.free_pages) - idle) * cache.page_tokens
     total = cache.num_pages * cache.page_tokens
-    stats = engine.stats()
+    stats = engine.stats() if stats is None else stats
     return {"dp_rank": dp_rank, "num_running_reqs": len(engine.scheduler.running), "num_waiting_reqs": num_waiting,
             "num_used_tokens": used, "max_total_num_tokens": total, "token_usage": used / total if total else 0.0,
             "cache_hit_rate": stats.get("prefix_cache_hit_rate", 0.0), "max_running_requests": cache.max_seqs,

@@ -134,9 +134,9 @@ class RankLoop:
     def num_waiting(self) -> int:
         return sum(c.req.status is Status.WAITING for c in self.live.values())
 
-    def load(self) -> dict:
+    def load(self, stats: dict | None = None) -> dict:
         """This rank's load as SGLang's /v1/loads reports it per DP rank (metrics.engine_load)."""
-        return engine_load(self.engine, self.dp_rank, self.num_waiting(), self.prompt_tokens_total)
+        return engine_load(self.engine, self.dp_rank, self.num_waiting(), self.prompt_tokens_total, stats)
 
     def _publish(self) -> None:
         self.engine.pop_finished()
@@ -149,7 +149,8 @@ class RankLoop:
             if delta.finished:
                 del self.live[rid]
             deltas.append((rid, delta))
-        report = (self.load(), engine_snapshot(self.engine, self.num_waiting()))
+        stats = self.engine.stats()  # one read of the counters for both
+        report = (self.load(stats), engine_snapshot(self.engine, self.num_waiting(), stats))
         if deltas or report != self._last_report:
             self.conn.send(("out", deltas, *report))
             self._last_report = report
