@@ -24,6 +24,7 @@ import json
 import os
 import random
 import sys
+import threading
 import time
 from contextlib import contextmanager
 
@@ -110,11 +111,14 @@ def _raw_destination(nbytes: int, conn) -> None:
     conn.send(bool(buf.all()))
 
 
-def raw_bandwidth(nbytes: int, segments: int = 1, repeats: int = 7, gap: float = 0.0) -> dict:
+def raw_bandwidth(nbytes: int, segments: int = 1, repeats: int = 7, gap: float = 0.0, busy_python: bool = False,
+                  switch_interval: float | None = None) -> dict:
     """The transfer engine's own write bandwidth over loopback TCP between two processes: `nbytes` in
     `segments` equal writes of one batch (the per-request transfers are batches of several segments).
     `gap`: seconds of idle before each write, as between requests (back to back, the engine's threads
-    and the socket stay warm: measured here, 0.5 ms for a 578 kB write back to back, ~1 ms after 0.5 s)."""
+    and the socket stay warm; disagg.json has both). `busy_python`: a thread running Python beside the
+    writer, as a worker's engine thread does: the write gives up the GIL and waits to take it back
+    (up to `switch_interval`, Python's default 5 ms, when given none)."""
     import multiprocessing
 
     import torch
@@ -133,12 +137,22 @@ def raw_bandwidth(nbytes: int, segments: int = 1, repeats: int = 7, gap: float =
         size = nbytes // segments
         src = [buf.data_ptr() + i * size for i in range(segments)]
         dst = [address + i * size for i in range(segments)]
-        times = []
-        for _ in range(repeats):
-            time.sleep(gap)
-            t0 = time.perf_counter()
-            engine.write(session, src, dst, [size] * segments)
-            times.append(time.perf_counter() - t0)
+        times, spinning = [], threading.Event()
+        if busy_python:
+            spinning.set()
+            threading.Thread(target=_spin, args=(spinning,), daemon=True).start()
+        interval = sys.getswitchinterval()
+        if switch_interval is not None:
+            sys.setswitchinterval(switch_interval)
+        try:
+            for _ in range(repeats):
+                time.sleep(gap)
+                t0 = time.perf_counter()
+                engine.write(session, src, dst, [size] * segments)
+                times.append(time.perf_counter() - t0)
+        finally:
+            spinning.clear()
+            sys.setswitchinterval(interval)
         here.send("done")
         assert here.recv() or segments * size < nbytes, "the raw write did not arrive"
     finally:
@@ -146,6 +160,20 @@ def raw_bandwidth(nbytes: int, segments: int = 1, repeats: int = 7, gap: float =
     best, median = min(times), sorted(times)[len(times) // 2]
     return {"bytes": size * segments, "segments": segments, "seconds_best": best, "seconds_median": median,
             "gib_s_best": size * segments / best / (1 << 30), "gib_s_median": size * segments / median / (1 << 30)}
+
+
+def _spin(running: threading.Event) -> None:
+    while running.is_set():
+        pass
+
+
+def gil_probe(nbytes: int, segments: int, repeats: int = 21) -> dict:
+    """The same write (a P/D run's mean request) from an idle writer process, beside a thread
+    running Python, and beside it with a 0.5 ms switch interval."""
+    return {"idle": raw_bandwidth(nbytes, segments, repeats),
+            "beside_busy_python": raw_bandwidth(nbytes, segments, repeats, busy_python=True),
+            "beside_busy_python_switch_0.5ms": raw_bandwidth(nbytes, segments, repeats, busy_python=True,
+                                                            switch_interval=0.0005)}
 
 
 @contextmanager
@@ -197,7 +225,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-num-seqs", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "disagg.json"))
+    parser.add_argument("--gil-probe", action="store_true",
+                        help="only time one write (--probe-bytes in --probe-segments) idle and beside a thread running "
+                             "Python, to --out (e.g. benchmarks/results/transfer_gil.json)")
+    parser.add_argument("--probe-bytes", type=int, default=508359, help="default: disagg.json's mean request")
+    parser.add_argument("--probe-segments", type=int, default=21)
     args = parser.parse_args(argv)
+    if args.gil_probe:
+        probe = {"config": {"bytes": args.probe_bytes, "segments": args.probe_segments, "cpu_count": os.cpu_count(),
+                            "load_average_at_start": os.getloadavg(), "transport": "mooncake tcp 127.0.0.1"},
+                 "results": gil_probe(args.probe_bytes, args.probe_segments)}
+        with open(args.out, "w") as f:
+            json.dump(probe, f, indent=2)
+        print(json.dumps(probe, indent=2))
+        return 0
     rates = [float(r) for r in args.rates.split(",")]
     load_at_start = os.getloadavg()  # the machine's other work: this benchmark's figures move with it
     worker_args = ("--model", args.model, "--max-num-seqs", str(args.max_num_seqs))
