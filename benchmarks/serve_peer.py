@@ -20,9 +20,10 @@ deepinfer `serve --max-num-seqs C`. Both get --threads compute threads (llama-se
 `--threads/--threads-batch`, deepinfer `DEEPINFER_CPU_THREADS`); `llama-server-1-thread` is
 llama-server with one thread, its better setting on a loaded 2-core machine, where its threads
 wait for each other at every graph node (the goal is judged against the better of the two).
-`deepinfer-single-step` is
-deepinfer with DEEPINFER_MULTI_STEP_DECODE=1: it streams every token as it is decoded where the
-default runs up to 8 greedy steps per engine call and streams them together.
+deepinfer runs up to 8
+greedy steps per engine call and streams each step's tokens as the step ends;
+`deepinfer-stream-interval-8` streams a call's tokens together (`--stream-interval 8`), and
+`deepinfer-single-step` runs one step per call (DEEPINFER_MULTI_STEP_DECODE=1).
 
 The client (serve.py's, the openai client, streamed /v1/completions, temperature 0,
 `ignore_eos`, exactly --max-tokens new tokens) first sends C warm-up requests together, then the
@@ -58,10 +59,12 @@ from serve import _cpu_seconds, drive, free_port, start_process, stop_process, s
 from throughput import _prompts  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-ENGINES = ("llama-server", "llama-server-1-thread", "deepinfer", "deepinfer-single-step")
+ENGINES = ("llama-server", "llama-server-1-thread", "deepinfer", "deepinfer-stream-interval-8", "deepinfer-single-step")
 LLAMA_THREADS = {"llama-server": None, "llama-server-1-thread": 1}  # None: --threads
-# what each deepinfer engine sets on top of DEEPINFER_CPU_THREADS
-DEEPINFER_ENV = {"deepinfer": {}, "deepinfer-single-step": {"DEEPINFER_MULTI_STEP_DECODE": "1"}}
+# what each deepinfer engine sets on top of DEEPINFER_CPU_THREADS, and its own serve flags
+DEEPINFER_ENV = {"deepinfer": {}, "deepinfer-stream-interval-8": {},
+                 "deepinfer-single-step": {"DEEPINFER_MULTI_STEP_DECODE": "1"}}
+DEEPINFER_FLAGS = {"deepinfer-stream-interval-8": ["--stream-interval", "8"]}
 SERVED_NAME = "tiny-v4"
 
 
@@ -182,7 +185,7 @@ def run_level(engine: str, level: int, prompts, warmup, args, work: Path, model_
                                    args.prompt_len + args.max_tokens + 16)
     else:
         env.update(DEEPINFER_ENV[engine])
-        cmd = deepinfer_command(model_dir, port, level)
+        cmd = deepinfer_command(model_dir, port, level) + DEEPINFER_FLAGS.get(engine, [])
     with open(work / f"{engine}-c{level}.log", "w") as log:  # the server's own log, kept with the model
         started = time.perf_counter()
         proc = start_process(cmd, port, env, log)
@@ -232,7 +235,7 @@ def run(args, work: Path) -> dict:
 
     config, _, pre, _ = MODELS[args.peer_model]
     llama = gguf = None
-    if "llama-server" in args.engine_list:
+    if any(e in LLAMA_THREADS for e in args.engine_list):  # either llama-server configuration
         llama = build_llama_cpp(args.llama_cpp_version, Path(args.cache_dir).expanduser(), server=True)
     dirs = write_model(args.peer_model, work)  # checks deepinfer against transformers on it
     model_dir = dirs["deepinfer"]

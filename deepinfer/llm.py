@@ -91,7 +91,7 @@ class LLM:
                  seed: int = 0, accelerator: str | None = None, expert_parallel_size: int = 1,
                  data_parallel_size: int = 1, context_parallel_size: int = 1, num_redundant_experts: int = 0,
                  eplb_window_size: int = 0, eplb_step_interval: int = 0, kv_events_config: str | dict | None = None,
-                 kv_store: str | None = None, kv_host_cache_bytes: int = 0):
+                 kv_store: str | None = None, kv_host_cache_bytes: int = 0, stream_interval: int = 1):
         """Parallel layouts (deepinfer/parallel): expert_parallel_size shards the routed experts
         over ranks; data_parallel_size gives each rank its own requests and cache;
         context_parallel_size splits each step's tokens (long prefills in balanced chunks) over
@@ -116,7 +116,11 @@ class LLM:
         kv_store: a page store the prefix cache's pages are written back to and read from, shared by
         replicas and restarts: "file:///dir" (local disk, NFS, a 3FS mount) or "mooncake://host:port"
         (a Mooncake Store master). kv_host_cache_bytes: a host-memory tier between the cache pool and
-        the store (0: none). docs/kv-store.md."""
+        the store (0: none). docs/kv-store.md.
+
+        stream_interval: a server's streams get the tokens of a multi-step decode call every this many
+        steps while the call runs on (1: each token as it is decoded; larger: fewer, bigger deltas for
+        less per-token work at high concurrency). No effect on generate, which returns whole outputs."""
         model = os.fspath(model) if model is not None else default_model()
         self.accel = get_accelerator(accelerator)
         self.parallel = None  # deepinfer.parallel.ParallelExecutor when any parallel size exceeds 1
@@ -134,7 +138,7 @@ class LLM:
                               gpu_memory_utilization=gpu_memory_utilization,
                               num_cache_pages=num_cache_pages, dtype=dtype, seed=seed,
                               kv_events=KVEventsConfig.parse(kv_events_config), kv_store=kv_store,
-                              kv_host_cache_bytes=kv_host_cache_bytes)
+                              kv_host_cache_bytes=kv_host_cache_bytes, stream_interval=stream_interval)
         from deepinfer.parallel import ParallelConfig, start_parallel
 
         parallel = ParallelConfig(expert_parallel_size, data_parallel_size, context_parallel_size,

@@ -37,12 +37,17 @@ class EngineConfig:
     # mooncake://host:port) and a host-memory tier's byte budget; None / 0: off
     kv_store: str | None = None
     kv_host_cache_bytes: int = 0
+    # a stream listener (the server) gets a multi-step decode call's tokens every this many steps
+    stream_interval: int = 1
 
     def validate(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if not isinstance(self.stream_interval, int) or self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be an int >= 1 (decode steps between a stream's deltas), "
+                             f"got {self.stream_interval!r}")
         for name in ("max_model_len", "cache_bytes", "num_cache_pages"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):

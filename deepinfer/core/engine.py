@@ -8,6 +8,7 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from typing import Callable
 
 import torch
 
@@ -82,6 +83,9 @@ class LLMEngine:
         self.structured = None  # structured outputs (core/structured.py), built on the first so_args request
         self.zero_overhead = envs.zero_overhead_scheduling(default=accel.overlap_scheduling)
         self.multi_step = max(1, envs.get("DEEPINFER_MULTI_STEP_DECODE"))
+        # streams (stream_tokens): called after every `stream_interval` steps of a multi-step call
+        self.on_tokens: Callable[[], None] | None = None
+        self.stream_interval = config.stream_interval
         # one worker runs the model so the CPU can plan the next step meanwhile
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deepinfer-step") \
             if self.zero_overhead else None
@@ -94,6 +98,14 @@ class LLMEngine:
         self.disagg: DisaggregatedRequests | None = None
         if config.kv_events is not None:
             self.start_kv_events(config.kv_events)
+
+    def stream_tokens(self, listener: Callable[[], None] | None) -> None:
+        """Have multi-step calls hand their tokens out every `stream_interval` steps (EngineConfig)
+        while the next ones run: post-processed into the requests (text included), then
+        `listener()` (a server publishes its streams' deltas), so a stream's tokens come as they are
+        decoded rather than once per call. Requests that stopped within the call are retired when
+        it ends. None: once per call."""
+        self.on_tokens = listener
 
     def start_kv_events(self, config: KVEventsConfig) -> None:
         """Publish the prefix cache's KV events as `config` says, one batch per step (core/kv_events.py)."""
@@ -303,25 +315,40 @@ class LLMEngine:
         return steps
 
     def _multi_step(self, chunks: list[ScheduledChunk], steps: int) -> list[Request]:
-        """Run `steps` greedy decode steps of the scheduled requests in one call, then post-process
-        their tokens in order, as `steps` plain steps would have. A request that stops within the
-        call keeps the tokens up to its stop; the state computed past it is released with it."""
+        """Run `steps` greedy decode steps of the scheduled requests in one call, post-processing
+        their tokens in order as they come (every step for a stream listener, else once), as `steps`
+        plain steps would have. A request that stops within the call keeps the tokens up to its
+        stop; the state computed past it is released with it when the call ends, early when every
+        request has stopped."""
         reqs = [c.request for c in chunks]
         with self._timed("prepare"):
             for req in reqs:
                 self.cache.grow(req.slot, req.num_computed + steps)
             starts = [req.num_computed for req in reqs]
             ids = [req.token(start) for req, start in zip(reqs, starts)]
-        with self._timed("forward"):
-            tokens = self.runner.decode_steps(ids, [req.slot for req in reqs], starts, steps)
+        listener = self.on_tokens
+        decoded = self.runner.decode_steps(ids, [req.slot for req in reqs], starts, steps,
+                                           self.stream_interval if listener is not None else None)
         self.num_forwards += 1
-        finished = []
-        with self._timed("postprocess"):
-            for req, start, new_tokens in zip(reqs, starts, tokens.t().tolist()):
-                self.post.multi_step(req, start, new_tokens)
-                if req.is_finished:
-                    self._retire(req)
-                    finished.append(req)
+        done = 0
+        while True:
+            with self._timed("forward"):
+                tokens = next(decoded, None)
+            if tokens is None:
+                break
+            with self._timed("postprocess"):
+                for req, start, new_tokens in zip(reqs, starts, tokens.t().tolist()):
+                    if not req.is_finished:
+                        self.post.multi_step(req, start + done, new_tokens)
+            done += tokens.shape[0]
+            if all(req.is_finished for req in reqs):
+                decoded.close()
+                break
+            if listener is not None and done < steps:
+                listener()
+        finished = [req for req in reqs if req.is_finished]
+        for req in finished:
+            self._retire(req)
         return finished
 
     def _retire(self, req: Request) -> None:

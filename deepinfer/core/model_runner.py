@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -167,11 +167,15 @@ class ModelRunner:
                                tensors + [logit_rows] + extra,
                                lambda inputs: run(with_step_tensors(meta, inputs[:n]), *inputs[n:]))
 
-    def decode_steps(self, ids: list[int], slots: list[int], starts: list[int], steps: int) -> torch.Tensor:
+    def decode_steps(self, ids: list[int], slots: list[int], starts: list[int], steps: int,
+                     per_yield: int | None = None) -> Iterator[torch.Tensor]:
         """`steps` greedy decode steps of a batch: sequence b feeds ids[b] at position starts[b],
         then its own argmax each step. The model plans all steps at once; each step, with its
-        argmax, is replayed from its bucket's recording (the cpu tape runs them all in one call)
-        with the step before's tokens fed in. -> tokens [steps, B]."""
+        argmax, is replayed from its bucket's recording with the step before's tokens fed in.
+        Yields the tokens as they are decoded, [n, B] for each `per_yield` steps (all `steps` in one
+        yield when None; the cpu tape runs each yield's steps in one call), so a stream can carry
+        every step's token while the next ones run. Closing the generator skips the steps not yet
+        run (every sequence stopped)."""
         batch = len(ids)
         inp = StepInput(_host(ids), _host(slots), _host(starts), torch.ones(batch, dtype=torch.int64))
         meta = self.model.prepare(inp, self.cache, steps=steps)
@@ -183,15 +187,24 @@ class ModelRunner:
             return accel.argmax(model.forward(inp, cache, inputs[-1], with_step_tensors(meta, inputs[:-1])))
 
         rows = torch.arange(batch, device=meta.ids.device)
-        if self.graphs is not None and not self._eager and batch <= self.graphs.max_tokens:
-            return self.graphs.run_steps(("greedy decode", sizes), tensors, [rows], steps, [(0, ids_input)], step)[0].cpu()
-        out = []
-        for s in range(steps):
-            inputs = [t[s] for t in tensors] + [rows]
-            if out:
-                inputs[ids_input] = out[-1]
-            out.append(step(inputs))
-        return torch.stack(out).cpu()
+        replayed = self.graphs is not None and not self._eager and batch <= self.graphs.max_tokens
+        per_yield = per_yield or steps
+        for first in range(0, steps, per_yield):
+            n = min(per_yield, steps - first)
+            if replayed:
+                out = self.graphs.run_steps(("greedy decode", sizes), [t[first:first + n] for t in tensors], [rows],
+                                            n, [(0, ids_input)], step)[0]
+            else:
+                column = []
+                for s in range(first, first + n):
+                    inputs = [t[s] for t in tensors] + [rows]
+                    if column:
+                        inputs[ids_input] = column[-1]
+                    column.append(step(inputs))
+                out = torch.stack(column)
+            if first + n < steps:  # the next yield's first step feeds this one's last tokens
+                tensors[ids_input][first + n].copy_(out[-1])
+            yield out.cpu()
 
     def run_captured(self, key: tuple, batch: int, fn: Callable[[list[torch.Tensor]], object],
                      inputs: list[torch.Tensor]):

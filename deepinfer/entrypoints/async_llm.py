@@ -113,6 +113,7 @@ class AsyncLLM:
         self.error: BaseException | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[str, _Live] = {}
+        self._caught_up = True  # the event loop has sent the last mid-call deltas (_publish_progress)
         self._prompt_tokens_total = 0
         self._load = engine_load(self.engine, 0, 0, 0)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -123,6 +124,7 @@ class AsyncLLM:
 
             self.engine.attach_disaggregation(make_role(disaggregation, self.engine, model_dir, host,
                                                         self.call_soon_on_engine))
+        self.engine.stream_tokens(self._publish_progress)  # multi-step calls' tokens as they come
         self._thread = threading.Thread(target=self._run, name="deepinfer-engine", daemon=True)
         self._thread.start()
 
@@ -297,9 +299,39 @@ class AsyncLLM:
     def _publish(self) -> None:
         """Deltas of every live request that changed, handed to the event loop in one batch."""
         self.engine.pop_finished()
+        batch = self._deltas(finishing=True)
+        waiting, stats = self.num_waiting(), self.engine.stats()  # one read of the counters for both
+        self._load = engine_load(self.engine, 0, waiting, self._prompt_tokens_total, stats)
+        if self.metrics is not None:
+            self.metrics.update_engine(self.engine, waiting, stats)
+        if batch:
+            self._call_soon(_deliver, batch)
+
+    def _publish_progress(self) -> None:
+        """Deltas of the streams a multi-step call advanced, while it runs on (requests that stopped
+        in it get theirs, text flushed, from _publish when it ends). Nothing while the event loop
+        has not sent the last ones yet: the tokens ride with the next deltas, so a loop that falls
+        behind gets fewer, larger pieces instead of a wake-up per step."""
+        if not self._caught_up:
+            return
+        batch = self._deltas(finishing=False)
+        if batch:
+            self._caught_up = False
+            self._call_soon(self._deliver_progress, batch)
+
+    def _deliver_progress(self, batch) -> None:  # on the event loop
+        _deliver(batch)
+        # runs after the handlers that _deliver woke have written their pieces
+        self._loop.call_soon(setattr, self, "_caught_up", True)
+
+    def _deltas(self, finishing: bool) -> list:
+        """(group, index, delta) of each live request that changed; `finishing`: finished requests
+        too (their last delta; they leave the live set)."""
         now = time.perf_counter()
         batch = []
         for rid, live in list(self._live.items()):
+            if not finishing and live.req.is_finished:
+                continue
             delta = next_delta(live, live.req, now)
             if delta is None:
                 continue
@@ -308,12 +340,7 @@ class AsyncLLM:
             batch.append((live.group, live.index, delta))
             if self.metrics is not None:
                 self.metrics.on_progress(live, delta, now)
-        waiting, stats = self.num_waiting(), self.engine.stats()  # one read of the counters for both
-        self._load = engine_load(self.engine, 0, waiting, self._prompt_tokens_total, stats)
-        if self.metrics is not None:
-            self.metrics.update_engine(self.engine, waiting, stats)
-        if batch:
-            self._call_soon(_deliver, batch)
+        return batch
 
     def _fail_all(self, exc: BaseException) -> None:
         groups = {id(live.group): live.group for live in self._live.values()}

@@ -56,6 +56,7 @@ class RankLoop:
         self.prompt_tokens_total = 0
         self.stopped = False
         self._last_report = None
+        self.engine.stream_tokens(self._publish_progress)  # multi-step calls' tokens as they come
 
     def info(self) -> dict:
         """What the front needs to know once: limits, the prefix-cache page size, the first load."""
@@ -140,20 +141,34 @@ class RankLoop:
 
     def _publish(self) -> None:
         self.engine.pop_finished()
+        deltas = self._deltas(finishing=True)
+        stats = self.engine.stats()  # one read of the counters for both
+        report = (self.load(stats), engine_snapshot(self.engine, self.num_waiting(), stats))
+        if deltas or report != self._last_report:
+            self.conn.send(("out", deltas, *report))
+            self._last_report = report
+
+    def _publish_progress(self) -> None:
+        """Deltas of the streams a multi-step call advanced, while it runs on (as AsyncLLM's); the
+        load is the last step's."""
+        deltas = self._deltas(finishing=False)
+        if deltas and self._last_report is not None:
+            self.conn.send(("out", deltas, *self._last_report))
+
+    def _deltas(self, finishing: bool) -> list:
+        """(request id, delta) of each live request that changed; `finishing`: finished requests too."""
         now = time.perf_counter()
         deltas = []
         for rid, cursor in list(self.live.items()):
+            if not finishing and cursor.req.is_finished:
+                continue
             delta = next_delta(cursor, cursor.req, now)
             if delta is None:
                 continue
             if delta.finished:
                 del self.live[rid]
             deltas.append((rid, delta))
-        stats = self.engine.stats()  # one read of the counters for both
-        report = (self.load(stats), engine_snapshot(self.engine, self.num_waiting(), stats))
-        if deltas or report != self._last_report:
-            self.conn.send(("out", deltas, *report))
-            self._last_report = report
+        return deltas
 
 
 def serve_rank(conn, dp_rank: int, world_size: int, init_method: str, args: WorkerArgs) -> None:

@@ -30,10 +30,9 @@ def _count_calls(llm: LLM) -> list[int]:
     engine, calls = llm.engine, []
     decode_steps = engine.runner.decode_steps
 
-    def counted(*a, **kw):
-        out = decode_steps(*a, **kw)
-        calls.append(out.shape[0])
-        return out
+    def counted(ids, slots, starts, steps, *a, **kw):
+        calls.append(steps)
+        return decode_steps(ids, slots, starts, steps, *a, **kw)
 
     engine.runner.decode_steps = counted
     return calls
@@ -252,3 +251,67 @@ def test_calls_after_the_first_replay_all_their_steps_at_once(tiny_model_dir, mo
     multi.generate(prompt_token_ids=_prompts([20, 30], seed=6), use_tqdm=False,
                    sampling_params=SamplingParams(temperature=0.0, max_tokens=41, ignore_eos=True))
     assert len(calls) >= 4 and single.count("greedy decode") == calls[0], (calls, single)  # the first call's steps
+
+
+def _record_yields(engine) -> list[tuple[int, int, list[int]]]:
+    """Per multi-step call: (first position fed, steps asked, steps in each yield)."""
+    calls, decode_steps = [], engine.runner.decode_steps
+
+    def recorded(ids, slots, starts, steps, *a, **kw):
+        calls.append((starts[0], steps, []))
+        for tokens in decode_steps(ids, slots, starts, steps, *a, **kw):
+            calls[-1][2].append(tokens.shape[0])
+            yield tokens
+
+    engine.runner.decode_steps = recorded
+    return calls
+
+
+@pytest.mark.parametrize("interval", [1, 3])
+def test_a_stream_listener_gets_a_calls_tokens_as_its_steps_end(tiny_model_dir, monkeypatch, interval):
+    """With a stream listener (a server's), a multi-step call hands its tokens out every
+    stream_interval steps while it runs on: the listener is called between them and sees every
+    running request `interval` tokens further each time; the outputs equal a listener-less run."""
+    path, _ = tiny_model_dir
+    prompts = _prompts([30, 70], seed=6)
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (21, 40)]
+    ref = _outputs(_llm(path, monkeypatch, 8), prompts, params)
+    multi = _llm(path, monkeypatch, 8, stream_interval=interval)
+    engine = multi.engine
+    calls = _record_yields(engine)
+    seen = []  # per listener call: (multi-step call, output lengths of the running requests)
+    engine.stream_tokens(lambda: seen.append((len(calls), {r.request_id: len(r.output_token_ids)
+                                                           for r in engine.scheduler.running if not r.is_finished})))
+    assert _outputs(multi, prompts, params) == ref
+    assert calls and max(steps for _, steps, _ in calls) == 8, calls
+    for c, (_, steps, yields) in enumerate(calls, start=1):
+        assert yields == [interval] * (steps // interval) + ([steps % interval] if steps % interval else []), calls
+        within = [lengths for call, lengths in seen if call == c]
+        assert len(within) == len(yields) - 1
+        for before, after in zip(within, within[1:]):
+            assert all(after[r] == before[r] + interval for r in after if r in before), (before, after)
+
+
+def test_a_call_ends_at_the_step_where_its_last_request_stopped(tiny_model_dir, monkeypatch):
+    """Handing out every step's tokens lets a call stop early: a request that stops at the third
+    step of a call, alone in the batch, ends the call there (the remaining steps never run), with
+    the tokens of a run without a listener."""
+    path, _ = tiny_model_dir
+    prompt = _prompts([40], seed=8)[0]
+    greedy = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    multi = _llm(path, monkeypatch, 8)
+    engine = multi.engine
+    engine.stream_tokens(lambda: None)
+    calls = _record_yields(engine)
+    free = multi.generate(prompt_token_ids=[prompt], sampling_params=greedy, use_tqdm=False)[0].outputs[0].token_ids
+    # output index of each full call's third step: position fed - prompt length + 1 (the prefill made token 0)
+    third = [start - len(prompt) + 1 + 2 for start, steps, _ in calls if steps == 8]
+    stop_at = next(i for i in third if free[i] not in free[:i])
+    stop = SamplingParams(temperature=0.0, max_tokens=60, stop_token_ids=[free[stop_at]], ignore_eos=True)
+    calls.clear()
+    got = multi.generate(prompt_token_ids=[prompt], sampling_params=stop, use_tqdm=False)[0].outputs[0]
+    assert got.token_ids == free[:stop_at + 1] and got.finish_reason == "stop"
+    assert calls[-1][1] == 8 and calls[-1][2] == [1, 1, 1], calls
+    listenerless = _llm(path, monkeypatch, 8)
+    assert _outputs(listenerless, [prompt], stop)[0][0] == got.token_ids
+    assert engine.cache.num_free_pages == engine.cache.num_pages and engine.cache.num_free_slots == engine.cache.max_seqs

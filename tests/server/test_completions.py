@@ -123,3 +123,22 @@ def test_vllm_sampling_fields_and_n_streaming(client):
     chat = client.chat.completions.create(model=SHIPPED, messages=[{"role": "user", "content": "hi"}], max_tokens=8,
                                           temperature=0.0, n=2, **fields)
     assert [c.index for c in chat.choices] == [0, 1] and chat.choices[0].message.content == chat.choices[1].message.content
+
+
+def _pieces(client, prompt: str) -> list[str]:
+    stream = client.completions.create(prompt=prompt, stream=True, **GREEDY | dict(extra_body={"ignore_eos": True}))
+    return [c.choices[0].text for c in stream if c.choices and c.choices[0].text]
+
+
+def test_a_stream_carries_each_token_as_it_is_decoded_and_stream_interval_batches_them(client):
+    """The engine decodes up to 8 greedy steps per call by default; the stream still gets each
+    token as its step ends (a 40-token completion in about 40 pieces, the loop merging some when it
+    falls behind), and `--stream-interval 8` sends them once per call: the same text in few pieces."""
+    from conftest import running_server
+
+    per_token = _pieces(client, PROMPTS[1])
+    assert len(per_token) >= 20, per_token
+    with running_server("--stream-interval", "8") as server, server.client() as batched_client:
+        batched = _pieces(batched_client, PROMPTS[1])
+    assert "".join(batched) == "".join(per_token)
+    assert len(batched) <= 8, batched
