@@ -1,6 +1,6 @@
 """Prefill/decode disaggregation benchmark: a mixed workload (short prompts decoding long replies
 while long prompts arrive, Poisson) through smg, 1 prefill + 1 decode worker (--pd-disaggregation,
-Mooncake TCP on 127.0.0.1) against two colocated replicas (round_robin), in one run, at each rate.
+on 127.0.0.1 with --transfer-backend's engine: Mooncake over TCP, or NIXL's UCX) against two colocated replicas (round_robin), in one run, at each rate.
 Per leg and rate: TTFT and inter-token latency (ITL: the gap between streamed events, shared among
 the tokens an event brings) p50/p99 at the client, output throughput; for
 the P/D leg also the decode state moved per request and its transfer time against the raw bandwidth
@@ -9,6 +9,7 @@ Writes JSON (and a plot when matplotlib is installed).
 
     python benchmarks/disagg.py                       # tiny-dsv4, rates 0.5,1,2
     python benchmarks/disagg.py --rates 0.25,0.5,1,2 --long-words 900
+    python benchmarks/disagg.py --transfer-backend nixl --out benchmarks/results/disagg_nixl.json
 
 Everything runs on this machine's cores (2 shared here): prefill, decode, the two colocated
 replicas, smg and the client compete for the same CPUs, so the gain disaggregation brings on
@@ -36,6 +37,7 @@ from pd import disagg_stats, pd_args, running_pd_smg, running_prefill  # noqa: E
 
 from deepinfer.llm import TINY_DSV4_DIR  # noqa: E402
 
+TRANSPORTS = {"mooncake": "mooncake tcp 127.0.0.1", "nixl": "nixl ucx 127.0.0.1 (shared memory / tcp)"}
 WORDS = "cache page router worker token prefix replica engine request stream latency batch decode prefill".split()
 
 
@@ -97,13 +99,13 @@ async def _drive(url: str, rate: float, args, tag: str) -> dict:
             "itl_chat_p50": _percentile(itl, 0.5), "itl_chat_p99": _percentile(itl, 0.99)}
 
 
-def _raw_destination(nbytes: int, conn) -> None:
+def _raw_destination(nbytes: int, conn, backend: str) -> None:
     """The receiving side of raw_bandwidth, in its own process (as a decode worker is)."""
     import torch
 
-    from deepinfer.kv.transfer import MooncakeTransport
+    from deepinfer.kv.transfer import make_transport
 
-    engine = MooncakeTransport("127.0.0.1")
+    engine = make_transport(backend, "127.0.0.1", receives=True)
     buf = torch.zeros(nbytes, dtype=torch.uint8)
     engine.register(buf.data_ptr(), nbytes)
     conn.send((engine.session_id, buf.data_ptr()))
@@ -112,8 +114,8 @@ def _raw_destination(nbytes: int, conn) -> None:
 
 
 def raw_bandwidth(nbytes: int, segments: int = 1, repeats: int = 7, gap: float = 0.0, busy_python: bool = False,
-                  switch_interval: float | None = None) -> dict:
-    """The transfer engine's own write bandwidth over loopback TCP between two processes: `nbytes` in
+                  switch_interval: float | None = None, backend: str = "mooncake") -> dict:
+    """The transfer engine's own write bandwidth over loopback between two processes: `nbytes` in
     `segments` equal writes of one batch (the per-request transfers are batches of several segments).
     `gap`: seconds of idle before each write, as between requests (back to back, the engine's threads
     and the socket stay warm; disagg.json has both). `busy_python`: a thread running Python beside the
@@ -123,15 +125,15 @@ def raw_bandwidth(nbytes: int, segments: int = 1, repeats: int = 7, gap: float =
 
     import torch
 
-    from deepinfer.kv.transfer import MooncakeTransport
+    from deepinfer.kv.transfer import make_transport
 
     ctx = multiprocessing.get_context("spawn")
     here, there = ctx.Pipe()
-    proc = ctx.Process(target=_raw_destination, args=(nbytes, there), daemon=True)
+    proc = ctx.Process(target=_raw_destination, args=(nbytes, there, backend), daemon=True)
     proc.start()
     try:
         session, address = here.recv()
-        engine = MooncakeTransport("127.0.0.1")
+        engine = make_transport(backend, "127.0.0.1")
         buf = torch.ones(nbytes, dtype=torch.uint8)
         engine.register(buf.data_ptr(), nbytes)
         size = nbytes // segments
@@ -177,15 +179,15 @@ def gil_probe(nbytes: int, segments: int, repeats: int = 21) -> dict:
 
 
 @contextmanager
-def _pd_leg(worker_args):
-    with running_prefill(*worker_args, timeout=60) as prefill, \
-            running_server(*worker_args, *pd_args("decode", timeout=60)) as decode, \
+def _pd_leg(worker_args, backend: str):
+    with running_prefill(*worker_args, timeout=60, backend=backend) as prefill, \
+            running_server(*worker_args, *pd_args("decode", timeout=60, backend=backend)) as decode, \
             running_pd_smg(prefill, decode) as router:
         yield router.url, prefill, decode
 
 
 @contextmanager
-def _colocated_leg(worker_args):
+def _colocated_leg(worker_args, backend: str):
     with running_servers(2, *worker_args) as workers, running_smg([w.url for w in workers], "round_robin") as router:
         yield router.url, None, None
 
@@ -224,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--long-tokens", type=int, default=4)
     parser.add_argument("--max-num-seqs", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--transfer-backend", choices=sorted(TRANSPORTS), default="mooncake",
+                        help="the P/D pair's --disaggregation-transfer-backend (and the raw transfer's engine)")
     parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "disagg.json"))
     parser.add_argument("--gil-probe", action="store_true",
                         help="only time one write (--probe-bytes in --probe-segments) idle and beside a thread running "
@@ -245,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, list[dict]] = {}
     transfer: dict = {}
     for leg, make in (("pd_1p1d", _pd_leg), ("colocated_2x", _colocated_leg)):
-        with make(worker_args) as (url, prefill, decode):
+        with make(worker_args, args.transfer_backend) as (url, prefill, decode):
             asyncio.run(_drive(url, 100.0, argparse.Namespace(**{**vars(args), "long_prompts": 2, "decoders": 2}),
                                f"warm-up {leg}"))  # kernels and step graphs are built outside the measurement
             before = disagg_stats(decode) if decode is not None else None
@@ -269,11 +273,13 @@ def main(argv: list[str] | None = None) -> int:
                                 (prefill_after["write_seconds"] - prefill_before["write_seconds"]) / n,
                             "gib_s": moved / secs / (1 << 30) if secs else None}
     same = max(int(transfer["bytes_per_request"]), 1)
-    transfer["raw_same_size_one_segment"] = raw_bandwidth(same)
-    transfer["raw_same_size_same_segments"] = raw_bandwidth(same, max(round(transfer["segments_per_request"]), 1))
+    backend = args.transfer_backend
+    transfer["raw_same_size_one_segment"] = raw_bandwidth(same, backend=backend)
+    transfer["raw_same_size_same_segments"] = raw_bandwidth(same, max(round(transfer["segments_per_request"]), 1),
+                                                            backend=backend)
     transfer["raw_same_size_same_segments_spaced"] = raw_bandwidth(
-        same, max(round(transfer["segments_per_request"]), 1), gap=1.0 / max(rates))
-    transfer["raw_64mib"] = raw_bandwidth(64 << 20)
+        same, max(round(transfer["segments_per_request"]), 1), gap=1.0 / max(rates), backend=backend)
+    transfer["raw_64mib"] = raw_bandwidth(64 << 20, backend=backend)
     transfer["share_of_raw_same_size_same_segments"] = \
         transfer["gib_s"] / transfer["raw_same_size_same_segments"]["gib_s_median"]
     transfer["share_of_raw_same_size_same_segments_spaced"] = \
@@ -284,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
                                            zip(results["pd_1p1d"], results["colocated_2x"])]}
     shown = {**vars(args), "model": os.path.relpath(args.model, REPO), "out": os.path.relpath(args.out, REPO)}
     report = {"config": {**shown, "rates": rates, "cpu_count": os.cpu_count(), "load_average_at_start": load_at_start,
-                         "load_average_at_end": os.getloadavg(), "transport": "mooncake tcp 127.0.0.1"},
+                         "load_average_at_end": os.getloadavg(), "transport": TRANSPORTS[args.transfer_backend]},
               "results": results, "transfer": transfer, "compare": compare}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:

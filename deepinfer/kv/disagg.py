@@ -66,7 +66,8 @@ def make_role(config: DisaggregationConfig, engine, model_dir: str, host: str, p
     if engine.spec is not None:
         raise ValueError("--disaggregation-mode with DSpark speculative decoding: the drafter's context rings are "
                          "not transferred yet; set DEEPINFER_USE_NEXTN_DECODE=0 on prefill and decode")
-    transport = make_transport(config.transfer_backend, host, config.transfer_protocol, config.ib_device)
+    transport = make_transport(config.transfer_backend, host, config.transfer_protocol, config.ib_device,
+                               config.transfer_timeout, receives=config.mode == "decode")
     if config.mode == "prefill":
         from deepinfer.kv.disagg_prefill import PrefillRole
         return PrefillRole(config, engine, model_dir, host, transport, post)

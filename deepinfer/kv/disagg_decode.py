@@ -27,7 +27,7 @@ class DecodeRole:
     def __init__(self, config, engine, model_dir: str, transport, post):
         self.config, self.engine, self.transport, self.post = config, engine, transport, post
         self.cache = engine.cache
-        self.layout = layout.describe(self.cache, model_dir)
+        self.layout = layout.describe(self.cache, model_dir, config.transfer_backend)
         for address, length in layout.regions(self.cache):
             transport.register(address, length)
         self.addresses = layout.addresses(self.cache)

@@ -42,7 +42,7 @@ class PrefillRole:
     def __init__(self, config, engine, model_dir: str, host: str, transport, post):
         self.config, self.engine, self.transport, self.post = config, engine, transport, post
         self.cache = engine.cache
-        self.layout = layout.describe(self.cache, model_dir)
+        self.layout = layout.describe(self.cache, model_dir, config.transfer_backend)
         for address, length in layout.regions(self.cache):
             transport.register(address, length)
         self.rooms: dict[int, _Room] = {}

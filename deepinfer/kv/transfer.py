@@ -1,15 +1,22 @@
-"""The transfer engine P/D disaggregation moves decode state with: Mooncake's TransferEngine
-(PyPI `mooncake-transfer-engine-non-cuda` on CPU hosts, `mooncake-transfer-engine` with CUDA), in
-its P2PHANDSHAKE mode (peers find each other by `host:rpc_port`, no metadata server).
+"""The transfer engines P/D disaggregation moves decode state with (--disaggregation-transfer-backend):
+
+- mooncake: Mooncake's TransferEngine (PyPI `mooncake-transfer-engine-non-cuda` on CPU hosts,
+  `mooncake-transfer-engine` with CUDA), in its P2PHANDSHAKE mode (peers find each other by
+  `host:rpc_port`, no metadata server);
+- nixl: NVIDIA's NIXL agent with its UCX backend (PyPI `nixl`, or `nixl-cu12` alone), peers exchanging
+  metadata through NIXL's listener thread (`host:port/agent`, no etcd).
 
 Both sides register their cache pools as memory regions once; a transfer is a batch of one-sided
 writes (source address in this process, destination address in the peer's registered memory), the
-same call whether the protocol is TCP (what runs here), RDMA or NVLink. NIXL is the other backend
-SGLang and vLLM use; it is named by --disaggregation-transfer-backend but not wired here yet."""
+same call whether the wire is TCP or shared memory (what runs here), RDMA or NVLink."""
 
 from __future__ import annotations
 
+import os
+import socket
 import threading
+import time
+import uuid
 
 BACKENDS = ("mooncake", "nixl")
 PROTOCOLS = ("tcp", "rdma")
@@ -56,15 +63,124 @@ class MooncakeTransport:
                                 f"(rc={rc}): the peer is unreachable or its memory is not registered")
 
 
-def make_transport(backend: str, host: str, protocol: str = "tcp", device: str = "") -> MooncakeTransport:
+def _nixl_api():
+    """NIXL's Python API: the `nixl` meta package picks the wheel for the CUDA it finds; without it,
+    the CUDA 12 or 13 wheel as installed (either runs UCX on host memory)."""
+    for name in ("nixl._api", "nixl_cu12._api", "nixl_cu13._api"):
+        try:
+            return __import__(name, fromlist=["nixl_agent"])
+        except ImportError:
+            continue
+    raise RuntimeError("--disaggregation-transfer-backend nixl needs NIXL: pip install nixl (with CUDA), or "
+                       "nixl-cu12 alone on CPU hosts; or use --disaggregation-transfer-backend mooncake")
+
+
+class NixlTransport:
+    """One NIXL agent (UCX backend): this process's registered regions and its writes to peers. A
+    peer is `host:port/agent`, its listener thread's address and agent name; its metadata (which
+    regions it registered) is fetched from that listener at the first write to it.
+
+    Progress: a writer drives its own transfers while it polls them. The side written to must
+    progress too (UCX's connection set-up, and transports that emulate remote writes, such as
+    TCP): NIXL's own progress thread spins without pause (~70% of a core while idle, measured), so
+    `receives` starts a thread of ours that progresses every PROGRESS_PERIOD_S instead."""
+
+    PROGRESS_PERIOD_S = 0.001
+
+    def __init__(self, host: str, protocol: str = "tcp", device: str = "", timeout: float = 30.0,
+                 receives: bool = False):
+        if protocol not in PROTOCOLS:
+            raise ValueError(f"--disaggregation-transfer-protocol must be one of {PROTOCOLS}, got {protocol!r}")
+        if protocol == "tcp":
+            # UCX's InfiniBand modules, when loaded, bring a libnl whose exit-time destructor crashes the
+            # process on hosts without RDMA (SIGSEGV after a clean shutdown); TCP and shared memory need none
+            os.environ.setdefault("UCX_MODULES", "^ib")
+        if device:
+            os.environ.setdefault("UCX_NET_DEVICES", device)
+        api = _nixl_api()
+        port = _free_port(host)
+        self.name = f"deepinfer-{uuid.uuid4().hex[:12]}"
+        self.agent = api.nixl_agent(self.name, api.nixl_agent_config(enable_prog_thread=False, enable_listen_thread=True,
+                                                                     listen_port=port))
+        if "UCX" not in self.agent.backends:
+            raise RuntimeError("NIXL started without its UCX backend (its plugins: "
+                               f"{', '.join(self.agent.plugin_list)}): reinstall nixl")
+        self.session_id = f"{host}:{port}/{self.name}"  # what a peer writes to
+        self.timeout = timeout
+        self._peers: set[str] = set()  # agents whose metadata this one holds
+        self._lock = threading.Lock()  # one transfer at a time per agent, as with Mooncake
+        if receives:
+            threading.Thread(target=self._progress, name="deepinfer-nixl-progress", daemon=True).start()
+
+    def _progress(self) -> None:
+        while True:
+            self.agent.get_new_notifs()  # progresses the UCX workers
+            time.sleep(self.PROGRESS_PERIOD_S)
+
+    def register(self, address: int, length: int) -> None:
+        self.agent.register_memory([(address, length, 0, "")], "DRAM")
+
+    def write(self, peer: str, src: list[int], dst: list[int], lengths: list[int]) -> None:
+        """One-sided writes of src[i] (here) to dst[i] (peer's registered memory), lengths[i] bytes each."""
+        if not src:
+            return
+        try:
+            address, name = peer.rsplit("/", 1)
+            host, port = address.rsplit(":", 1)
+            port = int(port)
+        except ValueError:
+            raise TransferError(f"{peer!r} is not a NIXL peer (host:port/agent): is the other side's "
+                                "--disaggregation-transfer-backend nixl too?") from None
+        deadline = time.monotonic() + self.timeout
+        with self._lock:
+            if name not in self._peers:
+                self.agent.fetch_remote_metadata(name, host, port)
+                while not self.agent.check_remote_metadata(name):
+                    if time.monotonic() > deadline:
+                        raise TransferError(f"NIXL agent {name} at {address} did not send its metadata within "
+                                            f"{self.timeout:.0f} s: the peer is gone or unreachable")
+                    time.sleep(0.001)
+                self._peers.add(name)
+            try:
+                handle = self.agent.initialize_xfer(
+                    "WRITE", self.agent.get_xfer_descs([(a, n, 0) for a, n in zip(src, lengths)], "DRAM"),
+                    self.agent.get_xfer_descs([(a, n, 0) for a, n in zip(dst, lengths)], "DRAM"), name)
+            except Exception as exc:  # noqa: BLE001 - NIXL's errors are its own exception types
+                self._forget(name)
+                raise TransferError(f"NIXL could not set up a write of {sum(lengths)} bytes to {peer}: {exc}") from None
+            try:
+                state = self.agent.transfer(handle)
+                while state == "PROC" and time.monotonic() < deadline:
+                    state = self.agent.check_xfer_state(handle)
+            finally:
+                self.agent.release_xfer_handle(handle)
+        if state != "DONE":
+            self._forget(name)
+            raise TransferError(f"NIXL write of {sum(lengths)} bytes in {len(src)} segment(s) to {peer} "
+                                + ("timed out" if state == "PROC" else "failed") + ": the peer is gone or unreachable")
+
+    def _forget(self, name: str) -> None:
+        """Drop a peer's metadata after a failure: the next write fetches it again."""
+        if name in self._peers:
+            self._peers.discard(name)
+            try:
+                self.agent.remove_remote_agent(name)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def make_transport(backend: str, host: str, protocol: str = "tcp", device: str = "", timeout: float = 30.0,
+                   receives: bool = False):
+    """The transfer engine of `backend`; `timeout`: how long a NIXL write may take (Mooncake's own);
+    `receives`: peers write into this process's memory (a decode worker)."""
     if backend == "mooncake":
         return MooncakeTransport(host, protocol, device)
     if backend == "nixl":
-        try:
-            import nixl  # noqa: F401
-        except ImportError:
-            raise RuntimeError("--disaggregation-transfer-backend nixl: NIXL is not installed (pip install --no-deps "
-                               "nixl nixl-cu12 numpy gives its UCX path on CPU); or use mooncake") from None
-        raise RuntimeError("--disaggregation-transfer-backend nixl is not wired in deepinfer yet "
-                           "(docs/disaggregation.md); use --disaggregation-transfer-backend mooncake")
+        return NixlTransport(host, protocol, device, timeout, receives)
     raise ValueError(f"--disaggregation-transfer-backend must be one of {BACKENDS}, got {backend!r}")

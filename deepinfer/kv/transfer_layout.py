@@ -30,9 +30,10 @@ def model_digest(model_dir: str) -> str:
         return "unknown"
 
 
-def describe(cache: StateCache, model_dir: str) -> dict:
-    """What a peer must share with this cache for its bytes to mean the same here (JSON-able)."""
-    return {"model": os.path.basename(os.path.normpath(model_dir)), "model_digest": model_digest(model_dir),
+def describe(cache: StateCache, model_dir: str, backend: str) -> dict:
+    """What a peer must share with this cache for its bytes to mean the same here, and the transfer
+    engine that moves them (JSON-able)."""
+    return {"backend": backend, "model": os.path.basename(os.path.normpath(model_dir)), "model_digest": model_digest(model_dir),
             "dtype": str(cache.dtype).removeprefix("torch."), "page_tokens": cache.page_tokens,
             "pools": [[p.spec.name, p.spec.width, p.spec.ring, p.spec.stride, str(p.data.dtype).removeprefix("torch.")]
                       for p in cache.pools.values()]}
@@ -40,6 +41,9 @@ def describe(cache: StateCache, model_dir: str) -> dict:
 
 def mismatch(mine: dict, theirs: dict, who: str) -> str | None:
     """Why a peer's description (`theirs`, of `who`) cannot exchange state with this one; None: it can."""
+    if mine["backend"] != theirs.get("backend"):
+        return (f"{who} moves state with {theirs.get('backend')!r}, this worker with {mine['backend']!r}: give both "
+                "the same --disaggregation-transfer-backend")
     if mine["model_digest"] != theirs["model_digest"]:
         return (f"{who} serves model {theirs['model']!r} (config.json digest {theirs['model_digest']}), this worker "
                 f"{mine['model']!r} ({mine['model_digest']}): start prefill and decode with the same --model")

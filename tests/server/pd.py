@@ -14,8 +14,10 @@ from fleet import running_smg
 TRANSFER_TIMEOUT_S = 6
 
 
-def pd_args(mode: str, *, bootstrap_port: int | None = None, timeout: float = TRANSFER_TIMEOUT_S) -> tuple[str, ...]:
-    args = ("--disaggregation-mode", mode, "--disaggregation-transfer-timeout", str(timeout))
+def pd_args(mode: str, *, bootstrap_port: int | None = None, timeout: float = TRANSFER_TIMEOUT_S,
+            backend: str = "mooncake") -> tuple[str, ...]:
+    args = ("--disaggregation-mode", mode, "--disaggregation-transfer-timeout", str(timeout),
+            "--disaggregation-transfer-backend", backend)
     return args + (("--disaggregation-bootstrap-port", str(bootstrap_port)) if bootstrap_port else ())
 
 
@@ -30,10 +32,10 @@ class Prefill:
 
 
 @contextmanager
-def running_prefill(*args: str, timeout: float = TRANSFER_TIMEOUT_S):
+def running_prefill(*args: str, timeout: float = TRANSFER_TIMEOUT_S, backend: str = "mooncake"):
     """A prefill worker and its bootstrap port."""
     port = free_port()
-    with running_server(*args, *pd_args("prefill", bootstrap_port=port, timeout=timeout)) as server:
+    with running_server(*args, *pd_args("prefill", bootstrap_port=port, timeout=timeout, backend=backend)) as server:
         yield Prefill(server, port)
 
 

@@ -1,5 +1,5 @@
-"""Prefill/decode disaggregation behind smg (--pd-disaggregation) on 127.0.0.1 with Mooncake's
-transfer engine over TCP: the text through the P/D pair equals colocated LLM.generate (greedy and
+"""Prefill/decode disaggregation behind smg (--pd-disaggregation) on 127.0.0.1, with each transfer
+engine (Mooncake's over TCP; NIXL's UCX over shared memory and TCP): the text through the P/D pair equals colocated LLM.generate (greedy and
 seeded, whole and streamed, a prompt longer than the sliding window), the bytes moved per request
 are what the cache spec says, a decode-side prefix-cache hit is not re-sent, and the faults: a
 prefill that dies, a decode that never comes, a cancelled request, a mismatched peer, each ending
@@ -31,11 +31,13 @@ GREEDY = {"temperature": 0.0, "max_new_tokens": 12}
 SEEDED = {"temperature": 0.9, "top_p": 0.95, "max_new_tokens": 12, "sampling_seed": 1234}
 
 
-@pytest.fixture(scope="module")
-def pd():
-    with running_prefill(*ARGS) as prefill, running_server(*ARGS, *pd_args("decode")) as decode, \
+@pytest.fixture(scope="module", params=["mooncake", "nixl"])
+def pd(request):
+    backend = request.param
+    with running_prefill(*ARGS, backend=backend) as prefill, \
+            running_server(*ARGS, *pd_args("decode", backend=backend)) as decode, \
             running_pd_smg(prefill, decode) as router:
-        yield SimpleNamespace(prefill=prefill, decode=decode, router=router)
+        yield SimpleNamespace(prefill=prefill, decode=decode, router=router, backend=backend)
 
 
 def _reference(llm, prompt: str, sampling: dict) -> str:
@@ -159,13 +161,16 @@ def test_mismatched_peer_is_refused(pd):
     layout = dict(route["layout"], dtype="bfloat16")
     with pytest.raises(BootstrapError, match="dtype=bfloat16.*--dtype"):
         call("POST", f"{base}/rooms/9003", {"layout": layout, "pages": [], "slot": 0})
+    other = "nixl" if pd.backend == "mooncake" else "mooncake"
+    with pytest.raises(BootstrapError, match=f"moves state with '{other}'.*same --disaggregation-transfer-backend"):
+        call("POST", f"{base}/rooms/9003", {"layout": dict(route["layout"], backend=other), "pages": [], "slot": 0})
 
 
 @pytest.mark.slow  # a third worker starts (and is killed)
 def test_prefill_killed_decode_fails_in_bounded_time_and_keeps_serving(pd):
     """A second prefill is killed (-9) while decode waits for its state: decode's request fails within
     the transfer timeout naming the cause, frees its pages, and the pair behind smg still serves."""
-    with running_prefill(*ARGS) as doomed:
+    with running_prefill(*ARGS, backend=pd.backend) as doomed:
         result = {}
 
         def ask():

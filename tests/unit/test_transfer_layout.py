@@ -54,12 +54,14 @@ def test_segments_copy_the_slot_rings_and_pages_and_nothing_else():
 
 def test_a_peer_with_another_cache_is_refused_naming_the_field(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "deepseek_v4"}')
-    mine = layout.describe(_cache(), str(tmp_path))
-    assert layout.mismatch(mine, layout.describe(_cache(max_seqs=5, pages=2), str(tmp_path)), "peer") is None
-    other = layout.describe(_cache(dtype=torch.bfloat16), str(tmp_path))
+    mine = layout.describe(_cache(), str(tmp_path), "mooncake")
+    assert layout.mismatch(mine, layout.describe(_cache(max_seqs=5, pages=2), str(tmp_path), "mooncake"), "peer") is None
+    other = layout.describe(_cache(dtype=torch.bfloat16), str(tmp_path), "mooncake")
     assert "--dtype" in layout.mismatch(mine, other, "the decode worker")
+    nixl = layout.describe(_cache(), str(tmp_path), "nixl")
+    assert "same --disaggregation-transfer-backend" in layout.mismatch(mine, nixl, "the decode worker")
     (tmp_path / "config.json").write_text('{"model_type": "deepseek_v3"}')
-    assert "same --model" in layout.mismatch(mine, layout.describe(_cache(), str(tmp_path)), "peer")
+    assert "same --model" in layout.mismatch(mine, layout.describe(_cache(), str(tmp_path), "mooncake"), "peer")
     with pytest.raises(ValueError, match="row bytes"):
         wide = dict(layout.addresses(_cache()))
         wide["window"] = [wide["window"][0], wide["window"][1], 999]
