@@ -135,6 +135,19 @@ def test_concurrent_requests_spread_over_both_ranks_and_match_one_process(dp_cli
     assert all(load["num_running_reqs"] == 0 and load["num_waiting_reqs"] == 0 for load in dp_client.loads())
 
 
+def test_a_ranks_stream_gets_each_token_as_its_step_ends(dp_client):
+    """A rank decodes greedy requests in multi-step calls and sends each step's tokens over its pipe
+    as the step ends: a 32-token completion reaches the client in about 32 deltas, not one per call."""
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+
+    async def deltas():
+        group = await dp_client.add([(PROMPTS[1], params, None)], time.perf_counter(), ["per-step"])
+        return [delta.token_ids async for _, delta in group.deltas() if delta.token_ids]
+
+    pieces = asyncio.run(deltas())
+    assert sum(map(len, pieces)) == 32 and len(pieces) >= 16, pieces
+
+
 def test_data_parallel_rank_pins_a_request(dp_client, one_process_outputs):
     for rank in (1, 0, 1):
         before = _prompt_tokens(dp_client)
