@@ -271,7 +271,10 @@ def main(argv: list[str] | None = None) -> int:
                             # busy prefill process, segment planning)
                             "write_seconds_per_request":
                                 (prefill_after["write_seconds"] - prefill_before["write_seconds"]) / n,
-                            "gib_s": moved / secs / (1 << 30) if secs else None}
+                            "gib_s": moved / secs / (1 << 30) if secs else None,
+                            # written by the prefill's engine thread itself (NIXL; the rest on a thread)
+                            "inline_share": (prefill_after.get("inline_writes", 0)
+                                             - prefill_before.get("inline_writes", 0)) / n}
     same = max(int(transfer["bytes_per_request"]), 1)
     backend = args.transfer_backend
     transfer["raw_same_size_one_segment"] = raw_bandwidth(same, backend=backend)

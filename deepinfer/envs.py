@@ -207,3 +207,14 @@ def triton_interpreter() -> bool:
 def cache_root() -> str:
     """The user's cache directory: XDG_CACHE_HOME, else ~/.cache."""
     return os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+
+
+def default_ucx_settings(tcp: bool, devices: str) -> None:
+    """UCX's settings for NIXL's agent (kv/transfer.py), where the user has not set them: over TCP,
+    UCX_MODULES=^ib, since UCX's InfiniBand modules, once loaded, bring a libnl whose exit-time
+    destructor crashes the process (SIGSEGV after a clean shutdown) on hosts without RDMA, and TCP or
+    shared memory need none of them; `devices` (--disaggregation-ib-device) as UCX_NET_DEVICES."""
+    if tcp:
+        os.environ.setdefault("UCX_MODULES", "^ib")
+    if devices:
+        os.environ.setdefault("UCX_NET_DEVICES", devices)

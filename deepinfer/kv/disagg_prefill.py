@@ -7,7 +7,13 @@ a bootstrap-server thread). When both are in, one writer thread moves the bytes;
 token, logprobs, bytes) waits for decode's long poll. Every room ends within the transfer timeout:
 a finished request whose decode never asks (decode killed, client gone) is freed, a destination whose
 request never comes is dropped. The engine's slot and pages are only freed on the engine thread
-(`post`)."""
+(`post`).
+
+Where the destination came first (the usual order: decode asks as soon as the router sends it the
+request) and the transfer engine can post a write and poll it (NIXL), the engine thread writes
+inline when the request finishes, polling for at most INLINE_WRITE_S before a thread takes over: a
+writer thread would wait for the GIL the engine thread holds while it runs Python, up to the
+interpreter's 5 ms switch interval, several times a sub-millisecond write."""
 
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ from deepinfer.kv.transfer import TransferError
 logger = logging.getLogger("deepinfer.kv")
 
 PENDING, TRANSFERRING, DONE, FAILED = "pending", "transferring", "done", "failed"
+INLINE_WRITE_S = 0.002  # how long the engine thread polls a write it posted before a thread finishes it
 
 
 @dataclass
@@ -47,7 +54,9 @@ class PrefillRole:
             transport.register(address, length)
         self.rooms: dict[int, _Room] = {}
         self.cond = threading.Condition()
-        self.counters = {"transfers": 0, "failed": 0, "bytes": 0, "seconds": 0.0, "write_seconds": 0.0, "pages": 0}
+        # inline_writes: transfers the engine thread posted and saw done itself (INLINE_WRITE_S)
+        self.counters = {"transfers": 0, "failed": 0, "bytes": 0, "seconds": 0.0, "write_seconds": 0.0, "pages": 0,
+                         "inline_writes": 0}
         self._closed = False
         self.server = BootstrapServer(host, config.bootstrap_port, self)
         self.host = _reachable(host)  # where a decode worker finds the bootstrap server (vLLM's remote_host)
@@ -76,7 +85,7 @@ class PrefillRole:
             if start:
                 room.status = TRANSFERRING
         if start:
-            self._start(req.disagg.room)
+            self._start(req.disagg.room, on_engine_thread=True)
         elif room.status != PENDING:  # cancelled before its prompt ran
             self._release(room)
 
@@ -105,6 +114,11 @@ class PrefillRole:
             self.cond.notify_all()
         if start:
             self._start(room_id)
+        elif hasattr(self.transport, "connect"):  # meet the peer now, not when the engine thread writes
+            try:
+                self.transport.connect(body.get("session_id", ""))
+            except TransferError as exc:  # the write reports it, with the room
+                logger.warning("bootstrap_room %d: %s", room_id, exc)
         return None
 
     def wait(self, room_id: int, timeout: float) -> dict:
@@ -135,11 +149,22 @@ class PrefillRole:
         room = self.rooms.get(room_id)
         return room is None or room.status in (DONE, FAILED)
 
-    def _start(self, room_id: int) -> None:
-        threading.Thread(target=self._transfer, args=(room_id,), name=f"deepinfer-kv-write-{room_id}",
-                         daemon=True).start()
+    def _start(self, room_id: int, on_engine_thread: bool = False) -> None:
+        if on_engine_thread and self._inline(self.rooms[room_id].dest):
+            self._transfer(room_id, inline=True)
+        else:
+            threading.Thread(target=self._transfer, args=(room_id,), name=f"deepinfer-kv-write-{room_id}",
+                             daemon=True).start()
 
-    def _transfer(self, room_id: int) -> None:
+    def _inline(self, dest) -> bool:
+        """Whether the engine thread may post this write itself: the transport posts and polls, and it
+        holds the peer's metadata already (fetching it may take a while)."""
+        try:
+            return hasattr(self.transport, "start_write") and self.transport.connected(dest["session_id"])
+        except (TransferError, KeyError, TypeError):
+            return False  # a thread reports it
+
+    def _transfer(self, room_id: int, inline: bool = False) -> None:
         room = self.rooms[room_id]
         held, dest = room.held, room.dest
         t0 = time.perf_counter()
@@ -151,27 +176,51 @@ class PrefillRole:
                                  f"tokens of which it holds {skip} pages; this side has {len(pages)} to send")
             segs = layout.segments(self.cache, held["slot"], pages, dest["addresses"], int(dest["slot"]), dest["pages"])
             t_write = time.perf_counter()
-            self.transport.write(dest["session_id"], segs.src, segs.dst, segs.lengths)
-            write_seconds = time.perf_counter() - t_write
+            if inline:
+                write = self.transport.start_write(dest["session_id"], segs.src, segs.dst, segs.lengths)
+                if not write.wait(INLINE_WRITE_S):
+                    threading.Thread(target=self._finish, args=(room_id, write, segs, len(pages), skip, t0, t_write),
+                                     name=f"deepinfer-kv-write-{room_id}", daemon=True).start()
+                    return
+            else:
+                self.transport.write(dest["session_id"], segs.src, segs.dst, segs.lengths)
         except (TransferError, ValueError, KeyError, TypeError) as exc:
-            logger.warning("bootstrap_room %d: transfer failed: %s", room_id, exc)
-            self._fail(room_id, f"the prefill worker could not write the decode state: {exc}")
+            self._failed_write(room_id, exc)
             return
-        seconds = time.perf_counter() - t0
+        self._done(room_id, segs, len(pages), skip, t0, t_write, inline)
+
+    def _finish(self, room_id: int, write, segs, pages: int, skip: int, t0: float, t_write: float) -> None:
+        """A write the engine thread posted, waited for on this thread."""
+        try:
+            write.wait(float("inf"))
+        except TransferError as exc:
+            self._failed_write(room_id, exc)
+            return
+        self._done(room_id, segs, pages, skip, t0, t_write)
+
+    def _failed_write(self, room_id: int, exc: Exception) -> None:
+        logger.warning("bootstrap_room %d: transfer failed: %s", room_id, exc)
+        self._fail(room_id, f"the prefill worker could not write the decode state: {exc}")
+
+    def _done(self, room_id: int, segs, pages: int, skip: int, t0: float, t_write: float, inline: bool = False) -> None:
+        room, held = self.rooms[room_id], self.rooms[room_id].held
+        now = time.perf_counter()
+        seconds, write_seconds = now - t0, now - t_write
         result = {"first_token": held["first_token"], "logprobs": held["logprobs"], "bytes": segs.nbytes,
-                  "pages": len(pages), "skipped_pages": skip, "segments": len(segs.src), "seconds": seconds,
+                  "pages": pages, "skipped_pages": skip, "segments": len(segs.src), "seconds": seconds,
                   "write_seconds": write_seconds}
         logger.info("bootstrap_room %d: wrote %d bytes (%d pages, %d skipped, one slot's rings) in %d segments, "
-                    "%.2f ms (the engine's write call %.2f ms)", room_id, segs.nbytes, len(pages), skip, len(segs.src),
+                    "%.2f ms (the engine's write call %.2f ms)", room_id, segs.nbytes, pages, skip, len(segs.src),
                     seconds * 1e3, write_seconds * 1e3)
         with self.cond:
             room.status, room.result = DONE, result
             c = self.counters
             c["transfers"] += 1
             c["bytes"] += segs.nbytes
-            c["pages"] += len(pages)
+            c["pages"] += pages
             c["seconds"] += seconds
             c["write_seconds"] += write_seconds
+            c["inline_writes"] += inline
             self.cond.notify_all()
         self._release(room)
 

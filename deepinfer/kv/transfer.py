@@ -12,11 +12,12 @@ same call whether the wire is TCP or shared memory (what runs here), RDMA or NVL
 
 from __future__ import annotations
 
-import os
 import socket
 import threading
 import time
 import uuid
+
+from deepinfer import envs
 
 BACKENDS = ("mooncake", "nixl")
 PROTOCOLS = ("tcp", "rdma")
@@ -91,12 +92,7 @@ class NixlTransport:
                  receives: bool = False):
         if protocol not in PROTOCOLS:
             raise ValueError(f"--disaggregation-transfer-protocol must be one of {PROTOCOLS}, got {protocol!r}")
-        if protocol == "tcp":
-            # UCX's InfiniBand modules, when loaded, bring a libnl whose exit-time destructor crashes the
-            # process on hosts without RDMA (SIGSEGV after a clean shutdown); TCP and shared memory need none
-            os.environ.setdefault("UCX_MODULES", "^ib")
-        if device:
-            os.environ.setdefault("UCX_NET_DEVICES", device)
+        envs.default_ucx_settings(tcp=protocol == "tcp", devices=device)
         api = _nixl_api()
         port = _free_port(host)
         self.name = f"deepinfer-{uuid.uuid4().hex[:12]}"
@@ -108,7 +104,7 @@ class NixlTransport:
         self.session_id = f"{host}:{port}/{self.name}"  # what a peer writes to
         self.timeout = timeout
         self._peers: set[str] = set()  # agents whose metadata this one holds
-        self._lock = threading.Lock()  # one transfer at a time per agent, as with Mooncake
+        self._lock = threading.Lock()  # guards _peers: one metadata fetch per peer
         if receives:
             threading.Thread(target=self._progress, name="deepinfer-nixl-progress", daemon=True).start()
 
@@ -120,53 +116,93 @@ class NixlTransport:
     def register(self, address: int, length: int) -> None:
         self.agent.register_memory([(address, length, 0, "")], "DRAM")
 
-    def write(self, peer: str, src: list[int], dst: list[int], lengths: list[int]) -> None:
-        """One-sided writes of src[i] (here) to dst[i] (peer's registered memory), lengths[i] bytes each."""
-        if not src:
-            return
-        try:
-            address, name = peer.rsplit("/", 1)
-            host, port = address.rsplit(":", 1)
-            port = int(port)
-        except ValueError:
-            raise TransferError(f"{peer!r} is not a NIXL peer (host:port/agent): is the other side's "
-                                "--disaggregation-transfer-backend nixl too?") from None
+    def connected(self, peer: str) -> bool:
+        """Whether this agent holds `peer`'s metadata (a write to it needs no fetch first)."""
+        return _nixl_peer(peer)[0] in self._peers
+
+    def connect(self, peer: str) -> None:
+        """Fetch `peer`'s metadata from its listener (once), waiting at most the timeout."""
+        name, host, port = _nixl_peer(peer)
         deadline = time.monotonic() + self.timeout
         with self._lock:
-            if name not in self._peers:
-                self.agent.fetch_remote_metadata(name, host, port)
-                while not self.agent.check_remote_metadata(name):
-                    if time.monotonic() > deadline:
-                        raise TransferError(f"NIXL agent {name} at {address} did not send its metadata within "
-                                            f"{self.timeout:.0f} s: the peer is gone or unreachable")
-                    time.sleep(0.001)
-                self._peers.add(name)
-            try:
-                handle = self.agent.initialize_xfer(
-                    "WRITE", self.agent.get_xfer_descs([(a, n, 0) for a, n in zip(src, lengths)], "DRAM"),
-                    self.agent.get_xfer_descs([(a, n, 0) for a, n in zip(dst, lengths)], "DRAM"), name)
-            except Exception as exc:  # noqa: BLE001 - NIXL's errors are its own exception types
-                self._forget(name)
-                raise TransferError(f"NIXL could not set up a write of {sum(lengths)} bytes to {peer}: {exc}") from None
-            try:
-                state = self.agent.transfer(handle)
-                while state == "PROC" and time.monotonic() < deadline:
-                    state = self.agent.check_xfer_state(handle)
-            finally:
-                self.agent.release_xfer_handle(handle)
-        if state != "DONE":
+            if name in self._peers:
+                return
+            self.agent.fetch_remote_metadata(name, host, port)
+            while not self.agent.check_remote_metadata(name):
+                if time.monotonic() > deadline:
+                    raise TransferError(f"NIXL agent {name} at {host}:{port} did not send its metadata within "
+                                        f"{self.timeout:.0f} s: the peer is gone or unreachable")
+                time.sleep(0.001)
+            self._peers.add(name)
+
+    def start_write(self, peer: str, src: list[int], dst: list[int], lengths: list[int]) -> "NixlWrite":
+        """Post one-sided writes of src[i] (here) to dst[i] (peer's registered memory), lengths[i]
+        bytes each; the returned write is polled to completion (`wait`). Thread-safe: NIXL's agent
+        serializes its calls (its strict sync mode, on with the listener thread)."""
+        self.connect(peer)
+        name = _nixl_peer(peer)[0]
+        what = f"NIXL write of {sum(lengths)} bytes in {len(src)} segment(s) to {peer}"
+        try:
+            handle = self.agent.initialize_xfer(
+                "WRITE", self.agent.get_xfer_descs([(a, n, 0) for a, n in zip(src, lengths)], "DRAM"),
+                self.agent.get_xfer_descs([(a, n, 0) for a, n in zip(dst, lengths)], "DRAM"), name)
+            state = self.agent.transfer(handle)
+        except Exception as exc:  # noqa: BLE001 - NIXL's errors are its own exception types
             self._forget(name)
-            raise TransferError(f"NIXL write of {sum(lengths)} bytes in {len(src)} segment(s) to {peer} "
-                                + ("timed out" if state == "PROC" else "failed") + ": the peer is gone or unreachable")
+            raise TransferError(f"{what} could not start: {exc}") from None
+        return NixlWrite(self.agent, lambda: self._forget(name), handle, state, what,
+                         time.monotonic() + self.timeout)
+
+    def write(self, peer: str, src: list[int], dst: list[int], lengths: list[int]) -> None:
+        """One-sided writes of src[i] (here) to dst[i] (peer's registered memory), lengths[i] bytes each."""
+        if src:
+            self.start_write(peer, src, dst, lengths).wait(self.timeout)
 
     def _forget(self, name: str) -> None:
         """Drop a peer's metadata after a failure: the next write fetches it again."""
-        if name in self._peers:
+        with self._lock:
+            if name not in self._peers:
+                return
             self._peers.discard(name)
             try:
                 self.agent.remove_remote_agent(name)
             except Exception:  # noqa: BLE001 - already gone
                 pass
+
+
+class NixlWrite:
+    """A posted NIXL write of `agent`'s: `wait` polls it (the writer's polls progress it). `forget()`
+    drops the peer's metadata when it fails."""
+
+    def __init__(self, agent, forget, handle, state: str, what: str, deadline: float):
+        self.agent, self.forget, self.handle, self.state = agent, forget, handle, state
+        self.what, self.deadline = what, deadline
+
+    def wait(self, seconds: float) -> bool:
+        """Poll for up to `seconds`: True once the bytes are written, False while it is still going;
+        TransferError when it failed or outlived the transport's timeout."""
+        until = min(time.monotonic() + seconds, self.deadline)
+        while self.state == "PROC" and time.monotonic() < until:
+            self.state = self.agent.check_xfer_state(self.handle)
+        if self.state == "PROC" and time.monotonic() < self.deadline:
+            return False
+        self.agent.release_xfer_handle(self.handle)
+        if self.state != "DONE":
+            self.forget()
+            raise TransferError(self.what + (" timed out" if self.state == "PROC" else " failed")
+                                + ": the peer is gone or unreachable")
+        return True
+
+
+def _nixl_peer(peer: str) -> tuple[str, str, int]:
+    """`host:port/agent` -> (agent, host, port)."""
+    try:
+        address, name = peer.rsplit("/", 1)
+        host, port = address.rsplit(":", 1)
+        return name, host, int(port)
+    except ValueError:
+        raise TransferError(f"{peer!r} is not a NIXL peer (host:port/agent): is the other side's "
+                            "--disaggregation-transfer-backend nixl too?") from None
 
 
 def _free_port(host: str) -> int:

@@ -118,6 +118,20 @@ def _direct(server_url: str, room: int, prefill, sampling=GREEDY, text=LONG):
                     bootstrap_room=room)
 
 
+def test_nixl_writes_are_posted_by_the_prefill_engine_thread(pd):
+    """With NIXL the prefill's engine thread posts a finished request's write itself and polls it
+    briefly (a writer thread would wait for the GIL the engine thread holds); Mooncake's blocking
+    write stays on a thread. Either way the text is colocated's and nothing stays held."""
+    before = disagg_stats(pd.prefill)
+    for i in range(3):
+        assert generate(pd.router.url, f"{SHORT} #{i}", GREEDY).text
+    after = disagg_stats(pd.prefill)
+    assert after["transfers"] - before["transfers"] == 3
+    inline = after["inline_writes"] - before["inline_writes"]
+    assert inline >= 1 if pd.backend == "nixl" else inline == 0, (pd.backend, inline)
+    _settled(pd)
+
+
 def test_decode_never_comes_prefill_frees_after_timeout(pd):
     before = disagg_stats(pd.prefill)
     out = _direct(pd.prefill.url, 9001, pd.prefill)  # no decode asks for room 9001
