@@ -312,7 +312,7 @@ class AsyncLLM:
         in it get theirs, text flushed, from _publish when it ends). Nothing while the event loop
         has not sent the last ones yet: the tokens ride with the next deltas, so a loop that falls
         behind gets fewer, larger pieces instead of a wake-up per step."""
-        if not self._caught_up:
+        if not self._caught_up or self._loop is None:
             return
         batch = self._deltas(finishing=False)
         if batch:

@@ -26,11 +26,14 @@ SHORT = "def quicksort(items):"
 MODEL = "tiny-dsv4"
 
 
-@pytest.fixture(scope="module")
-def pd():
-    with running_prefill(*ARGS) as prefill, running_server(*ARGS, *pd_args("decode")) as decode:
+@pytest.fixture(scope="module", params=["mooncake", "nixl"])
+def pd(request):
+    backend = request.param
+    with running_prefill(*ARGS, backend=backend) as prefill, \
+            running_server(*ARGS, *pd_args("decode", backend=backend)) as decode:
         # --kv-connector nixl: the router's name for vLLM's pass-through protocol (the prefill's
-        # kv_transfer_params go to decode as they are); the bytes move through Mooncake here
+        # kv_transfer_params go to decode as they are); the bytes move through the workers' own
+        # transfer engine, Mooncake's or NIXL's
         flags = ["--vllm-pd-disaggregation", "--prefill", prefill.url, "--decode", decode.url, "--kv-connector", "nixl"]
         with running_vllm_router([prefill.url, decode.url], "round_robin", MODEL, worker_flags=flags) as router:
             yield SimpleNamespace(prefill=prefill, decode=decode, router=router)
