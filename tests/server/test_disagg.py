@@ -145,6 +145,35 @@ def test_decode_never_comes_prefill_frees_after_timeout(pd):
     _settled(pd)
 
 
+@pytest.mark.slow  # a second decode worker starts (and is killed)
+def test_decode_killed_after_asking_prefill_frees_and_keeps_serving(pd):
+    """A decode worker offers its pages for a room and is killed (-9) before prefill has the request:
+    prefill's write to the dead peer fails or lands nowhere, and either way it holds nothing once
+    the room ends (within the transfer timeout), its engine never stalls, and the pair still serves."""
+    room = 9005
+    with running_server(*ARGS, *pd_args("decode", backend=pd.backend)) as doomed:
+        asking = threading.Thread(target=lambda: _try(lambda: _direct(doomed.url, room, pd.prefill)), daemon=True)
+        asking.start()
+        wait_until(lambda: disagg_stats(doomed)["receiving"] == 1, 10, "the doomed decode to ask for its room")
+        os.killpg(doomed.proc.pid, signal.SIGKILL)
+        doomed.proc.wait(10)
+    t0 = time.monotonic()
+    out = _direct(pd.prefill.url, room, pd.prefill)  # prefill runs the prompt, then writes to the dead peer
+    assert len(out.token_ids) == 1
+    wait_until(lambda: disagg_stats(pd.prefill)["held_requests"] == 0 and disagg_stats(pd.prefill)["rooms"] == 0,
+               TRANSFER_TIMEOUT_S * 3, "prefill to end the dead decode's room")
+    assert time.monotonic() - t0 < TRANSFER_TIMEOUT_S * 3
+    assert generate(pd.router.url, SHORT, GREEDY).text
+    _settled(pd)
+
+
+def _try(fn) -> None:
+    try:
+        fn()
+    except Exception:  # noqa: BLE001 - the worker it talks to is killed under it
+        pass
+
+
 def test_cancelled_request_frees_both_sides(pd):
     """A decode request whose client goes away while it waits for prefill: decode cancels the room at
     prefill and frees its slot and pages; the prefill request that comes later is freed as well."""
