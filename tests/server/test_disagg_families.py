@@ -2,7 +2,8 @@
 shipped tiny model: its own pools) and DeepSeek-V3 (a tiny random model: MLA latent pages, no rings).
 The tokens through the P/D pair equal colocated LLM.generate, whole and streamed, for a prompt of
 more than one page; the bytes moved are one slot's ring rows plus the prompt's pages by the cache
-spec (V3: pages only). Slow: two workers per family start."""
+spec (V3: pages only); with each transfer engine, Mooncake's and NIXL's. Slow: two workers per case
+start."""
 
 from __future__ import annotations
 
@@ -42,8 +43,9 @@ def _generate(url: str, stream: bool) -> list[int]:
     return json.loads(raw)["output_ids"]
 
 
+@pytest.mark.parametrize("backend", ["mooncake", "nixl"])
 @pytest.mark.parametrize("family", ["v41", "v3"])
-def test_family_through_pd_equals_colocated(family, request):
+def test_family_through_pd_equals_colocated(family, backend, request):
     from deepinfer import LLM, SamplingParams
 
     model = TINY_DSV41_DIR if family == "v41" else request.getfixturevalue("v3_dir")
@@ -59,7 +61,8 @@ def test_family_through_pd_equals_colocated(family, request):
     if family == "v3":
         assert rings == 0  # an MLA latent cache is all pages
     args = ("--model", model, "--max-num-seqs", "2")
-    with running_prefill(*args) as prefill, running_server(*args, *pd_args("decode")) as decode, \
+    with running_prefill(*args, backend=backend) as prefill, \
+            running_server(*args, *pd_args("decode", backend=backend)) as decode, \
             running_pd_smg(prefill, decode) as router:
         before = disagg_stats(decode)
         whole = _generate(router.url, stream=False)
