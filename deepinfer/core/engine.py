@@ -269,7 +269,7 @@ class LLMEngine:
             self.kv_store.wait(0.01)  # only requests waiting for pages from the KV store: nothing to run
         steps = self._multi_step_length(chunks) if chunks and not overlap else 1
         if steps > 1:
-            finished = self._multi_step(chunks, steps)
+            finished, steps = self._multi_step(chunks, steps)
             self.last_step = StepStats(0, steps * len(chunks), time.perf_counter() - t0)
             return grammar_failed + finished
         with self._timed("prepare"):
@@ -314,12 +314,12 @@ class LLMEngine:
                 return 1
         return steps
 
-    def _multi_step(self, chunks: list[ScheduledChunk], steps: int) -> list[Request]:
+    def _multi_step(self, chunks: list[ScheduledChunk], steps: int) -> tuple[list[Request], int]:
         """Run `steps` greedy decode steps of the scheduled requests in one call, post-processing
         their tokens in order as they come (every step for a stream listener, else once), as `steps`
         plain steps would have. A request that stops within the call keeps the tokens up to its
         stop; the state computed past it is released with it when the call ends, early when every
-        request has stopped."""
+        request has stopped. -> (the requests that finished, the steps that ran)."""
         reqs = [c.request for c in chunks]
         with self._timed("prepare"):
             for req in reqs:
@@ -349,7 +349,7 @@ class LLMEngine:
         finished = [req for req in reqs if req.is_finished]
         for req in finished:
             self._retire(req)
-        return finished
+        return finished, done
 
     def _retire(self, req: Request) -> None:
         """A request that just finished: flush its text, free its slot and pages."""
