@@ -400,9 +400,10 @@ class StepGraphs:
         return result
 
     def run_steps(self, key: tuple, per_step: list[torch.Tensor], shared: list[torch.Tensor], steps: int,
-                  feedback: list[tuple[int, int]], step_fn: Callable[[list[torch.Tensor]], Any]) -> list[torch.Tensor]:
-        """`steps` steps of one bucket (multi-step decoding). Step s runs `step_fn(inputs)` on row s
-        of every `per_step` tensor followed by `shared`, except that input i of each (o, i) in
+                  feedback: list[tuple[int, int]], step_fn: Callable[[list[torch.Tensor]], Any],
+                  first: int = 0) -> list[torch.Tensor]:
+        """`steps` steps of one bucket (multi-step decoding). Step s runs `step_fn(inputs)` on row
+        first + s of every `per_step` tensor followed by `shared`, except that input i of each (o, i) in
         `feedback` takes output o of the step before (from the second step on). A compiled bucket
         whose replay runs several steps per call (the cpu tape) takes them all in one call.
         -> step_fn's outputs, each stacked over the steps."""
@@ -411,7 +412,7 @@ class StepGraphs:
         many = getattr(bucket.step, "run_steps", None) if bucket is not None and bucket.step is not None else None
         if many is not None:
             try:
-                out = many(per_step, list(shared), steps, feedback)
+                out = many(per_step, list(shared), steps, feedback, first)
             except Exception as exc:  # noqa: BLE001 - as in run: eager from the first step, or raise
                 self._replay_failed(bucket_key, bucket, exc)
             else:
@@ -419,7 +420,7 @@ class StepGraphs:
                 self.stats["replayed"] += steps
                 return out
         outs, previous = [], None
-        for s in range(steps):
+        for s in range(first, first + steps):
             inputs = [t[s] for t in per_step] + list(shared)
             if previous is not None:
                 for o, i in feedback:

@@ -192,8 +192,8 @@ class ModelRunner:
         for first in range(0, steps, per_yield):
             n = min(per_yield, steps - first)
             if replayed:
-                out = self.graphs.run_steps(("greedy decode", sizes), [t[first:first + n] for t in tensors], [rows],
-                                            n, [(0, ids_input)], step)[0]
+                out = self.graphs.run_steps(("greedy decode", sizes), tensors, [rows], n, [(0, ids_input)], step,
+                                            first)[0]
             else:
                 column = []
                 for s in range(first, first + n):

@@ -369,9 +369,9 @@ def test_threads_are_chosen_again_after_a_while(monkeypatch):
             self.runs += 1
             return [inputs[0] + 1]
 
-        def run_steps(self, per_step, shared, steps, feedback, previous):
+        def run_steps(self, per_step, shared, first, steps, feedback, previous):
             self.runs += steps
-            return [per_step[0][:steps] + 1]
+            return [per_step[0][first:first + steps] + 1]
 
     tape = Tape()
     step = replay.TapeStep(tape, options=[1, 2])

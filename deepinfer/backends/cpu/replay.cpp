@@ -114,12 +114,12 @@ class Tape {
     return execute(inputs, nullptr, {});
   }
 
-  // `steps` replays in a row (multi-step decoding), one Python call: step s takes row s of each of
-  // `per_step` and all of `shared` as its inputs (in that order), except that input
+  // `steps` replays in a row (multi-step decoding), one Python call: step s takes row first + s of
+  // each of `per_step` and all of `shared` as its inputs (in that order), except that input
   // feedback[2k + 1] takes the step before's output feedback[2k] (from `previous`, the outputs of
   // the step before this call, for the first step when given). -> every output, stacked over steps.
   std::vector<at::Tensor> run_steps(const std::vector<at::Tensor>& per_step, const std::vector<at::Tensor>& shared,
-                                    int64_t steps, const std::vector<int64_t>& feedback,
+                                    int64_t first, int64_t steps, const std::vector<int64_t>& feedback,
                                     const std::vector<at::Tensor>& previous) {
     py::gil_scoped_release no_gil;
     completed_ = 0;
@@ -128,7 +128,7 @@ class Tape {
     std::vector<at::Tensor> inputs(per_step.size() + shared.size()), last = previous;
     for (size_t i = 0; i < shared.size(); ++i) inputs[per_step.size() + i] = shared[i];
     for (int64_t s = 0; s < steps; ++s) {
-      for (size_t i = 0; i < per_step.size(); ++i) inputs[i] = per_step[i].select(0, s);
+      for (size_t i = 0; i < per_step.size(); ++i) inputs[i] = per_step[i].select(0, first + s);
       if (!last.empty())
         for (size_t k = 0; k < feedback.size(); k += 2) inputs[feedback[k + 1]] = last[feedback[k]];
       last = execute(inputs, nullptr, {});

@@ -108,22 +108,22 @@ class TapeStep:
         return self._checked(self.tape.run, inputs)
 
     def run_steps(self, per_step: list[torch.Tensor], shared: list[torch.Tensor], steps: int,
-                  feedback: list[tuple[int, int]]) -> list[torch.Tensor]:
-        """`steps` replays in one C++ call: step s reads row s of each `per_step` tensor and all of
-        `shared`, except input i of a (o, i) in `feedback`, which takes the step before's output o
-        (from the second step on). -> each output stacked over the steps."""
+                  feedback: list[tuple[int, int]], first: int = 0) -> list[torch.Tensor]:
+        """`steps` replays in one C++ call: step s reads row first + s of each `per_step` tensor and
+        all of `shared`, except input i of a (o, i) in `feedback`, which takes the step before's
+        output o (from the second step on). -> each output stacked over the steps."""
         pairs = [v for pair in feedback for v in pair]
-        previous, first = [], 0
+        previous, start = [], first
         if self.options and self.until_choice <= 0:  # this replay chooses the threads (__call__)
-            previous = self([t[0] for t in per_step] + list(shared))
-            first = 1
+            previous = self([t[first] for t in per_step] + list(shared))
+            start = first + 1
             if steps == 1:
                 return [o[None] for o in previous]
-        self.until_choice -= steps - first
-        rest = [t[first:] for t in per_step] if first else per_step
-        out = self._checked(self.tape.run_steps, rest, list(shared), steps - first, pairs, previous,
-                            after_a_step=bool(first))
-        return out if not first else [torch.cat([p[None], o]) for p, o in zip(previous, out)]
+        profiled = start - first
+        self.until_choice -= steps - profiled
+        out = self._checked(self.tape.run_steps, per_step, list(shared), start, steps - profiled, pairs, previous,
+                            after_a_step=bool(profiled))
+        return out if not profiled else [torch.cat([p[None], o]) for p, o in zip(previous, out)]
 
     def _choose(self, times: list[float]) -> int:
         if not times or times[0] < 0 or min(times) < 0:
