@@ -116,6 +116,8 @@ class AsyncLLM:
         self._caught_up = True  # the event loop has sent the last mid-call deltas (_publish_progress)
         self._prompt_tokens_total = 0
         self._load = engine_load(self.engine, 0, 0, 0)
+        if metrics is not None:  # the gauges exist (zeros) before the first request: routers scrape them at once
+            metrics.update_engine(self.engine, 0)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_deadline: float | None = None
         self._stopped = False

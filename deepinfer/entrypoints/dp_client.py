@@ -158,6 +158,8 @@ class DataParallelClient:
         self.engine = RankEngineInfo(infos[0]["max_model_len"], infos[0]["multimodal_placeholders"])
         self._loads = [info["load"] for info in infos]
         self._snapshots = [info["snapshot"] for info in infos]
+        if self.metrics is not None:  # the gauges exist (zeros) before the first request
+            self.metrics.set_snapshot(combine_snapshots(self._snapshots))
         self.balancer = LeastWorkBalancer([info["num_pages"] for info in infos], infos[0]["page_tokens"],
                                           infos[0]["prefix_cache"])
         self._pump_thread = threading.Thread(target=self._pump, name="deepinfer-dp-pump", daemon=True)

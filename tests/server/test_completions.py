@@ -139,6 +139,7 @@ def test_a_stream_carries_each_token_as_it_is_decoded_and_stream_interval_batche
     per_token = _pieces(client, PROMPTS[1])
     assert len(per_token) >= 20, per_token
     with running_server("--stream-interval", "8") as server, server.client() as batched_client:
+        assert server.metrics()["sglang:num_running_reqs"] == 0  # routers' gauges exist before any request
         batched = _pieces(batched_client, PROMPTS[1])
     assert "".join(batched) == "".join(per_token)
     assert len(batched) <= 8, batched

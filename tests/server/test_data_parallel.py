@@ -235,6 +235,7 @@ def test_killed_rank_fails_its_request_and_the_instance_turns_unhealthy(tmp_path
         assert [p.name for p in tmp_path.iterdir() if p.name.startswith("deepinfer-group-")]  # the rendezvous dir
         pids = {int(r): int(p) for r, p in re.findall(r"data-parallel rank (\d) of 2: pid (\d+)", server.log())}
         assert sorted(pids) == [0, 1]
+        assert server.metrics()["sglang:num_running_reqs"] == 0  # the gauges exist before the first request
         with server.client() as client:
             ok = client.completions.create(model="tiny-dsv4", prompt="def fib(n):", max_tokens=4, temperature=0)
             assert ok.choices[0].finish_reason == "length"
