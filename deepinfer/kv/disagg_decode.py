@@ -114,3 +114,4 @@ class DecodeRole:
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+        self.transport.close()

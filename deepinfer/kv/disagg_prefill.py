@@ -114,7 +114,7 @@ class PrefillRole:
             self.cond.notify_all()
         if start:
             self._start(room_id)
-        elif hasattr(self.transport, "connect"):  # meet the peer now, not when the engine thread writes
+        elif self.transport.posts_writes:  # meet the peer now, not when the engine thread writes
             try:
                 self.transport.connect(body.get("session_id", ""))
             except TransferError as exc:  # the write reports it, with the room
@@ -160,7 +160,7 @@ class PrefillRole:
         """Whether the engine thread may post this write itself: the transport posts and polls, and it
         holds the peer's metadata already (fetching it may take a while)."""
         try:
-            return hasattr(self.transport, "start_write") and self.transport.connected(dest["session_id"])
+            return self.transport.posts_writes and self.transport.connected(dest["session_id"])
         except (TransferError, KeyError, TypeError):
             return False  # a thread reports it
 
@@ -272,6 +272,7 @@ class PrefillRole:
     def close(self) -> None:
         self._closed = True
         self.server.close()
+        self.transport.close()
 
 
 def _reachable(host: str) -> str:

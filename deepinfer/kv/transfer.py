@@ -30,6 +30,9 @@ class TransferError(RuntimeError):
 class MooncakeTransport:
     """One Mooncake TransferEngine: this process's registered regions and its writes to peers."""
 
+    # a write is one blocking call (this wheel's batch status call waits too): never on the engine thread
+    posts_writes = False
+
     def __init__(self, host: str, protocol: str = "tcp", device: str = ""):
         if protocol not in PROTOCOLS:
             raise ValueError(f"--disaggregation-transfer-protocol must be one of {PROTOCOLS}, got {protocol!r}")
@@ -47,6 +50,9 @@ class MooncakeTransport:
                                f"{device!r}) returned {rc}: check --disaggregation-ib-device and the protocol")
         self.session_id = f"{host}:{self.engine.get_rpc_port()}"  # what a peer writes to
         self._lock = threading.Lock()  # one batch at a time per engine (its Python binding is not reentrant)
+
+    def close(self) -> None:
+        """Nothing to stop: the engine's threads go with the process."""
 
     def register(self, address: int, length: int) -> None:
         rc = self.engine.register_memory(address, length)
@@ -87,6 +93,7 @@ class NixlTransport:
     `receives` starts a thread of ours that progresses every PROGRESS_PERIOD_S instead."""
 
     PROGRESS_PERIOD_S = 0.001
+    posts_writes = True  # start_write posts, NixlWrite.wait polls: the engine thread may write (kv/disagg_prefill.py)
 
     def __init__(self, host: str, protocol: str = "tcp", device: str = "", timeout: float = 30.0,
                  receives: bool = False):
@@ -105,13 +112,17 @@ class NixlTransport:
         self.timeout = timeout
         self._peers: set[str] = set()  # agents whose metadata this one holds
         self._lock = threading.Lock()  # guards _peers: one metadata fetch per peer
+        self._stopped = threading.Event()
         if receives:
             threading.Thread(target=self._progress, name="deepinfer-nixl-progress", daemon=True).start()
 
     def _progress(self) -> None:
-        while True:
+        while not self._stopped.wait(self.PROGRESS_PERIOD_S):
             self.agent.get_new_notifs()  # progresses the UCX workers
-            time.sleep(self.PROGRESS_PERIOD_S)
+
+    def close(self) -> None:
+        """Stop progressing (the worker is shutting down)."""
+        self._stopped.set()
 
     def register(self, address: int, length: int) -> None:
         self.agent.register_memory([(address, length, 0, "")], "DRAM")
@@ -172,7 +183,10 @@ class NixlTransport:
 
 class NixlWrite:
     """A posted NIXL write of `agent`'s: `wait` polls it (the writer's polls progress it). `forget()`
-    drops the peer's metadata when it fails."""
+    drops the peer's metadata when it fails. Polls back to back for SPIN_S (a write here takes
+    0.1-0.5 ms), then POLL_S apart."""
+
+    SPIN_S, POLL_S = 0.002, 0.0002
 
     def __init__(self, agent, forget, handle, state: str, what: str, deadline: float):
         self.agent, self.forget, self.handle, self.state = agent, forget, handle, state
@@ -181,9 +195,12 @@ class NixlWrite:
     def wait(self, seconds: float) -> bool:
         """Poll for up to `seconds`: True once the bytes are written, False while it is still going;
         TransferError when it failed or outlived the transport's timeout."""
-        until = min(time.monotonic() + seconds, self.deadline)
-        while self.state == "PROC" and time.monotonic() < until:
+        start = time.monotonic()
+        until = min(start + seconds, self.deadline)
+        while self.state == "PROC" and (now := time.monotonic()) < until:
             self.state = self.agent.check_xfer_state(self.handle)
+            if now - start > self.SPIN_S:  # a slow write: stop holding the GIL the engine thread wants
+                time.sleep(self.POLL_S)
         if self.state == "PROC" and time.monotonic() < self.deadline:
             return False
         self.agent.release_xfer_handle(self.handle)

@@ -14,9 +14,10 @@ from deepinfer.kv.transfer import NixlWrite, TransferError
 
 class _Agent:
     def __init__(self, states: list[str]):
-        self.states, self.released, self.forgotten = list(states), [], 0
+        self.states, self.released, self.forgotten, self.polls = list(states), [], 0, []
 
     def check_xfer_state(self, handle) -> str:
+        self.polls.append(time.monotonic())
         return self.states.pop(0) if len(self.states) > 1 else self.states[0]
 
     def release_xfer_handle(self, handle) -> None:
@@ -45,3 +46,13 @@ def test_a_failed_or_overdue_write_raises_and_forgets_the_peer(states, timeout, 
     with pytest.raises(TransferError, match=says):
         write.wait(float("inf"))
     assert agent.released == ["handle"] and agent.forgotten == 1
+
+
+def test_a_slow_write_is_polled_apart_not_in_a_spin():
+    """Past SPIN_S the polls sleep POLL_S apart: a thread finishing a slow write leaves the GIL to
+    the engine thread most of the time."""
+    write, agent = _write(["PROC"])
+    start = time.monotonic()
+    assert write.wait(0.05) is False
+    late = [t for t in agent.polls if t - start > 2 * NixlWrite.SPIN_S]
+    assert len(late) > 10 and (late[-1] - late[0]) / (len(late) - 1) >= NixlWrite.POLL_S
