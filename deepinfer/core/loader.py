@@ -245,7 +245,7 @@ def _pair_scales(names, expected, model_names) -> dict[str, str]:
 # ---------------------------------------------------------------------------------- entry
 
 def load_checkpoint(model_dir: str | os.PathLike, expected: dict[str, TensorSpec], names=None, *,
-                    keep_prefixes=(), skip_prefixes=()) -> tuple[dict[str, Weight], dict[str, Weight]]:
+                    keep_prefixes=(), skip_prefixes=(), subset: bool = False) -> tuple[dict[str, Weight], dict[str, Weight]]:
     """Returns (weights, extra). `weights` has exactly the keys of `expected` (the model's names),
     each with the expected shape, in the format the module doc describes; fused expert stacks
     [E, N, K] are assembled from per-expert tensors where the checkpoint has those. `names` (the
@@ -253,7 +253,8 @@ def load_checkpoint(model_dir: str | os.PathLike, expected: dict[str, TensorSpec
     messages, `checkpoint_source(name, part) -> str | None`. `extra` holds the tensors whose names
     start with one of keep_prefixes (e.g. upstream `mtp.*` drafter stages), unrenamed: quantized
     weights as they are, matrices in their stored dtype, vectors float32, integer tables int64.
-    Tensors whose names start with one of skip_prefixes (and their scales) are not read."""
+    Tensors whose names start with one of skip_prefixes (and their scales) are not read. `subset`:
+    `expected` is a part of the checkpoint (an encoder worker's tower), the other tensors are not read."""
     model_dir = Path(model_dir)
     where = _weight_map(model_dir)
     block = _block_size(model_dir)
@@ -286,6 +287,8 @@ def load_checkpoint(model_dir: str | os.PathLike, expected: dict[str, TensorSpec
                 extra[name] = _extra(name, read(name), read(scales[name]) if name in scales else None, block)
                 continue
             slot = _resolve(name, expected, names)
+            if subset and (slot is None or slot[0] not in expected):
+                continue
             if slot is None or slot[0] not in expected:
                 raise CheckpointError(f"unexpected tensor {name} in {where[name].name}: not part of the model")
             hf, part = slot

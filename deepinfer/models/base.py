@@ -393,6 +393,36 @@ class CausalLM(ABC):
         laid out, in one encoder pass."""
         raise NotImplementedError(f"{type(self).__name__} has no multimodal encoder")
 
+    # An encoder worker (`deepinfer serve --disaggregation-mode encode`, kv/encode_worker.py) holds the
+    # family's encoder alone; a prefill worker ships it each item's encoder input (`pack_multimodal`).
+    @classmethod
+    def encoder_tensors(cls, config) -> dict[str, TensorSpec]:
+        """The checkpoint tensors of the multimodal encoder alone; ValueError for a model without one."""
+        raise ValueError(f"{cls.__name__} takes text only: it has no multimodal encoder to serve")
+
+    @classmethod
+    def make_encoder(cls, config, weights: dict[str, torch.Tensor], accel: Accelerator) -> MultimodalEncoder:
+        """The encoder of `encoder_tensors`' weights, on `accel`."""
+        raise ValueError(f"{cls.__name__} takes text only: it has no multimodal encoder to serve")
+
+    def pack_multimodal(self, item: MultimodalItem) -> tuple[dict, bytes]:
+        """An item this model laid out, as its encoder input for an encoder worker: (a JSON-able
+        header, the bytes) that the family's `MultimodalEncoder.unpack` takes back."""
+        raise NotImplementedError(f"{type(self).__name__} has no multimodal encoder")
+
+
+class MultimodalEncoder(Protocol):
+    """A family's multimodal encoder on its own, as an encoder worker runs it."""
+
+    hidden_size: int  # the width of its embeddings (the language model's hidden size)
+
+    def unpack(self, header: dict, payload: bytes) -> object:
+        """The encoder input `CausalLM.pack_multimodal` shipped; ValueError when the bytes do not
+        match their header (sizes, digest)."""
+
+    def encode(self, inputs: list) -> list[torch.Tensor]:
+        """Each input's span embeddings [span length, hidden_size], in one encoder pass."""
+
 
 @dataclass(frozen=True, slots=True)
 class FeaturesRequest:

@@ -198,7 +198,12 @@ def process_image(data, cfg: VisionConfig, what: str = "image") -> ProcessedImag
     except ImageError as exc:
         raise ImageError(f"{what}: {exc}") from None
     patches = to_patches(fit_to_grid(image, grid), grid, cfg.patch_size)
+    return ProcessedImage(grid, patches, image_digest(grid, patches))
+
+
+def image_digest(grid: ImageGrid, patches: torch.Tensor) -> bytes:
+    """The digest of what the encoder sees: the grid and the patch values."""
     h = hashlib.blake2b(digest_size=16)
     h.update(np.array([grid.vit_h, grid.vit_w, grid.llm_h, grid.llm_w], dtype=np.int64).tobytes())
     h.update(patches.to(torch.bfloat16).view(torch.int16).numpy().tobytes())
-    return ProcessedImage(grid, patches, h.digest())
+    return h.digest()

@@ -40,9 +40,9 @@ from deepinfer.models.deepseek_v41 import moe, weights as checkpoint
 from deepinfer.models.deepseek_v41.config import ACT_BLOCK, DeepseekV41Config
 from deepinfer.models.deepseek_v41.engram import EngramHash, checkpoint_token_map, engram_update, lookup_rows
 from deepinfer.models.deepseek_v41.indexer import select_candidate_blocks, topk_picks
-from deepinfer.models.deepseek_v41.multimodal import encode_items, expand_prompt
+from deepinfer.models.deepseek_v41.multimodal import ImageEncoder, encode_items, expand_prompt, pack_image
 from deepinfer.models.deepseek_v41.numerics import bf16, gemm_input
-from deepinfer.models.deepseek_v41.vision import VisionEncoder
+from deepinfer.models.deepseek_v41.vision import VisionEncoder, checkpoint_tensors as vision_tensors
 from deepinfer.models.deepseek_v41.vision_config import IMAGE_PLACEHOLDER
 from deepinfer.models.deepseek_v41.step import CacheView, Rows, StepMeta, cache_spec
 
@@ -173,6 +173,20 @@ class DeepseekV41Model(CausalLM):
 
     def encode_multimodal(self, items: list[MultimodalItem]) -> list[torch.Tensor]:
         return encode_items(self.vision, items)
+
+    @classmethod
+    def encoder_tensors(cls, config: DeepseekV41Config) -> dict[str, TensorSpec]:
+        if config.vision is None:
+            raise ValueError("this DeepSeek-V4.1 checkpoint has no vision tower (its config.json has no "
+                             "vision_config): there is no encoder to serve")
+        return vision_tensors(config.vision)
+
+    @classmethod
+    def make_encoder(cls, config: DeepseekV41Config, weights: dict[str, torch.Tensor], accel: Accelerator):
+        return ImageEncoder(config.vision, dict(weights), accel)
+
+    def pack_multimodal(self, item: MultimodalItem) -> tuple[dict, bytes]:
+        return pack_image(item.data)
 
     @staticmethod
     def _image_rows(inp: StepInput, n: int, device) -> torch.Tensor | None:
