@@ -57,7 +57,8 @@ def _serve(args: argparse.Namespace, engine_names: list[str]) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     disaggregation = DisaggregationConfig(
         args.disaggregation_mode, args.disaggregation_bootstrap_port, args.disaggregation_transfer_backend,
-        args.disaggregation_transfer_protocol, args.disaggregation_ib_device, args.disaggregation_transfer_timeout)
+        args.disaggregation_transfer_protocol, args.disaggregation_ib_device, args.disaggregation_transfer_timeout,
+        tuple(args.encoder_urls or ()), args.encoder_buffer_mb)
     serve(args.model, host=args.host, port=args.port, api_key=args.api_key, served_model_name=args.served_model_name,
           chat_format=args.chat_format, max_waiting_requests=args.max_waiting_requests,
           max_body_bytes=args.max_body_bytes, shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
@@ -66,14 +67,21 @@ def _serve(args: argparse.Namespace, engine_names: list[str]) -> int:
 
 
 def _disaggregation_flags(parser: argparse.ArgumentParser) -> None:
-    """SGLang's prefill/decode flags (docs/disaggregation.md)."""
+    """SGLang's encode/prefill/decode flags (docs/disaggregation.md)."""
     from deepinfer.kv.disagg import DEFAULT_BOOTSTRAP_PORT, MODES
     from deepinfer.kv.transfer import BACKENDS, PROTOCOLS
 
-    group = parser.add_argument_group("prefill/decode disaggregation (behind smg --pd-disaggregation)")
+    group = parser.add_argument_group("encode/prefill/decode disaggregation (behind smg --pd-disaggregation)")
     group.add_argument("--disaggregation-mode", default="null", choices=MODES,
                        help="prefill: run prompts and first tokens, ship the decode state; decode: continue from it; "
-                            "null: both (default)")
+                            "encode: the model's image encoder alone, for prefill workers' --encoder-urls; "
+                            "null: prompts and decoding (default)")
+    group.add_argument("--encoder-urls", nargs="+", default=None, metavar="URL",
+                       help="encoder workers (--disaggregation-mode encode) that encode this worker's images; "
+                            "embeddings come back through the transfer engine")
+    group.add_argument("--encoder-buffer-mb", type=int, default=0,
+                       help="with --encoder-urls: the registered memory encoders write embeddings into "
+                            "(0: two full contexts of embeddings)")
     group.add_argument("--disaggregation-bootstrap-port", type=int, default=DEFAULT_BOOTSTRAP_PORT,
                        help="prefill: the bootstrap server's port (the router's --prefill URL PORT)")
     group.add_argument("--disaggregation-transfer-backend", default="mooncake", choices=BACKENDS)

@@ -22,13 +22,15 @@ NOT_DISAGGREGATED = ("bootstrap_room: this worker is not disaggregated; start it
 
 
 def check_disaggregated(disagg: DisaggregatedRequests | None, params, mm_items) -> None:
-    """Raise a clear ValueError for a request this worker cannot serve across prefill and decode."""
+    """Raise a clear ValueError for a request this worker cannot serve across prefill and decode.
+    Images are served: their positions' state moves like any other, and decode lays them out only
+    to key its prefix cache (it never encodes them)."""
     if disagg is None:
         raise ValueError(NOT_DISAGGREGATED)
-    if params.so_args is not None or params.adjusts_logits or mm_items:
+    if params.so_args is not None or params.adjusts_logits:
         raise ValueError("a disaggregated request takes plain sampling (temperature, top_p, top_k, seed, stop, "
-                         "max_tokens): structured outputs, penalties, logit_bias, bad_words and images are not "
-                         "served across prefill and decode yet; send it to a colocated worker")
+                         "max_tokens): structured outputs, penalties, logit_bias and bad_words are not served "
+                         "across prefill and decode yet; send it to a colocated worker")
 
 
 class DisaggregatedRequests:

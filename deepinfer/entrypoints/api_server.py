@@ -356,10 +356,19 @@ def _load(startup: Startup, server: _Server, model: str, name: str, metrics: Ser
 
     engine = None
     try:
+        if disaggregation is not None and disaggregation.mode == "encode":  # the multimodal encoder alone
+            from deepinfer.entrypoints.encode_server import build_encode_app
+            from deepinfer.kv.encode_worker import EncodeWorker
+
+            engine = EncodeWorker(model, disaggregation, host, engine_args.get("accelerator"))
+            app = build_encode_app(engine, metrics, model, name, lambda a: Guard(a, api_key, max_body_bytes))
+            if startup.open(app, engine):
+                logger.info("ready: encoder worker for %s as %r", model, name)
+            return
         if engine_args.get("data_parallel_size", 1) > 1:  # one rank process per data-parallel rank
-            if disaggregation is not None and disaggregation.enabled:
-                raise ValueError("--disaggregation-mode with --data-parallel-size > 1 is not served yet: run one "
-                                 "worker per rank behind the router")
+            if disaggregation is not None and (disaggregation.enabled or disaggregation.encoder_urls):
+                raise ValueError("--disaggregation-mode or --encoder-urls with --data-parallel-size > 1 is not "
+                                 "served yet: run one worker per rank behind the router")
             engine = DataParallelClient(model, max_waiting_requests=max_waiting_requests, metrics=metrics,
                                         **engine_args)
         else:

@@ -126,6 +126,14 @@ class AsyncLLM:
 
             self.engine.attach_disaggregation(make_role(disaggregation, self.engine, model_dir, host,
                                                         self.call_soon_on_engine))
+        self.encoders = None  # kv/encode_client.py EncoderClient: the requests' images go to encoder workers
+        if disaggregation is not None and disaggregation.encoder_urls:
+            from deepinfer.kv.encode_client import EncoderClient
+
+            d = disaggregation
+            self.encoders = EncoderClient(list(d.encoder_urls), self.engine, model_dir, d.transfer_backend, host,
+                                          d.transfer_protocol, d.ib_device, d.transfer_timeout,
+                                          d.encoder_buffer_mb << 20)
         self.engine.stream_tokens(self._publish_progress)  # multi-step calls' tokens as they come
         self._thread = threading.Thread(target=self._run, name="deepinfer-engine", daemon=True)
         self._thread.start()
@@ -136,7 +144,11 @@ class AsyncLLM:
         return self.engine.disagg.mode if self.engine.disagg is not None else "null"
 
     def disaggregation_stats(self) -> dict:
-        return self.engine.disagg.role.stats() if self.engine.disagg is not None else {"mode": "null"}
+        out = self.engine.disagg.role.stats() if self.engine.disagg is not None else {"mode": "null"}
+        if self.encoders is not None:
+            # the images encoded here (a prefill with encoder workers runs none itself)
+            out = {**out, "encoders": {**self.encoders.stats(), "encoded_locally": self.engine.num_encoded_items}}
+        return out
 
     def kv_transfer_params(self, room: int) -> dict:
         """A prefill worker's vLLM-style kv_transfer_params for the request it keeps in `room`."""
@@ -201,6 +213,9 @@ class AsyncLLM:
         """Abort what is left, stop the engine thread and the engine's worker (idempotent)."""
         self._commands.put(("stop",))
         self._thread.join(timeout)
+        if self.encoders is not None:
+            self.encoders.close()
+            self.encoders = None
         if not self._thread.is_alive() and self.llm is not None:
             self.llm.close()
             self.llm = None

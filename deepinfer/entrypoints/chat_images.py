@@ -1,14 +1,17 @@
 """Image content parts of chat messages. Only `data:` URIs are taken: the server never fetches a URL
 or reads a local path named in a request. Each image part becomes the model's placeholder text where
 it stood (parts of a message are joined by newlines, as text parts are); the images go to the model's
-family (the engine's process_multimodal) in order."""
+family (the engine's process_multimodal) in order; a worker with encoder workers (--encoder-urls)
+has them encoded there (kv/encode_client.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 
 from deepinfer.entrypoints.serving import APIError
+from deepinfer.kv.encode_client import EncodeError
 
 
 def data_uri_bytes(url: str, param: str) -> bytes:
@@ -48,3 +51,19 @@ def place_images(messages: list[dict], placeholder: str | None) -> tuple[list[di
             message = dict(message, content="\n".join(texts))
         out.append(message)
     return out, images
+
+
+async def lay_out_images(state, ids: list[int], images: list[bytes], field: str) -> tuple[list[int], list]:
+    """(prompt ids with each image's span, the MultimodalItems), laid out off the event loop; with
+    encoder workers, their embeddings are fetched too (a 503 naming the encoders when none can)."""
+    try:
+        ids, items = await asyncio.to_thread(state.engine.engine.process_multimodal, ids, {"image": images}, field)
+    except ValueError as exc:
+        raise APIError(400, str(exc), field) from None
+    if state.engine.encoders is not None:
+        try:
+            await asyncio.to_thread(state.engine.encoders.encode, items)
+        except EncodeError as exc:
+            raise APIError(503, f"the images of {field} could not be encoded: {exc}", field,
+                           code="encoder_unavailable", type="server_error") from None
+    return ids, items

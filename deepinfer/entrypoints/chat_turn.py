@@ -11,13 +11,13 @@ turn carries the map back: `sources` (the request field each message came from) 
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 from dataclasses import dataclass, field
 
 from deepinfer.entrypoints.async_llm import EngineDead
 from deepinfer.entrypoints.chat import ChatDelta, ChatFormatError, OutputParser
+from deepinfer.entrypoints.chat_images import lay_out_images
 from deepinfer.entrypoints.serving import APIError, ServerState, delta_error, submit
 from deepinfer.entrypoints.streams import Delta, RequestGroup
 from deepinfer.sampling_params import SamplingParams
@@ -122,11 +122,8 @@ async def render_prompt(state: ServerState, req: TurnRequest) -> Prompt:
         raise APIError(400, req.rename(str(exc)), req.rename(exc.param) if exc.param else None) from None
     ids = fmt.tokenize(state.engine.tokenizer, text, placeholders if images else None)
     mm_items = None
-    if images:  # decoded and laid out off the event loop
-        try:
-            ids, mm_items = await asyncio.to_thread(engine.process_multimodal, ids, {"image": images}, req.prompt_field)
-        except ValueError as exc:
-            raise APIError(400, str(exc), req.prompt_field) from None
+    if images:
+        ids, mm_items = await lay_out_images(state, ids, images, req.prompt_field)
     return Prompt(text, ids, mm_items)
 
 

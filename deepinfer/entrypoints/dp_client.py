@@ -94,6 +94,7 @@ def _engine_configs(**engine_args):
 
 class DataParallelClient:
     disaggregation_mode = "null"  # prefill/decode roles run one engine per worker (api_server refuses both)
+    encoders = None  # encoder workers (--encoder-urls) serve one engine per worker too
 
     def disaggregation_stats(self) -> dict:
         return {"mode": "null"}

@@ -5,7 +5,6 @@ go to a model with a vision encoder (chat_images.py)."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 from fastapi import Request
@@ -13,7 +12,7 @@ from fastapi.responses import JSONResponse
 
 from deepinfer.core.tokenizer import Tokenizer
 from deepinfer.entrypoints.chat import ChatDelta, ChatFormatError
-from deepinfer.entrypoints.chat_images import place_images
+from deepinfer.entrypoints.chat_images import lay_out_images, place_images
 from deepinfer.entrypoints.protocol import AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, \
     ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, DeltaMessage, FunctionCall, TokenLogprob, \
     ToolCallDelta, ToolCallOut, TopLogprob, UsageInfo
@@ -88,11 +87,8 @@ async def render_chat(body: ChatCompletionRequest, state: ServerState) -> tuple[
         raise APIError(400, str(exc), exc.param) from None
     ids = fmt.tokenize(state.engine.tokenizer, prompt, placeholders if images else None)
     mm_items = None
-    if images:  # decoded and laid out off the event loop
-        try:
-            ids, mm_items = await asyncio.to_thread(engine.process_multimodal, ids, {"image": images}, "messages")
-        except ValueError as exc:
-            raise APIError(400, str(exc), "messages") from None
+    if images:
+        ids, mm_items = await lay_out_images(state, ids, images, "messages")
     return prompt, ids, mm_items
 
 

@@ -1,6 +1,7 @@
-"""Prefill/decode disaggregation: the settings of a worker's role (`deepinfer serve
---disaggregation-mode prefill|decode`, SGLang's flag names) and the role objects the server's
-engine thread drives (kv/disagg_prefill.py, kv/disagg_decode.py). docs/disaggregation.md."""
+"""Encode/prefill/decode disaggregation: the settings of a worker's role (`deepinfer serve
+--disaggregation-mode prefill|decode|encode`, `--encoder-urls`: SGLang's flag names) and the role
+objects the server's engine thread drives (kv/disagg_prefill.py, kv/disagg_decode.py; an encoder
+worker is kv/encode_worker.py, a prefill's calls to it kv/encode_client.py). docs/disaggregation.md."""
 
 from __future__ import annotations
 
@@ -32,13 +33,22 @@ class DisaggregationConfig:
     # seconds a side waits for the other: decode for prefill's first token and state, prefill for
     # decode to ask for a finished request's state (then it frees its pages)
     transfer_timeout: float = 30.0
+    # encoder workers (--disaggregation-mode encode) a prefill (or colocated) worker sends its
+    # requests' images to (kv/encode_client.py); empty: it runs its own encoder
+    encoder_urls: tuple[str, ...] = ()
+    encoder_buffer_mb: int = 0  # the registered arena encoders write embeddings into; 0: two contexts' worth
 
     def validate(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"--disaggregation-mode must be one of {MODES}, got {self.mode!r}")
-        if self.mode == "encode":
-            raise ValueError("--disaggregation-mode encode (a vision-encoder worker shipping image embeddings to "
-                             "prefill) is not implemented yet; serve images on the prefill worker")
+        if self.encoder_urls and self.mode not in ("null", "prefill"):
+            raise ValueError(f"--encoder-urls is for the worker that runs prompts (--disaggregation-mode prefill, or "
+                             f"none): a {self.mode} worker never encodes images")
+        if self.encoder_buffer_mb < 0:
+            raise ValueError(f"--encoder-buffer-mb must be >= 0 (0: sized from the context), got {self.encoder_buffer_mb}")
+        for url in self.encoder_urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"--encoder-urls: {url!r} is not an encoder worker's URL (http://host:port)")
         if self.transfer_backend not in BACKENDS:
             raise ValueError(f"--disaggregation-transfer-backend must be one of {BACKENDS}, "
                              f"got {self.transfer_backend!r}")
@@ -61,6 +71,8 @@ def make_role(config: DisaggregationConfig, engine, model_dir: str, host: str, p
     config.validate()
     if not config.enabled:
         return None
+    if config.mode == "encode":
+        raise ValueError("an encoder worker runs no language model: kv/encode_worker.py serves it")
     from deepinfer.kv.transfer import make_transport
 
     if engine.spec is not None:
