@@ -141,6 +141,14 @@ class LLMEngine:
             raise ValueError(f"{what}: {exc}") from None
         return mm.prompt_token_ids, mm.items
 
+    def cached_multimodal(self, prompt_token_ids: list[int], items) -> list[bool]:
+        """Per item: whether this prompt, admitted now, would compute none of the item's span (the
+        prefix cache holds it, past what a hit replays), so its encoder need not run. A read-only
+        probe, safe from any thread; should the pages go before the request is admitted, the engine
+        encodes the item itself."""
+        start = self.scheduler.replay.probe(list(prompt_token_ids), [(i.offset, i.end, i.digest) for i in items])
+        return [item.end <= start for item in items]
+
     @property
     def multimodal_placeholders(self) -> dict[str, int]:
         """Placeholder text -> token id of the model's multimodal inputs (empty: text only)."""

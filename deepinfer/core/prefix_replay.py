@@ -74,8 +74,19 @@ class BoundedReplay:
         if prefix is None:
             return Resume()
         req.page_keys = prefix.keys(req.page_keys, req.tokens(0, req.num_tokens - 1), req.mm_spans())
-        pages = prefix.match(req.page_keys)
-        hit = len(pages) * prefix.page_tokens
+        return self._resume(prefix.match(req.page_keys))
+
+    def probe(self, prompt_token_ids: list[int], spans: list[tuple[int, int, bytes]]) -> int:
+        """The first position a new prompt would compute were it admitted now (`plan` without a
+        request): a read-only look-up, safe from any thread (the cache's reads are dict look-ups);
+        the cache may change before the prompt is admitted."""
+        prefix = self.cache.prefix
+        if prefix is None:
+            return 0
+        return self._resume(prefix.match(prefix.keys([], prompt_token_ids[:-1], spans))).start
+
+    def _resume(self, pages: list[int]) -> Resume:
+        hit = len(pages) * self.cache.prefix.page_tokens
         if not pages or self.mode == OFF:
             return Resume(found=hit)
         if self.mode == EXACT:

@@ -55,14 +55,16 @@ def place_images(messages: list[dict], placeholder: str | None) -> tuple[list[di
 
 async def lay_out_images(state, ids: list[int], images: list[bytes], field: str) -> tuple[list[int], list]:
     """(prompt ids with each image's span, the MultimodalItems), laid out off the event loop; with
-    encoder workers, their embeddings are fetched too (a 503 naming the encoders when none can)."""
+    encoder workers, the embeddings of images the prefix cache does not hold are fetched too (a 503
+    naming the encoders when none can)."""
     try:
         ids, items = await asyncio.to_thread(state.engine.engine.process_multimodal, ids, {"image": images}, field)
     except ValueError as exc:
         raise APIError(400, str(exc), field) from None
-    if state.engine.encoders is not None:
+    if state.engine.encoders is not None:  # images the prefix cache holds are not sent (a chat's later turns)
+        cached = state.engine.engine.cached_multimodal(ids, items)
         try:
-            await asyncio.to_thread(state.engine.encoders.encode, items)
+            await asyncio.to_thread(state.engine.encoders.encode, items, cached)
         except EncodeError as exc:
             raise APIError(503, f"the images of {field} could not be encoded: {exc}", field,
                            code="encoder_unavailable", type="server_error") from None

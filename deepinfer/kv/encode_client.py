@@ -124,7 +124,8 @@ class EncoderClient:
         self.pool = ThreadPoolExecutor(max_workers=max(4, 2 * len(self.urls)), thread_name_prefix="deepinfer-encode")
         self.lock = threading.Lock()
         self.routes: dict[str, dict] = {}  # encoders whose model and transfer engine were checked
-        self.counters = {"items": 0, "calls": 0, "failovers": 0, "failed": 0, "bytes": 0, "seconds": 0.0,
+        # cached: items the prefix cache held, not sent
+        self.counters = {"items": 0, "cached": 0, "calls": 0, "failovers": 0, "failed": 0, "bytes": 0, "seconds": 0.0,
                          "encode_seconds": 0.0, "write_seconds": 0.0}
         logger.info("encoder workers: %s (transfer session %s, %d-byte arena)", ", ".join(self.urls),
                     self.transport.session_id, size)
@@ -135,13 +136,20 @@ class EncoderClient:
         return sorted(self.urls, key=lambda u: hashlib.blake2b(digest + u.encode(), digest_size=8).digest(),
                       reverse=True)
 
-    def encode(self, items: list) -> None:
-        """Set every item's `embeds` (float32 [length, hidden]) from the encoders; EncodeError when
-        they cannot. Blocking: run it off the event loop."""
+    def encode(self, items: list, cached: list[bool] | None = None) -> None:
+        """Set the `embeds` (float32 [length, hidden]) of every item not `cached` (the prefix cache
+        holds its span: the engine will not need it) from the encoders; EncodeError when they
+        cannot. Blocking: run it off the event loop."""
         t0 = time.perf_counter()
         groups: dict[str, list] = {}
-        for item in items:
+        skipped = 0
+        for item, hit in zip(items, cached or [False] * len(items), strict=True):
+            if hit:
+                skipped += 1
+                continue
             groups.setdefault(self.order(item.digest)[0], []).append(item)
+        with self.lock:
+            self.counters["cached"] += skipped
         futures = [self.pool.submit(self._encode_group, group) for group in groups.values()]
         errors = []
         for f in futures:

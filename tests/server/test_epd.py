@@ -148,6 +148,34 @@ def test_an_image_goes_to_the_same_encoder(epd):
     assert len(set(counts)) == 1 and sorted(counts[0]) == [0, 1], counts
 
 
+WORDS = "cache page router worker token prefix replica engine request stream latency batch decode".split()
+LONG_TEXT = " ".join(WORDS[i * 7 % len(WORDS)] for i in range(90))
+
+
+def test_a_later_turn_does_not_resend_a_cached_image(epd, vl_llm):
+    """The same image-led conversation twice (a chat's next turn re-sends its images): the second
+    time the prefill's prefix cache holds the image's pages, so no encoder is called for it, and
+    the text equals colocated serving's second run (the same prefix-cache hit)."""
+    from deepinfer import SamplingParams
+
+    image = vision_pngs()[0]
+    msgs = [{"role": "user", "content": [image_part(image), {"type": "text", "text": LONG_TEXT}]}]
+    prompt = {"prompt": "<image>\n" + LONG_TEXT + "\n", "multi_modal_data": {"image": [image]}}
+    params = SamplingParams(temperature=0.0, max_tokens=GREEDY["max_tokens"])
+    colocated = [vl_llm.generate([prompt], params, use_tqdm=False)[0] for _ in range(2)]
+    assert len(colocated[0].prompt_token_ids) > 300
+    served, sent = [], []
+    for _ in range(2):
+        before = disagg_stats(epd.prefill)["encoders"]
+        served.append(_chat(epd.router, msgs, GREEDY, stream=False)[0])
+        after = disagg_stats(epd.prefill)["encoders"]
+        sent.append((after["items"] - before["items"], after["cached"] - before["cached"]))
+    assert sent == [(1, 0), (0, 1)]
+    assert served == [c.outputs[0].text for c in colocated]
+    assert disagg_stats(epd.prefill)["encoders"]["encoded_locally"] == 0
+    settled(epd.prefill, epd.decode)
+
+
 def _kill(server) -> None:
     os.killpg(server.proc.pid, signal.SIGKILL)
     server.proc.wait(10)
