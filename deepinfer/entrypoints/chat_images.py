@@ -58,14 +58,16 @@ async def lay_out_images(state, ids: list[int], images: list[bytes], field: str)
     encoder workers, the embeddings of images the prefix cache does not hold are fetched too (a 503
     naming the encoders when none can)."""
     try:
-        ids, items = await asyncio.to_thread(state.engine.engine.process_multimodal, ids, {"image": images}, field)
+        return await asyncio.to_thread(_lay_out, state.engine.engine, state.engine.encoders, ids, images, field)
     except ValueError as exc:
         raise APIError(400, str(exc), field) from None
-    if state.engine.encoders is not None:  # images the prefix cache holds are not sent (a chat's later turns)
-        cached = state.engine.engine.cached_multimodal(ids, items)
-        try:
-            await asyncio.to_thread(state.engine.encoders.encode, items, cached)
-        except EncodeError as exc:
-            raise APIError(503, f"the images of {field} could not be encoded: {exc}", field,
-                           code="encoder_unavailable", type="server_error") from None
+    except EncodeError as exc:
+        raise APIError(503, f"the images of {field} could not be encoded: {exc}", field,
+                       code="encoder_unavailable", type="server_error") from None
+
+
+def _lay_out(engine, encoders, ids: list[int], images: list[bytes], field: str) -> tuple[list[int], list]:
+    ids, items = engine.process_multimodal(ids, {"image": images}, field)
+    if encoders is not None:  # images the prefix cache holds are not sent (a chat's later turns)
+        encoders.encode(items, engine.cached_multimodal(ids, items))
     return ids, items
