@@ -1,5 +1,5 @@
-"""Prefill/decode disaggregation benchmark: a mixed workload (short prompts decoding long replies
-while long prompts arrive, Poisson) through smg, 1 prefill + 1 decode worker (--pd-disaggregation,
+"""Prefill/decode disaggregation benchmark: a mixed workload (chats, short prompts with long replies,
+arriving all along while long prompts arrive; both Poisson, the same times in every leg) through smg, 1 prefill + 1 decode worker (--pd-disaggregation,
 on 127.0.0.1 with --transfer-backend's engine: Mooncake over TCP, or NIXL's UCX) against two colocated replicas (round_robin), in one run, at each rate.
 Per leg and rate: TTFT and inter-token latency (ITL: the gap between streamed events, shared among
 the tokens an event brings) p50/p99 at the client, output throughput; for
@@ -11,10 +11,11 @@ Writes JSON (and a plot when matplotlib is installed).
     python benchmarks/disagg.py --rates 0.25,0.5,1,2 --long-words 900
     python benchmarks/disagg.py --transfer-backend nixl --out benchmarks/results/disagg_nixl.json
 
-Everything runs on this machine's cores (2 shared here): prefill, decode, the two colocated
-replicas, smg and the client compete for the same CPUs, so the gain disaggregation brings on
-separate machines (decode never waits behind a long prefill) is only partly visible, and the
-transfer runs over loopback TCP, not RDMA. The JSON records the core count and load.
+Each worker runs on a core of its own (prefill on core 0 and decode on core 1; replica i on core i;
+--no-pin: anywhere), as the issue's set-up has it; smg and the client share both cores with them,
+so the gain disaggregation brings on separate machines (decode never waits behind a long prefill) is
+only partly visible, and the transfer runs over loopback TCP, not RDMA. The JSON records the core
+count and load.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from deepinfer.llm import TINY_DSV4_DIR  # noqa: E402
 
 TRANSPORTS = {"mooncake": "mooncake tcp 127.0.0.1", "nixl": "nixl ucx 127.0.0.1 (shared memory / tcp)"}
 WORDS = "cache page router worker token prefix replica engine request stream latency batch decode prefill".split()
+CHAT_SECONDS_PER_TOKEN = 0.003  # about a decode step of tiny-dsv4 here: sets the default chat arrival rate
 
 
 def _percentile(values: list[float], q: float) -> float | None:
@@ -76,14 +78,21 @@ async def _drive(url: str, rate: float, args, tag: str) -> dict:
     arrivals = random.Random(f"{rate}/{args.seed}")  # the same arrival times in every leg
     t0 = time.perf_counter() + 0.2
     jobs = []
-    for i in range(args.decoders):  # short prompts with long replies, all at the start
-        jobs.append((f"[{tag} chat {i}] " + " ".join(rng.choice(WORDS) for _ in range(20)), args.decode_tokens, t0,
-                     "chat"))
     t = t0
     for i in range(args.long_prompts):  # long prompts, Poisson arrivals while the chats decode
         t += arrivals.expovariate(rate)
         jobs.append((f"[{tag} long {i}] " + " ".join(rng.choice(WORDS) for _ in range(args.long_words)),
                      args.long_tokens, t, "long"))
+    # chats (short prompt, long reply) arrive from the start until the last long prompt is in, at a
+    # rate that keeps about --decoders of them decoding: the same open-loop load (and so the same
+    # throughput, while a leg keeps up) in every leg
+    chat_rate = args.chat_rate or args.decoders / (args.decode_tokens * CHAT_SECONDS_PER_TOKEN)
+    last_long, t, i = t, t0, 0
+    while t < last_long + 0.3:
+        jobs.append((f"[{tag} chat {i}] " + " ".join(rng.choice(WORDS) for _ in range(20)), args.decode_tokens, t,
+                     "chat"))
+        t += arrivals.expovariate(chat_rate)
+        i += 1
     samples: list[dict] = []
     timeout = aiohttp.ClientTimeout(total=900)
     async with aiohttp.ClientSession(timeout=timeout) as session:
@@ -178,17 +187,33 @@ def gil_probe(nbytes: int, segments: int, repeats: int = 21) -> dict:
                                                             switch_interval=0.0005)}
 
 
+def _pin(servers, pin: bool) -> None:
+    """Worker i's every thread on core i (the threads it starts later inherit it): one core per worker,
+    as the issue's set-up has it; smg and the client run on either core."""
+    cores = sorted(os.sched_getaffinity(0))
+    if not pin or len(cores) < len(servers):
+        return
+    for core, server in zip(cores, servers):
+        for tid in os.listdir(f"/proc/{server.proc.pid}/task"):
+            try:
+                os.sched_setaffinity(int(tid), {core})
+            except ProcessLookupError:  # a thread that ended meanwhile
+                pass
+
+
 @contextmanager
-def _pd_leg(worker_args, backend: str):
+def _pd_leg(worker_args, backend: str, pin: bool):
     with running_prefill(*worker_args, timeout=60, backend=backend) as prefill, \
             running_server(*worker_args, *pd_args("decode", timeout=60, backend=backend)) as decode, \
             running_pd_smg(prefill, decode) as router:
+        _pin([prefill.server, decode], pin)
         yield router.url, prefill, decode
 
 
 @contextmanager
-def _colocated_leg(worker_args, backend: str):
+def _colocated_leg(worker_args, backend: str, pin: bool):
     with running_servers(2, *worker_args) as workers, running_smg([w.url for w in workers], "round_robin") as router:
+        _pin(workers, pin)
         yield router.url, None, None
 
 
@@ -219,7 +244,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=TINY_DSV4_DIR)
     parser.add_argument("--rates", default="0.5,1,2", help="long-prompt arrivals per second, comma-separated")
-    parser.add_argument("--decoders", type=int, default=4, help="short prompts decoding long replies")
+    parser.add_argument("--decoders", type=int, default=4,
+                        help="chats (short prompt, long reply) decoding at a time, on average: sets their arrival "
+                             "rate unless --chat-rate does")
+    parser.add_argument("--chat-rate", type=float, default=0.0, help="chat arrivals per second (Poisson)")
     parser.add_argument("--decode-tokens", type=int, default=96)
     parser.add_argument("--long-prompts", type=int, default=8)
     parser.add_argument("--long-words", type=int, default=600)
@@ -228,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--transfer-backend", choices=sorted(TRANSPORTS), default="mooncake",
                         help="the P/D pair's --disaggregation-transfer-backend (and the raw transfer's engine)")
+    parser.add_argument("--no-pin", action="store_true",
+                        help="leave the workers' threads on every core (default: worker i on core i)")
     parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "disagg.json"))
     parser.add_argument("--gil-probe", action="store_true",
                         help="only time one write (--probe-bytes in --probe-segments) idle and beside a thread running "
@@ -249,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, list[dict]] = {}
     transfer: dict = {}
     for leg, make in (("pd_1p1d", _pd_leg), ("colocated_2x", _colocated_leg)):
-        with make(worker_args, args.transfer_backend) as (url, prefill, decode):
+        with make(worker_args, args.transfer_backend, not args.no_pin) as (url, prefill, decode):
             asyncio.run(_drive(url, 100.0, argparse.Namespace(**{**vars(args), "long_prompts": 2, "decoders": 2}),
                                f"warm-up {leg}"))  # kernels and step graphs are built outside the measurement
             before = disagg_stats(decode) if decode is not None else None
