@@ -75,9 +75,6 @@ def make_role(config: DisaggregationConfig, engine, model_dir: str, host: str, p
         raise ValueError("an encoder worker runs no language model: kv/encode_worker.py serves it")
     from deepinfer.kv.transfer import make_transport
 
-    if engine.spec is not None:
-        raise ValueError("--disaggregation-mode with DSpark speculative decoding: the drafter's context rings are "
-                         "not transferred yet; set DEEPINFER_USE_NEXTN_DECODE=0 on prefill and decode")
     transport = make_transport(config.transfer_backend, host, config.transfer_protocol, config.ib_device,
                                config.transfer_timeout, receives=config.mode == "decode")
     if config.mode == "prefill":

@@ -27,10 +27,11 @@ class DecodeRole:
     def __init__(self, config, engine, model_dir: str, transport, post):
         self.config, self.engine, self.transport, self.post = config, engine, transport, post
         self.cache = engine.cache
-        self.layout = layout.describe(self.cache, model_dir, config.transfer_backend)
-        for address, length in layout.regions(self.cache):
+        drafter = engine.spec.drafter if engine.spec is not None else None  # its rings come too
+        self.layout = layout.describe(self.cache, model_dir, config.transfer_backend, drafter)
+        for address, length in layout.regions(self.cache, drafter):
             transport.register(address, length)
-        self.addresses = layout.addresses(self.cache)
+        self.addresses = layout.addresses(self.cache, drafter)
         self.pool = ThreadPoolExecutor(max_workers=max(4, engine.engine_config.max_num_seqs),
                                        thread_name_prefix="deepinfer-kv-fetch")
         self.lock = threading.Lock()

@@ -49,8 +49,9 @@ class PrefillRole:
     def __init__(self, config, engine, model_dir: str, host: str, transport, post):
         self.config, self.engine, self.transport, self.post = config, engine, transport, post
         self.cache = engine.cache
-        self.layout = layout.describe(self.cache, model_dir, config.transfer_backend)
-        for address, length in layout.regions(self.cache):
+        self.drafter = engine.spec.drafter if engine.spec is not None else None  # its rings move too
+        self.layout = layout.describe(self.cache, model_dir, config.transfer_backend, self.drafter)
+        for address, length in layout.regions(self.cache, self.drafter):
             transport.register(address, length)
         self.rooms: dict[int, _Room] = {}
         self.cond = threading.Condition()
@@ -174,7 +175,8 @@ class PrefillRole:
             if len(pages) != len(dest["pages"]):
                 raise ValueError(f"decode offers {len(dest['pages'])} pages for a prompt of {held['prompt_tokens']} "
                                  f"tokens of which it holds {skip} pages; this side has {len(pages)} to send")
-            segs = layout.segments(self.cache, held["slot"], pages, dest["addresses"], int(dest["slot"]), dest["pages"])
+            segs = layout.segments(self.cache, held["slot"], pages, dest["addresses"], int(dest["slot"]), dest["pages"],
+                                   self.drafter)
             t_write = time.perf_counter()
             if inline:
                 write = self.transport.start_write(dest["session_id"], segs.src, segs.dst, segs.lengths)

@@ -7,6 +7,7 @@ A request's decode state is what its model's CacheSpec lists, nothing more (core
   holding positions [0, prompt length): one contiguous run per pool and page, page-granular (a
   partly filled last page moves whole). Pages the decode side already holds (its prefix-cache
   hit) are not sent.
+- with DSpark drafting, the drafter's context rings of the slot (Drafter.slot_pools), as ring pools.
 Scratch rows are a step's staging area and never move.
 
 Both sides describe their cache with `describe` (the fingerprint: model, dtype, page size, every
@@ -19,6 +20,7 @@ import os
 from dataclasses import dataclass
 
 from deepinfer.core.cache import StateCache
+from deepinfer.models.base import Pool
 
 
 def model_digest(model_dir: str) -> str:
@@ -30,13 +32,21 @@ def model_digest(model_dir: str) -> str:
         return "unknown"
 
 
-def describe(cache: StateCache, model_dir: str, backend: str) -> dict:
+def pools(cache: StateCache, drafter=None) -> dict[str, Pool]:
+    """Every pool a request's decode state lives in: the cache's, and the drafter's rings (if any)."""
+    out = dict(cache.pools)
+    if drafter is not None:
+        out.update({p.spec.name: p for p in drafter.slot_pools()})
+    return out
+
+
+def describe(cache: StateCache, model_dir: str, backend: str, drafter=None) -> dict:
     """What a peer must share with this cache for its bytes to mean the same here, and the transfer
     engine that moves them (JSON-able)."""
     return {"backend": backend, "model": os.path.basename(os.path.normpath(model_dir)), "model_digest": model_digest(model_dir),
             "dtype": str(cache.dtype).removeprefix("torch."), "page_tokens": cache.page_tokens,
             "pools": [[p.spec.name, p.spec.width, p.spec.ring, p.spec.stride, str(p.data.dtype).removeprefix("torch.")]
-                      for p in cache.pools.values()]}
+                      for p in pools(cache, drafter).values()]}
 
 
 def mismatch(mine: dict, theirs: dict, who: str) -> str | None:
@@ -57,16 +67,16 @@ def mismatch(mine: dict, theirs: dict, who: str) -> str | None:
     return None
 
 
-def regions(cache: StateCache) -> list[tuple[int, int]]:
+def regions(cache: StateCache, drafter=None) -> list[tuple[int, int]]:
     """(address, bytes) of every pool tensor: what the transfer engine registers."""
-    return [(p.data.data_ptr(), p.data.numel() * p.data.element_size()) for p in cache.pools.values()]
+    return [(p.data.data_ptr(), p.data.numel() * p.data.element_size()) for p in pools(cache, drafter).values()]
 
 
-def addresses(cache: StateCache) -> dict:
+def addresses(cache: StateCache, drafter=None) -> dict:
     """Per pool, the address of its first slot row and first page row, and its row bytes: what a decode
     side sends prefill so that it can compute where each of its segments goes."""
     out = {}
-    for name, p in cache.pools.items():
+    for name, p in pools(cache, drafter).items():
         row = p.spec.width * p.data.element_size()
         base = p.data.data_ptr()
         out[name] = [base, base + p.page_base * row, row]
@@ -85,11 +95,11 @@ class Segments:
 
 
 def segments(cache: StateCache, slot: int, pages: list[int], peer: dict, peer_slot: int,
-             peer_pages: list[int]) -> Segments:
+             peer_pages: list[int], drafter=None) -> Segments:
     """The writes that copy `slot`'s ring rows and `pages` (this cache) into `peer_slot` and
     `peer_pages` of the peer whose `addresses` are `peer`; runs contiguous on both sides are merged."""
     runs: list[tuple[int, int, int]] = []
-    for name, p in cache.pools.items():
+    for name, p in pools(cache, drafter).items():
         row = p.spec.width * p.data.element_size()
         base = p.data.data_ptr()
         peer_base, peer_page_base, peer_row = peer[name]
@@ -114,6 +124,8 @@ def segments(cache: StateCache, slot: int, pages: list[int], peer: dict, peer_sl
     return out
 
 
-def expected_bytes(cache: StateCache, pages: int) -> int:
-    """Bytes a request moves: one slot's ring rows plus `pages` pages, by the cache spec."""
-    return cache.bytes_per_slot() + pages * cache.bytes_per_page()
+def expected_bytes(cache: StateCache, pages: int, drafter=None) -> int:
+    """Bytes a request moves: one slot's ring rows plus `pages` pages, by the cache spec, plus the
+    drafter's rings of one slot."""
+    rings = sum(p.spec.ring * p.spec.width * p.data.element_size() for p in (drafter.slot_pools() if drafter else ()))
+    return cache.bytes_per_slot() + pages * cache.bytes_per_page() + rings

@@ -460,6 +460,10 @@ class Drafter(Protocol):
     def confidence_logit(self, h: torch.Tensor, e: torch.Tensor, slot: int | torch.Tensor) -> torch.Tensor:
         """The logit that the draft at block slot(s) `slot` is accepted, given hidden h and Markov embedding e."""
 
+    def slot_pools(self) -> list[Pool]:
+        """The drafter's per-sequence state as ring pools (slot s: rows [s * ring, (s + 1) * ring)):
+        what prefill/decode disaggregation moves with a request besides the cache's pools."""
+
 
 class ViewCache:
     """A model's view of the engine's state cache (`make(cache, config)`), built once per cache and

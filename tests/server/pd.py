@@ -32,10 +32,11 @@ class Prefill:
 
 
 @contextmanager
-def running_prefill(*args: str, timeout: float = TRANSFER_TIMEOUT_S, backend: str = "mooncake"):
+def running_prefill(*args: str, timeout: float = TRANSFER_TIMEOUT_S, backend: str = "mooncake", env: dict | None = None):
     """A prefill worker and its bootstrap port."""
     port = free_port()
-    with running_server(*args, *pd_args("prefill", bootstrap_port=port, timeout=timeout, backend=backend)) as server:
+    with running_server(*args, *pd_args("prefill", bootstrap_port=port, timeout=timeout, backend=backend),
+                        env=env) as server:
         yield Prefill(server, port)
 
 

@@ -236,3 +236,37 @@ def test_prefill_killed_decode_fails_in_bounded_time_and_keeps_serving(pd):
     assert f"127.0.0.1:{doomed.bootstrap_port}" in result["error"]["message"]
     _settled(pd)
     assert generate(pd.router.url, SHORT, GREEDY).text
+
+
+@pytest.mark.slow  # its own prefill and decode workers, drafting
+@pytest.mark.parametrize("backend", ["mooncake", "nixl"])
+def test_drafting_workers_move_the_drafters_rings(backend, monkeypatch):
+    """With DSpark drafting on both sides, the drafter's context rings of the request's slot move with it
+    (the bytes are the cache spec's plus one slot of each stage's ring), decode drafts from them, and
+    the text equals colocated drafting's."""
+    from deepinfer import LLM, SamplingParams
+    from deepinfer.kv import transfer_layout as layout
+
+    env = {"DEEPINFER_USE_NEXTN_DECODE": "5"}
+    monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "5")
+    llm = LLM(TINY_DSV4_DIR, max_num_seqs=4)
+    try:
+        out = llm.generate([LONG], SamplingParams(temperature=0.0, max_tokens=32), use_tqdm=False)[0]
+        expected, drafter = out.outputs[0].text, llm.engine.spec.drafter
+        moved = layout.expected_bytes(llm.engine.cache, llm.engine.cache.pages_for(len(out.prompt_token_ids)), drafter)
+        assert moved > layout.expected_bytes(llm.engine.cache, llm.engine.cache.pages_for(len(out.prompt_token_ids)))
+    finally:
+        llm.close()
+
+    def drafted(server) -> float:
+        return sum(v for k, v in server.metrics().items() if k.startswith("deepinfer:spec_decode_num_draft_tokens"))
+
+    with running_prefill(*ARGS, backend=backend, env=env) as prefill, \
+            running_server(*ARGS, *pd_args("decode", backend=backend), env=env) as decode, \
+            running_pd_smg(prefill, decode) as router:
+        before, drafts = disagg_stats(decode), drafted(decode)
+        got = generate(router.url, LONG, {"temperature": 0.0, "max_new_tokens": 32})
+        assert got.text == expected
+        assert disagg_stats(decode)["bytes"] - before["bytes"] == moved
+        assert drafted(decode) > drafts  # decode drafted, from the rings prefill filled
+        settled(prefill, decode)

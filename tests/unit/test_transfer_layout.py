@@ -67,3 +67,37 @@ def test_a_peer_with_another_cache_is_refused_naming_the_field(tmp_path):
         wide["window"] = [wide["window"][0], wide["window"][1], 999]
         cache = _cache()
         layout.segments(cache, 0, [], wide, 0, [])
+
+
+def test_the_drafters_rings_move_with_the_slot(monkeypatch, tmp_path):
+    """With DSpark drafting, each stage's context ring of the request's slot moves too (Drafter.slot_pools),
+    into the peer drafter's ring of its slot; a peer without drafting is refused by the pool list."""
+    from deepinfer import LLM
+    from deepinfer.llm import TINY_DSV4_DIR
+
+    monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "5")
+    src_llm, dst_llm = LLM(TINY_DSV4_DIR, max_num_seqs=2), LLM(TINY_DSV4_DIR, max_num_seqs=3)
+    try:
+        src, dst = src_llm.engine, dst_llm.engine
+        drafter, peer = src.spec.drafter, dst.spec.drafter
+        pools = drafter.slot_pools()
+        assert len(pools) == len(drafter.kv) >= 1 and all(p.spec.ring == drafter.ring for p in pools)
+        for kv in drafter.kv:
+            kv.copy_(torch.arange(kv.numel(), dtype=kv.dtype).view_as(kv))
+        before = [kv.clone() for kv in peer.kv]  # (the step-cost profiling at start-up may have drafted)
+        segs = layout.segments(src.cache, 1, [], layout.addresses(dst.cache, peer), 2, [], drafter)
+        for s, d, n in zip(segs.src, segs.dst, segs.lengths):
+            ctypes.memmove(d, s, n)
+        ring = drafter.ring
+        for kv, got, old in zip(drafter.kv, peer.kv, before):
+            assert torch.equal(got[2 * ring:3 * ring], kv[ring:2 * ring])
+            assert torch.equal(got[:2 * ring], old[:2 * ring]) and torch.equal(got[3 * ring:], old[3 * ring:])
+        assert segs.nbytes == layout.expected_bytes(src.cache, 0, drafter) > src.cache.bytes_per_slot()
+        model_dir = str(tmp_path)
+        (tmp_path / "config.json").write_text("{}")
+        with_rings = layout.describe(src.cache, model_dir, "mooncake", drafter)
+        without = layout.describe(src.cache, model_dir, "mooncake")
+        assert "cache pools differ" in layout.mismatch(with_rings, without, "the decode worker")
+    finally:
+        src_llm.close()
+        dst_llm.close()

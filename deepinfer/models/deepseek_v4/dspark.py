@@ -28,6 +28,7 @@ import torch
 
 from deepinfer.backends.base import Accelerator, WeightRole
 from deepinfer.backends.quant import Weight, fuse_rows, stack, widen
+from deepinfer.models.base import Pool, PoolSpec
 from deepinfer.models.deepseek_v4 import fused
 from deepinfer.models.deepseek_v4.config import DeepseekV4Config
 from deepinfer.models.dspark_config import DSparkSettings, mtp_stages
@@ -216,6 +217,12 @@ class DSparkDrafter:
         return self.accel.linear(h, self.lm_head)
 
     # ------------------------------------------------------------ inference
+    def slot_pools(self) -> list[Pool]:
+        """Each stage's context ring (the Drafter interface: what P/D moves with a request)."""
+        slots = self.max_seqs * self.ring
+        return [Pool(PoolSpec(f"dspark.{k}.kv", kv.shape[1], ring=self.ring), kv, slots, slots, 0)
+                for k, kv in enumerate(self.kv)]
+
     @torch.inference_mode()
     def absorb(self, features: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> None:
         """Write the context KV of fed positions into each stage's ring. (slot, position % ring)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.backends.quant import Weight, cat_rows, stack, widen
+from deepinfer.models.base import Pool, PoolSpec
 from deepinfer.models.deepseek_v41.config import ACT_BLOCK
 from deepinfer.models.deepseek_v41.model import bf16, fuse_shared_experts, quantize_inputs
 from deepinfer.models.deepseek_v41.weights import dspark_tensors
@@ -133,6 +134,12 @@ class DSparkDrafter:
         m, p = self.model, f"mtp.{k}.attn."
         kv = m.norm(m.qlinear(x, self.w[p + "wkv.weight"]), self.w[p + "kv_norm.weight"])
         return self.accel.fp8_qdq(m.rope(kv, *cos_sin), ACT_BLOCK)
+
+    def slot_pools(self) -> list[Pool]:
+        """Each stage's context ring (the Drafter interface: what P/D moves with a request)."""
+        slots = self.max_seqs * self.ring
+        return [Pool(PoolSpec(f"dspark.{k}.kv", kv.shape[1], ring=self.ring), kv, slots, slots, 0)
+                for k, kv in enumerate(self.kv)]
 
     @torch.inference_mode()
     def absorb(self, features: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> None:
