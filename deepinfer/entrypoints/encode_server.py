@@ -1,5 +1,5 @@
 """The HTTP app of an encoder worker (`deepinfer serve --disaggregation-mode encode`): /encode and
-/encode/route for prefill workers (kv/encode_protocol.py), /health, /liveness, /server_info and
+/encoder_info for prefill workers (kv/encode_protocol.py), /health, /liveness, /server_info and
 /metrics for operators; every other route answers 404 naming what this worker is."""
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def build_encode_app(worker: EncodeWorker, metrics, model_dir: str, name: str, g
         return {"model_path": model_dir, "served_model_name": name, "version": __version__, "engine": "deepinfer",
                 "disaggregation_mode": "encode", "disaggregation": worker.stats()}
 
-    @app.get("/encode/route")
+    @app.get("/encoder_info")
     async def route():
         return worker.route()
 

@@ -180,7 +180,7 @@ class EncoderClient:
     def _route(self, url: str) -> None:
         if url in self.routes:
             return
-        route = self._http("GET", f"{url}/encode/route", None)
+        route = self._http("GET", f"{url}/encoder_info", None)
         if route.get("backend") != self.backend:
             raise EncodeError(f"encoder {url} moves embeddings with {route.get('backend')!r}, this worker with "
                               f"{self.backend!r}: give both the same --disaggregation-transfer-backend")

@@ -4,7 +4,7 @@ prefill and decode; a prefill started with --encoder-urls sends a request's imag
 workers itself, and their embeddings come back through the transfer engine into memory the prefill
 registered (kv/encode_client.py; the encoder's side is kv/encode_worker.py).
 
-    prefill  GET  <encoder>/encode/route   the encoder's model digest, transfer backend and width
+    prefill  GET  <encoder>/encoder_info   the encoder's model digest, transfer backend and width
     prefill  POST <encoder>/encode         body: frame(header, payload)
         header  {"session_id": the prefill's transfer session, "backend", "model_digest",
                  "items": [{"header": the family's (CausalLM.pack_multimodal), "bytes": its payload
