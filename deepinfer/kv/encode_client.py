@@ -211,10 +211,14 @@ class EncoderClient:
                 offsets = []
                 raise EncodeError(f"encoder {url} did not answer within --disaggregation-transfer-timeout="
                                   f"{self.timeout:g} s") from None
-            for item, off, n, got in zip(items, offsets, sizes, answer["items"], strict=True):
-                if got["bytes"] != n:
-                    raise EncodeError(f"encoder {url} wrote {got['bytes']} bytes for an item of {item.length} "
-                                      f"positions ({n} expected)")
+            try:
+                wrote = [int(got["bytes"]) for got in answer["items"]]
+            except (KeyError, TypeError, ValueError):
+                raise EncodeError(f"encoder {url} answered without the items' byte counts: {answer!r:.200}") from None
+            if wrote != sizes:
+                raise EncodeError(f"encoder {url} wrote {wrote} bytes for items of {[i.length for i in items]} "
+                                  f"positions ({sizes} expected)")
+            for item, off, n in zip(items, offsets, sizes):
                 rows = self.arena.buffer[off:off + n].view(EMBED_DTYPE).view(item.length, self.hidden)
                 item.embeds = rows.float()  # a copy: the arena room is freed below
         finally:
@@ -224,9 +228,9 @@ class EncoderClient:
             c = self.counters
             c["items"] += len(items)
             c["calls"] += 1
-            c["bytes"] += answer["bytes"]
-            c["encode_seconds"] += answer["encode_seconds"]
-            c["write_seconds"] += answer["write_seconds"]
+            c["bytes"] += sum(wrote)
+            c["encode_seconds"] += float(answer.get("encode_seconds", 0.0))
+            c["write_seconds"] += float(answer.get("write_seconds", 0.0))
 
     def _http(self, method: str, url: str, body: bytes | None, timeout: float | None = None) -> dict:
         req = urllib.request.Request(url, data=body, method=method,

@@ -29,8 +29,6 @@ class EncodeRefused(ValueError):
 
 
 class EncodeWorker:
-    mode = "encode"
-
     def __init__(self, model_dir: str, config, host: str, accelerator: str | None = None):
         from deepinfer.backends import get_accelerator
         from deepinfer.core.loader import load_checkpoint
@@ -53,7 +51,6 @@ class EncodeWorker:
         self.lock = threading.Lock()
         self.in_flight = 0
         self.draining = False
-        self.error = None
         self.counters = {"calls": 0, "items": 0, "refused": 0, "failed_writes": 0, "bytes": 0, "encode_seconds": 0.0,
                          "write_seconds": 0.0}
         logger.info("encoder worker for %s: transfer session %s", self.model, self.transport.session_id)
