@@ -28,10 +28,10 @@ import torch
 
 from deepinfer.backends.base import Accelerator, WeightRole
 from deepinfer.backends.quant import Weight, fuse_rows, stack, widen
-from deepinfer.models.base import Pool, PoolSpec
+from deepinfer.models.base import Pool
 from deepinfer.models.deepseek_v4 import fused
 from deepinfer.models.deepseek_v4.config import DeepseekV4Config
-from deepinfer.models.dspark_config import DSparkSettings, mtp_stages
+from deepinfer.models.dspark_config import DSparkSettings, context_ring_pools, mtp_stages
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,10 +218,7 @@ class DSparkDrafter:
 
     # ------------------------------------------------------------ inference
     def slot_pools(self) -> list[Pool]:
-        """Each stage's context ring (the Drafter interface: what P/D moves with a request)."""
-        slots = self.max_seqs * self.ring
-        return [Pool(PoolSpec(f"dspark.{k}.kv", kv.shape[1], ring=self.ring), kv, slots, slots, 0)
-                for k, kv in enumerate(self.kv)]
+        return context_ring_pools(self.kv, self.ring, self.max_seqs)
 
     @torch.inference_mode()
     def absorb(self, features: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> None:

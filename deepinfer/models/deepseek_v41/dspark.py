@@ -25,11 +25,11 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.backends.quant import Weight, cat_rows, stack, widen
-from deepinfer.models.base import Pool, PoolSpec
+from deepinfer.models.base import Pool
 from deepinfer.models.deepseek_v41.config import ACT_BLOCK
 from deepinfer.models.deepseek_v41.model import bf16, fuse_shared_experts, quantize_inputs
 from deepinfer.models.deepseek_v41.weights import dspark_tensors
-from deepinfer.models.dspark_config import DSparkSettings, mtp_stages
+from deepinfer.models.dspark_config import DSparkSettings, context_ring_pools, mtp_stages
 
 _EXPERT = re.compile(r"(mtp\.\d+\.ffn\.experts)\.(\d+)\.(w[123])\.weight")
 
@@ -136,10 +136,7 @@ class DSparkDrafter:
         return self.accel.fp8_qdq(m.rope(kv, *cos_sin), ACT_BLOCK)
 
     def slot_pools(self) -> list[Pool]:
-        """Each stage's context ring (the Drafter interface: what P/D moves with a request)."""
-        slots = self.max_seqs * self.ring
-        return [Pool(PoolSpec(f"dspark.{k}.kv", kv.shape[1], ring=self.ring), kv, slots, slots, 0)
-                for k, kv in enumerate(self.kv)]
+        return context_ring_pools(self.kv, self.ring, self.max_seqs)
 
     @torch.inference_mode()
     def absorb(self, features: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> None:
